@@ -1,0 +1,373 @@
+"""`ModelConfig`: the typed description of one decoder-only Transformer, read from and written to HF config.json.
+
+One config covers every supported family; the family only decides defaults and which switches are on:
+
+| family        | qkv bias | q/k norm | norm (1+w) | post norms | act       | soft-caps | sliding window        |
+|---------------|----------|----------|------------|------------|-----------|-----------|-----------------------|
+| llama         | opt.     | -        | -          | -          | silu      | -         | -                     |
+| qwen2         | yes      | -        | -          | -          | silu      | -         | opt. (layer_types)    |
+| qwen3         | opt.     | yes      | -          | -          | silu      | -         | opt. (layer_types)    |
+| mistral       | -        | -        | -          | -          | silu      | -         | every layer, if set   |
+| gemma2        | opt.     | -        | yes        | yes        | gelu_tanh | attn+final| alternating (layer_types) |
+| gemma3_text   | opt.     | yes (1+w)| yes        | yes        | gelu_tanh | opt.      | 5 local : 1 global    |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A config.json whose `model_type` this library does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one attention kind: base `theta` and an optional scaling rule."""
+
+    theta: float = 10000.0
+    type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_hf(params: dict[str, Any] | None, theta: float) -> "RopeConfig":
+        params = dict(params or {})
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise UnsupportedModelError(
+                f"rope type {rope_type!r} is not supported; supported: default, linear, llama3"
+            )
+        return RopeConfig(
+            theta=float(params.get("rope_theta", theta)),
+            type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rope_type": self.type, "rope_theta": self.theta}
+        if self.type in ("linear", "llama3"):
+            out["factor"] = self.factor
+        if self.type == "llama3":
+            out.update(
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture plus numerics (parameter dtype, compute dtype, scan and remat) of one model."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope: RopeConfig = RopeConfig()
+    rope_local: RopeConfig | None = None  # Gemma 3: RoPE of the sliding-window layers
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: bool = False  # Gemma: y = x_normed * (1 + w)
+    post_norms: bool = False  # Gemma 2/3: norms after attention and MLP, plus pre-MLP norm
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    hidden_act: str = "silu"  # silu | gelu_tanh
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default head_dim)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    # numerics (not part of the HF architecture)
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    scan_layers: bool = True
+    remat: str = "none"  # none | full | dots | dots_no_batch
+    attention_impl: str = "auto"  # auto | xla | cudnn
+    hf_config: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name}={getattr(self, name)!r}; accepted: float32, bfloat16, float16")
+        if self.remat not in ("none", "full", "dots", "dots_no_batch"):
+            raise ValueError(f"remat={self.remat!r}; accepted: none, full, dots, dots_no_batch")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        return tuple(t == "sliding_attention" and self.sliding_window is not None for t in self.layer_types)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        d, f, l = self.hidden_size, self.intermediate_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
+        if self.qkv_bias:
+            per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        if self.post_norms:
+            per_layer += 2 * d
+        total = l * per_layer + self.vocab_size * d + d
+        if not self.tie_word_embeddings:
+            total += self.vocab_size * d
+        return total
+
+    # ------------------------------------------------------------------ HF I/O
+    @staticmethod
+    def from_hf(hf: dict[str, Any], *, source: str = "config.json", **overrides) -> "ModelConfig":
+        """Builds the config from a Hugging Face config.json dict (transformers 4 and 5 layouts)."""
+        model_type = hf.get("model_type")
+        if model_type == "gemma3":  # multimodal wrapper: its text part
+            hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+            model_type = "gemma3_text"
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        try:
+            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+            layers = int(hf["num_hidden_layers"])
+            fields: dict[str, Any] = dict(
+                model_type=model_type,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None
+        gemma = model_type in ("gemma2", "gemma3_text")
+        fields.update(
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+        )
+        # RoPE: transformers 5 writes `rope_parameters` (per layer type for Gemma 3); 4 wrote rope_theta/rope_scaling.
+        default_theta = 1_000_000.0 if model_type == "gemma3_text" else 10000.0
+        theta = float(hf.get("rope_theta", default_theta))
+        rp = hf.get("rope_parameters")
+        if isinstance(rp, dict) and "full_attention" in rp:
+            fields["rope"] = RopeConfig.from_hf(rp["full_attention"], theta)
+            if "sliding_attention" in rp:
+                fields["rope_local"] = RopeConfig.from_hf(rp["sliding_attention"], 10000.0)
+        else:
+            fields["rope"] = RopeConfig.from_hf(rp if isinstance(rp, dict) else hf.get("rope_scaling"), theta)
+        if model_type == "gemma3_text" and "rope_local" not in fields:
+            fields["rope_local"] = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0)))
+
+        layer_types = hf.get("layer_types")
+        window = hf.get("sliding_window")
+        if model_type == "mistral":
+            layer_types = ["sliding_attention" if window else "full_attention"] * layers
+        elif model_type in ("qwen2", "qwen3"):
+            fields["qkv_bias"] = model_type == "qwen2" or bool(hf.get("attention_bias", False))
+            if not hf.get("use_sliding_window", False):
+                window = None
+            elif not layer_types:
+                max_window = int(hf.get("max_window_layers", layers))
+                layer_types = ["sliding_attention" if i >= max_window else "full_attention" for i in range(layers)]
+        elif model_type == "gemma2":
+            layer_types = layer_types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        elif model_type == "gemma3_text":
+            pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+            layer_types = layer_types or [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+            ]
+        else:  # llama
+            fields["qkv_bias"] = bool(hf.get("attention_bias", False))
+            fields["o_bias"] = bool(hf.get("attention_bias", False))
+            layer_types = None
+            window = None
+        if model_type in ("qwen3", "gemma3_text"):
+            fields["qk_norm"] = True
+        if gemma:
+            act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+            fields.update(
+                qkv_bias=bool(hf.get("attention_bias", False)),
+                o_bias=bool(hf.get("attention_bias", False)),
+                norm_offset=True,
+                post_norms=True,
+                embed_scale=True,
+                attn_logit_softcap=hf.get("attn_logit_softcapping"),
+                final_logit_softcap=hf.get("final_logit_softcapping"),
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            )
+        else:
+            act = hf.get("hidden_act", "silu")
+        acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+        if act not in acts:
+            raise UnsupportedModelError(f"{source}: hidden activation {act!r} is not supported; supported: {sorted(acts)}")
+        fields["hidden_act"] = acts[act]
+        fields["sliding_window"] = int(window) if window else None
+        fields["layer_types"] = tuple(layer_types or ())
+        fields["hf_config"] = dict(hf)
+        fields.update(overrides)
+        return ModelConfig(**fields)
+
+    @staticmethod
+    def from_file(path: str | Path, **overrides) -> "ModelConfig":
+        path = Path(path)
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+        return ModelConfig.from_hf(hf, source=str(path), **overrides)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json dict that `transformers` loads; starts from the loaded one when there was one."""
+        out: dict[str, Any] = dict(self.hf_config or {})
+        gemma = self.model_type in ("gemma2", "gemma3_text")
+        out.update(
+            model_type=self.model_type,
+            architectures=[_ARCHITECTURES[self.model_type]],
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            dtype=self.param_dtype,
+        )
+        for old in ("rope_theta", "rope_scaling", "torch_dtype", "rope_local_base_freq"):
+            out.pop(old, None)
+        if self.model_type == "gemma3_text":
+            out["rope_parameters"] = {
+                "full_attention": self.rope.to_hf(),
+                "sliding_attention": (self.rope_local or RopeConfig()).to_hf(),
+            }
+        else:
+            out["rope_parameters"] = self.rope.to_hf()
+        act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[self.hidden_act]
+        if gemma:
+            out.update(
+                hidden_activation=act,
+                attention_bias=self.qkv_bias,
+                attn_logit_softcapping=self.attn_logit_softcap,
+                final_logit_softcapping=self.final_logit_softcap,
+                query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+                sliding_window=self.sliding_window,
+                layer_types=list(self.layer_types),
+            )
+        else:
+            out["hidden_act"] = act
+        if self.model_type == "llama":
+            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.model_type == "qwen3":
+            out["attention_bias"] = self.qkv_bias
+        if self.model_type in ("qwen2", "qwen3"):
+            out.update(
+                use_sliding_window=any(self.sliding_layers),
+                sliding_window=self.sliding_window,
+                layer_types=list(self.layer_types),
+            )
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window if any(self.sliding_layers) else None
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """A short human summary (used by `posttrain info`)."""
+        return {
+            "architecture": _ARCHITECTURES[self.model_type],
+            "model_type": self.model_type,
+            "layers": self.num_layers,
+            "hidden": self.hidden_size,
+            "intermediate": self.intermediate_size,
+            "heads": f"{self.num_heads} q / {self.num_kv_heads} kv x {self.head_dim}",
+            "vocab": self.vocab_size,
+            "tied embeddings": self.tie_word_embeddings,
+            "sliding window": self.sliding_window if any(self.sliding_layers) else None,
+            "rope": f"{self.rope.type} theta={self.rope.theta:g}",
+        }
+
+
+def llama_like(**kw) -> ModelConfig:
+    """A small Llama-shaped config, for tests, benchmarks and the demo."""
+    base = dict(
+        model_type="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    if "head_dim" not in kw and "hidden_size" in kw:
+        base["head_dim"] = base["hidden_size"] // base["num_heads"]
+    return ModelConfig(**base)
+

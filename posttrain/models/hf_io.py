@@ -1,0 +1,263 @@
+"""Hugging Face checkpoints in and out: `from_pretrained` (local folder or hub id) and `save_pretrained`.
+
+Loading streams: the model is first built abstractly (shapes only), then each of our parameters is
+read tensor by tensor from the safetensors files (memory-mapped), converted to our layout, and placed
+straight into its target sharding; at most one parameter (one weight across all layers) is on the host
+at a time, so a checkpoint is never held twice in host memory.
+
+Layout: HF linear weights are [out, in]; ours are [*in, *out] with heads split out
+(q: [embed, heads, head_dim]; o: [heads, head_dim, embed]) and per-layer weights stacked on a leading axis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from posttrain.models.config import ModelConfig
+from posttrain.models.layers import dtype_of
+from posttrain.models.transformer import Transformer
+
+SHARD_BYTES = 2 * 1024**3  # write sharded safetensors above 2 GB
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is missing, incomplete, or whose tensors do not fit the config."""
+
+
+# ---------------------------------------------------------------------- names and layouts
+def _hf_name(path: tuple, layer: int | None) -> tuple[str, int]:
+    """HF tensor name for one of our parameter paths, and its layout code: the number of input axes of a
+    linear kernel, -1 for a bias (flattened over heads), 0 for a tensor stored as it is."""
+    parts = [str(p) for p in path]
+    leaf = parts[-1]
+    if parts[0] == "lm_head":
+        return "lm_head.weight", 1
+    if parts[0] == "embed_tokens":
+        return "model.embed_tokens.weight", 0
+    if parts[0] == "norm":
+        return "model.norm.weight", 0
+    assert parts[0] == "layers", path
+    module = ".".join(parts[1:-1])
+    suffix = "weight" if leaf in ("kernel", "weight") else "bias"
+    n_in = 2 if parts[-2] == "o_proj" else 1
+    return f"model.layers.{layer}.{module}.{suffix}", {"kernel": n_in, "bias": -1}.get(leaf, 0)
+
+
+def _to_ours(hf: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
+    if n_in > 0:  # linear kernel: [out, in] -> [*in, *out]
+        return np.ascontiguousarray(hf.T).reshape(shape)
+    return hf.reshape(shape)
+
+
+def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
+    if n_in > 0:
+        return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+    if n_in < 0:  # biases split by heads
+        return (math.prod(shape),)
+    return tuple(shape)
+
+
+def _to_hf(ours: np.ndarray, n_in: int) -> np.ndarray:
+    if n_in > 0:
+        return np.ascontiguousarray(ours.reshape(math.prod(ours.shape[:n_in]), -1).T)
+    return ours.reshape(-1) if n_in < 0 else ours
+
+
+def _param_entries(state: nnx.State):
+    """(path, variable) for every parameter of a model state, skipping LoRA adapters."""
+    for path, var in nnx.to_flat_state(state):
+        if isinstance(var, nnx.LoRAParam):
+            continue
+        yield tuple(path), var
+
+
+# ---------------------------------------------------------------------- reading
+def resolve_path(path: str | os.PathLike) -> Path:
+    """A local checkpoint folder, or a hub id downloaded with huggingface_hub (clear error when offline)."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise CheckpointError(f"{p} is a file; expected a Hugging Face checkpoint folder (config.json + *.safetensors)")
+        return p
+    text = str(path)
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise CheckpointError(f"checkpoint folder {text!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja"])
+    except Exception as e:  # offline, unknown repo, gated model...
+        raise CheckpointError(
+            f"{text!r} is not a local folder and could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); download it first and pass the folder"
+        ) from None
+    return Path(local)
+
+
+class _TensorIndex:
+    """Maps tensor names to the safetensors file holding them; opens files lazily (memory-mapped)."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: folder / f for name, f in weight_map.items()}
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{folder}: no *.safetensors files (only safetensors checkpoints are supported)")
+            self.files = {}
+            for f in files:
+                with safe_open(f, framework="numpy") as h:
+                    for name in h.keys():
+                        self.files[name] = f
+        # Text-model prefix: "model." normally, another one inside multimodal wrappers (e.g. Gemma 3).
+        embed = [n for n in self.files if n.endswith("embed_tokens.weight")]
+        self.prefix = embed[0][: -len("embed_tokens.weight")] if embed else "model."
+        self._handles: dict[Path, object] = {}
+
+    def _resolve(self, name: str) -> str | None:
+        for cand in (name, self.prefix + name.removeprefix("model.")):
+            if cand in self.files:
+                return cand
+        return None
+
+    def __contains__(self, name: str) -> bool:
+        return self._resolve(name) is not None
+
+    def get(self, name: str) -> np.ndarray:
+        real = self._resolve(name)
+        if real is None:
+            raise KeyError(name)
+        f = self.files[real]
+        if f not in self._handles:
+            self._handles[f] = self._open(f, framework="numpy")
+        return self._handles[f].get_tensor(real)
+
+    def file_of(self, name: str) -> str:
+        real = self._resolve(name)
+        return str(self.files[real]) if real else "?"
+
+
+def load_config(path: str | os.PathLike, **overrides) -> tuple[Path, ModelConfig]:
+    folder = resolve_path(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
+    return folder, ModelConfig.from_file(cfg_file, **overrides)
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Mesh | None = None,
+                    compute_dtype: str | None = None, **config_overrides) -> Transformer:
+    """Loads a HF checkpoint (config.json + safetensors) into our Transformer, sharded over `mesh` if given.
+
+    `dtype` is the parameter dtype; `compute_dtype` defaults to it. Other keyword arguments override
+    `ModelConfig` fields (e.g. `scan_layers=False`, `remat="full"`).
+    """
+    from posttrain import distributed
+
+    folder, cfg = load_config(path, param_dtype=dtype, compute_dtype=compute_dtype or dtype, **config_overrides)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    index = _TensorIndex(folder)
+    pdtype = dtype_of(cfg.param_dtype)
+    for path_, var in _param_entries(state):
+        shape = tuple(var.get_value().shape)
+        stacked = path_[0] == "layers"
+        layers = range(shape[0]) if stacked else [None]
+        per_shape = shape[1:] if stacked else shape
+        host = np.empty(shape, dtype=pdtype)
+        for i in layers:
+            name, n_in = _hf_name(path_, i)
+            if path_[0] == "lm_head" and name not in index and cfg.tie_word_embeddings:
+                continue
+            if name not in index:
+                raise CheckpointError(f"{folder}: tensor {name!r} is missing from the checkpoint")
+            t = index.get(name)
+            want = _hf_shape(per_shape, n_in)
+            if tuple(t.shape) != want:
+                raise CheckpointError(
+                    f"{index.file_of(name)}: tensor {name!r} has shape {tuple(t.shape)}, expected {want} for this config"
+                )
+            arr = _to_ours(t, per_shape, n_in).astype(pdtype)
+            if stacked:
+                host[i] = arr
+            else:
+                host[...] = arr
+            del t, arr
+        sharding = distributed.sharding_for_axes(var, shape, mesh)
+        var.set_value(jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host))
+        del host
+    model = nnx.merge(graphdef, state)
+    model.mesh = mesh
+    return model
+
+
+# ---------------------------------------------------------------------- writing
+def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=None, *,
+                    dtype: str | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Writes config.json (+ generation_config.json) and model.safetensors (sharded above 2 GB) for `transformers`.
+
+    LoRA adapters must be merged first (`posttrain.models.lora.merge`); unmerged adapters are an error.
+    """
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg: ModelConfig = model.cfg
+    dtype = dtype or cfg.param_dtype
+    state = nnx.state(model)
+    if any(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state)):
+        raise ValueError("model has LoRA adapters: merge them first with posttrain.models.lora.merge(model)")
+    np_dtype = np.dtype(dtype_of(dtype))
+    tensors: list[tuple[str, np.ndarray]] = []
+    for path_, var in _param_entries(state):
+        value = np.asarray(jax.device_get(var.get_value())).astype(np_dtype)
+        if path_[0] == "layers":
+            for i in range(value.shape[0]):
+                name, n_in = _hf_name(path_, i)
+                tensors.append((name, _to_hf(value[i], n_in)))
+        else:
+            name, n_in = _hf_name(path_, None)
+            tensors.append((name, _to_hf(value, n_in)))
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, t in tensors:
+        if size and size + t.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata=meta)
+            weight_map.update({n: fname for n in shard})
+        total = sum(t.nbytes for _, t in tensors)
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    hf = cfg.replace(param_dtype=dtype).to_hf()
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
+    if tokenizer is not None:
+        getattr(tokenizer, "save_pretrained")(str(out))
+    return out

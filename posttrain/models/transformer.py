@@ -1,0 +1,206 @@
+"""The decoder-only Transformer (Flax NNX) behind every supported family.
+
+Layers are stored stacked: each per-layer parameter has a leading "layers" axis (created with
+`nnx.vmap`), so the forward pass can `lax.scan` over layers (one compiled layer body, fast compiles)
+or unroll them (`scan_layers=False`), with optional rematerialisation of the layer body.
+
+`model(input_ids, attention_mask=, positions=, segment_ids=)` -> float32 logits [B, T, V].
+`model(..., cache=KVCache)` -> (logits, cache): the sampling engine's prefill and decode step.
+`model.hidden_states(...)` and `model.logits(h)` split the two halves for chunked losses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain import distributed
+from posttrain.models.attention import Attention, KVCache
+from posttrain.models.config import ModelConfig
+from posttrain.models.layers import Embed, Linear, RMSNorm, dtype_of, rope_tables
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU with tanh-approximate gelu (Gemma)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), bias=b, cfg=cfg, rngs=rngs)
+        self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), bias=b, cfg=cfg, rngs=rngs)
+        self.down_proj = Linear((f,), (d,), ("mlp",), ("embed",), bias=b, cfg=cfg, rngs=rngs)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        g = self.gate_proj(x)
+        g = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
+        return self.down_proj(g * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block; Gemma 2/3 add post-attention and post-MLP norms (and a pre-MLP norm)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.input_layernorm = RMSNorm(d, cfg=cfg)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(d, cfg=cfg)
+        if cfg.post_norms:
+            self.pre_feedforward_layernorm = RMSNorm(d, cfg=cfg)
+            self.post_feedforward_layernorm = RMSNorm(d, cfg=cfg)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, **attn_kw):
+        h, new_cache = self.self_attn(self.input_layernorm(x), **attn_kw)
+        if self.pre_feedforward_layernorm is not None:  # Gemma 2/3
+            x = x + self.post_attention_layernorm(h)
+            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        else:
+            x = x + h
+            h = self.mlp(self.post_attention_layernorm(x))
+        return x + h, new_cache
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+    """Embedding, a stack of `Block`s, final norm and LM head (tied to the embedding when configured)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = Embed(cfg, rngs)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(rngs):
+            return Block(cfg, rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear((cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), bias=False,
+                                  cfg=cfg, rngs=rngs)
+        self.mesh = None  # set by from_pretrained(mesh=...) / distributed.shard_model
+
+    # ------------------------------------------------------------------ helpers
+    def _inputs(self, input_ids, attention_mask, positions, segment_ids):
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = (segment_ids != 0) if segment_ids is not None else jnp.ones((b, t), jnp.int32)
+        attention_mask = attention_mask.astype(jnp.int32)
+        if positions is None:
+            # Left padding: real tokens count from 0 whatever the padding in front of them.
+            positions = jnp.maximum(jnp.cumsum(attention_mask, axis=1) - 1, 0)
+        return attention_mask, positions.astype(jnp.int32)
+
+    def _rope(self, positions):
+        cfg = self.cfg
+        glob = rope_tables(positions, cfg.rope, cfg.head_dim)
+        loc = rope_tables(positions, cfg.rope_local, cfg.head_dim) if cfg.rope_local is not None else None
+        return glob, loc
+
+    def embed(self, input_ids):
+        cfg = self.cfg
+        x = self.embed_tokens(input_ids).astype(dtype_of(cfg.compute_dtype))
+        if cfg.embed_scale:
+            x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None):
+        """Final-norm hidden states [B, T, D] (compute dtype), and the updated cache when one is given."""
+        cfg = self.cfg
+        attention_mask, positions = self._inputs(input_ids, attention_mask, positions, segment_ids)
+        x = distributed.constrain(self.embed(input_ids), ("batch", "seq", "act_embed"), self.mesh)
+        glob, loc = self._rope(positions)
+        sliding = jnp.asarray(cfg.sliding_layers)
+
+        mask_info = None
+        if cache is None:
+            t = input_ids.shape[1]
+            idx = jnp.arange(t)
+            qi, ki = idx[None, :, None], idx[None, None, :]
+            base = (qi >= ki) & (attention_mask[:, None, :] > 0)
+            if segment_ids is not None:
+                base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            base = base | (qi == ki)  # a padding query attends to itself only: no empty softmax rows
+            mask_info = {"base": base, "q_index": qi, "k_index": ki}
+            cache = None
+        else:
+            cache = cache.mark(positions, attention_mask)
+
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            h, kv = carry
+            state_l, sliding_l, layer_idx = xs
+            block = nnx.merge(graphdef, state_l)
+            rope = glob if loc is None else jax.tree.map(lambda g, lo: jnp.where(sliding_l, lo, g), glob, loc)
+            kw = dict(rope=rope, mask_info=mask_info, sliding=sliding_l, positions=positions)
+            if kv is not None:
+                k_all, v_all, valid = kv
+                kw["cache_kv"] = (k_all[layer_idx], v_all[layer_idx], valid)
+            h, new_kv = block(h, **kw)
+            h = distributed.constrain(h, ("batch", "seq", "act_embed"), self.mesh)
+            if kv is not None:  # write only the new tokens into the stacked cache (in place in the carry)
+                b = jnp.arange(h.shape[0])[:, None]
+                pos = jnp.clip(positions, 0, k_all.shape[2] - 1)
+                kv = (k_all.at[layer_idx, b, pos].set(new_kv[0]), v_all.at[layer_idx, b, pos].set(new_kv[1]), valid)
+            return (h, kv), None
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+
+        kv = None if cache is None else (cache.k, cache.v, cache.valid)
+        layer_ids = jnp.arange(cfg.num_layers)
+        if cfg.scan_layers:
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, sliding, layer_ids))
+        else:
+            for i in range(cfg.num_layers):
+                xs = (jax.tree.map(lambda a: a[i], layer_state), sliding[i], i)
+                (x, kv), _ = body((x, kv), xs)
+        x = self.norm(x)
+        if cache is not None:
+            cache = KVCache(kv[0], kv[1], kv[2])
+        return x, cache
+
+    def output_kernel(self) -> jax.Array:
+        """The LM head as a [D, V] matrix (the embedding transposed when tied)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.base_kernel()
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """float32 logits from final hidden states (with Gemma's final soft-capping)."""
+        cfg = self.cfg
+        cd = dtype_of(cfg.compute_dtype)
+        if self.lm_head is not None and self.lm_head.lora_a is not None:
+            out = self.lm_head(h).astype(jnp.float32)
+        else:
+            out = jnp.einsum("btd,dv->btv", h.astype(cd), self.output_kernel().astype(cd),
+                             preferred_element_type=jnp.float32)
+        if cfg.final_logit_softcap:
+            cap = cfg.final_logit_softcap
+            out = jnp.tanh(out / cap) * cap
+        return out
+
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None):
+        h, new_cache = self.hidden_states(
+            input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids, cache=cache
+        )
+        logits = self.logits(h)
+        return logits if cache is None else (logits, new_cache)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model (normal(0, 1/sqrt(fan_in)) kernels, 0.02 embeddings, unit norms)."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))

@@ -1,0 +1,24 @@
+"""Shared pytest fixtures: tiny HF checkpoints (built once per session) and a CPU-only JAX setup."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """`hf_checkpoint(family)` -> folder with a saved tiny random HF model of that family (cached per session)."""
+    from hf_models import save_hf_model
+
+    cache: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = save_hf_model(family, tmp_path_factory.mktemp(f"hf-{family}"))
+        return cache[family]
+
+    return get
