@@ -152,6 +152,21 @@ class _TensorIndex:
         return str(self.files[real]) if real else "?"
 
 
+def count_checkpoint_params(path: str | os.PathLike) -> tuple[int, set[str]]:
+    """Number of parameters and the tensor dtypes of a checkpoint, read from safetensors headers only."""
+    from safetensors import safe_open
+
+    index = _TensorIndex(resolve_path(path))
+    total, dtypes = 0, set()
+    for f in sorted(set(index.files.values())):
+        with safe_open(f, framework="numpy") as h:
+            for name in h.keys():
+                sl = h.get_slice(name)
+                total += math.prod(sl.get_shape())
+                dtypes.add(str(sl.get_dtype()))
+    return total, dtypes
+
+
 def load_config(path: str | os.PathLike, **overrides) -> tuple[Path, ModelConfig]:
     folder = resolve_path(path)
     cfg_file = folder / "config.json"

@@ -1,0 +1,1 @@
+"""posttrain.cli: the `posttrain` command and its subcommands (one module per subcommand)."""

@@ -1,0 +1,62 @@
+"""`tiny:<family>` checkpoints: small random-initialised models with a local character tokenizer, built on demand.
+
+They need no download, so smoke configs, the README's first command and tests can name a model as
+`tiny:llama` (or `tiny:qwen3`, `tiny:gemma2`, ...). The checkpoint is an ordinary HF folder written by
+`save_pretrained` under `$POSTTRAIN_CACHE` (default `~/.cache/posttrain/tiny`), so every code path
+that takes a folder takes it too. An optional size suffix picks a bigger shape: `tiny:llama-small`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from posttrain.models.config import ModelConfig, RopeConfig, llama_like
+
+SIZES = {
+    "": dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2),
+    "small": dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2),
+}
+
+FAMILY_FIELDS = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2", qkv_bias=True, rope=RopeConfig(theta=1_000_000.0)),
+    "qwen3": dict(model_type="qwen3", qk_norm=True, rope=RopeConfig(theta=1_000_000.0)),
+    "mistral": dict(model_type="mistral"),
+    "gemma2": dict(model_type="gemma2", norm_offset=True, post_norms=True, embed_scale=True, hidden_act="gelu_tanh",
+                   attn_logit_softcap=50.0, final_logit_softcap=30.0, tie_word_embeddings=True),
+}
+
+
+def tiny_config(spec: str, vocab_size: int) -> ModelConfig:
+    """The ModelConfig of `tiny:<family>[-<size>]`."""
+    name = spec.removeprefix("tiny:")
+    family, _, size = name.partition("-")
+    if family not in FAMILY_FIELDS or size not in SIZES:
+        raise ValueError(
+            f"unknown tiny model {spec!r}; choose tiny:<family>[-small] with family in {sorted(FAMILY_FIELDS)}"
+        )
+    fields = {**SIZES[size], **FAMILY_FIELDS[family]}
+    fields["head_dim"] = fields["hidden_size"] // fields["num_heads"]
+    return llama_like(vocab_size=vocab_size, max_position_embeddings=2048, **fields)
+
+
+def resolve_model_path(spec: str | os.PathLike, cache_dir: str | os.PathLike | None = None, seed: int = 0) -> str:
+    """Turns `tiny:<family>` into a folder (building it once); any other path is returned unchanged."""
+    spec = str(spec)
+    if not spec.startswith("tiny:"):
+        return spec
+    from posttrain.models.hf_io import save_pretrained
+    from posttrain.models.transformer import init_model
+    from posttrain.tokenizer import build_tokenizer
+
+    root = Path(cache_dir or os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain" / "tiny"))
+    out = root / f"{spec.removeprefix('tiny:')}-seed{seed}"
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return str(out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tok = build_tokenizer(tmp)
+    cfg = tiny_config(spec, vocab_size=tok.vocab_size)
+    save_pretrained(init_model(cfg, seed=seed), tmp, tokenizer=tok)
+    os.replace(tmp, out) if not out.exists() else None
+    return str(out)
