@@ -1,0 +1,218 @@
+"""Turning one record into token ids plus a loss mask (chat messages, prompt/completion, plain text).
+
+Shift convention (used everywhere in posttrain): `loss_mask[i] == 1` means token
+`input_ids[i]` is a *target*, i.e. it is predicted from positions `< i`. The
+loss is computed on predicting `input_ids[1:]` from `input_ids[:-1]` with
+weights `loss_mask[1:]`; `loss_mask[0]` is therefore always 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+from posttrain.data.sources import DataError
+
+__all__ = ["DataFormatConfig", "Example", "encode_record", "encode_records", "resolve_format",
+           "chat_assistant_mask"]
+
+
+@dataclasses.dataclass
+class DataFormatConfig:
+    """How records are read into examples.
+
+    format: "messages" (a chat list of {"role", "content"} under `messages_field`),
+      "prompt_completion" (`prompt_field` + `completion_field`; the prompt may be a
+      string or a list of chat messages), "text" (`text_field`), or "auto"
+      (detected per record in that order of preference).
+    train_on_prompt: also put loss on non-assistant / prompt tokens.
+    add_eos: append the EOS token to plain-string completions and texts (chat
+      renderings end turns as the template says and get nothing appended).
+    """
+
+    format: Literal["auto", "messages", "prompt_completion", "text"] = "auto"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    text_field: str = "text"
+    train_on_prompt: bool = False
+    add_eos: bool = True
+
+
+@dataclasses.dataclass
+class Example:
+    """One tokenised example.
+
+    input_ids: int32[L]. loss_mask: float32[L]; loss_mask[i] = 1 means input_ids[i]
+    is a target predicted from input_ids[:i] (loss on input_ids[1:] given
+    input_ids[:-1], weighted by loss_mask[1:]; loss_mask[0] is always 0).
+    """
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+    def __post_init__(self):
+        self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=np.float32)
+        if self.input_ids.ndim != 1 or self.input_ids.shape != self.loss_mask.shape:
+            raise ValueError(f"input_ids {self.input_ids.shape} and loss_mask {self.loss_mask.shape} "
+                             "must be 1-D arrays of the same length")
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _where(index: int | None, source: str | None) -> str:
+    parts = []
+    if source:
+        parts.append(str(source))
+    if index is not None:
+        parts.append(f"record {index}")
+    return ": ".join(parts) if parts else "record"
+
+
+def resolve_format(record: dict, cfg: DataFormatConfig, *, index: int | None = None,
+                   source: str | None = None) -> str:
+    """The concrete format of `record` ("auto" resolved from the fields present)."""
+    if cfg.format != "auto":
+        return cfg.format
+    if cfg.messages_field in record:
+        return "messages"
+    if cfg.prompt_field in record and cfg.completion_field in record:
+        return "prompt_completion"
+    if cfg.text_field in record:
+        return "text"
+    raise DataError(
+        f"{_where(index, source)}: cannot detect the data format: expected a field "
+        f"'{cfg.messages_field}' (messages), '{cfg.prompt_field}'+'{cfg.completion_field}' "
+        f"(prompt_completion) or '{cfg.text_field}' (text); fields present: {sorted(record)}")
+
+
+def _field(record: dict, field: str, fmt: str, index: int | None, source: str | None) -> Any:
+    if field not in record:
+        raise DataError(f"{_where(index, source)}: missing field '{field}' (format '{fmt}'); "
+                        f"fields present: {sorted(record)}")
+    return record[field]
+
+
+def _check_messages(messages: Any, field: str, index: int | None, source: str | None) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{_where(index, source)}: field '{field}' must be a non-empty list of messages, "
+                        f"found {type(messages).__name__}")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{_where(index, source)}: field '{field}' message {j} must be an object "
+                            f"with 'role' and 'content', found {m!r}")
+    return messages
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def chat_assistant_mask(tokenizer, messages: Sequence[dict], *,
+                        train_roles: Sequence[str] = ("assistant",),
+                        trainable: Sequence[bool] | None = None) -> tuple[list[int], list[float]]:
+    """Render `messages` with the chat template; mask = 1 on tokens of trainable turns.
+
+    A message is trainable when its role is in `train_roles` (and, if given,
+    `trainable[j]` is true). Spans are found template-agnostically: turn j covers
+    the tokens between the common prefix of the full rendering with
+    render(messages[:j], add_generation_prompt=True) (so the assistant header is
+    not a target) and the common prefix with render(messages[:j+1]).
+    """
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    mask = [0.0] * len(full)
+    prev_end = 0
+    for j, msg in enumerate(messages):
+        end = _common_prefix_len(full, tokenizer.apply_chat_template(
+            messages[: j + 1], add_generation_prompt=False, tokenize=True))
+        if j == len(messages) - 1:
+            end = len(full)
+        train = msg["role"] in train_roles and (trainable is None or trainable[j])
+        if train:
+            start = prev_end
+            if j > 0:
+                try:
+                    header = tokenizer.apply_chat_template(
+                        messages[:j], add_generation_prompt=True, tokenize=True)
+                    start = max(prev_end, min(end, _common_prefix_len(full, header)))
+                except Exception:  # noqa: BLE001 - templates that refuse this prefix: no header skip
+                    start = prev_end
+            for t in range(start, end):
+                mask[t] = 1.0
+        prev_end = max(prev_end, end)
+    return list(full), mask
+
+
+def encode_record(record: dict, tokenizer, cfg: DataFormatConfig | None = None, *,
+                  index: int | None = None, source: str | None = None) -> Example:
+    """Tokenise one record into an `Example` according to `cfg` (see module doc for the mask)."""
+    cfg = cfg or DataFormatConfig()
+    fmt = resolve_format(record, cfg, index=index, source=source)
+    eos = tokenizer.eos_token_id
+
+    if fmt == "messages":
+        messages = _check_messages(_field(record, cfg.messages_field, fmt, index, source),
+                                   cfg.messages_field, index, source)
+        ids, mask = chat_assistant_mask(tokenizer, messages)
+        if cfg.train_on_prompt:
+            mask = [1.0] * len(ids)
+
+    elif fmt == "prompt_completion":
+        prompt = _field(record, cfg.prompt_field, fmt, index, source)
+        completion = _field(record, cfg.completion_field, fmt, index, source)
+        if isinstance(prompt, list):
+            prompt_msgs = _check_messages(prompt, cfg.prompt_field, index, source)
+            if isinstance(completion, str):
+                completion_msgs = [{"role": "assistant", "content": completion}]
+            else:
+                completion_msgs = _check_messages(completion, cfg.completion_field, index, source)
+            messages = prompt_msgs + completion_msgs
+            trainable = [False] * len(prompt_msgs) + [True] * len(completion_msgs)
+            ids, mask = chat_assistant_mask(tokenizer, messages, trainable=trainable)
+            if cfg.train_on_prompt:
+                mask = [1.0] * len(ids)
+        elif isinstance(prompt, str):
+            if not isinstance(completion, str):
+                raise DataError(f"{_where(index, source)}: field '{cfg.completion_field}' must be a string "
+                                f"when '{cfg.prompt_field}' is a string, found {type(completion).__name__}")
+            p_ids = tokenizer.encode(prompt, add_special_tokens=True)
+            c_ids = tokenizer.encode(completion, add_special_tokens=False)
+            if cfg.add_eos and eos is not None:
+                c_ids = c_ids + [eos]
+            ids = p_ids + c_ids
+            mask = [1.0 if cfg.train_on_prompt else 0.0] * len(p_ids) + [1.0] * len(c_ids)
+        else:
+            raise DataError(f"{_where(index, source)}: field '{cfg.prompt_field}' must be a string or a "
+                            f"list of messages, found {type(prompt).__name__}")
+
+    elif fmt == "text":
+        text = _field(record, cfg.text_field, fmt, index, source)
+        if not isinstance(text, str):
+            raise DataError(f"{_where(index, source)}: field '{cfg.text_field}' must be a string, "
+                            f"found {type(text).__name__}")
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        if cfg.add_eos and eos is not None and (not ids or ids[-1] != eos):
+            ids = ids + [eos]
+        mask = [1.0] * len(ids)
+    else:
+        raise DataError(f"unknown data format {fmt!r}")
+
+    if not ids:
+        raise DataError(f"{_where(index, source)}: encodes to zero tokens")
+    mask = list(mask)
+    mask[0] = 0.0  # nothing predicts the first token
+    return Example(np.asarray(ids, np.int32), np.asarray(mask, np.float32))
+
+
+def encode_records(records: Sequence[dict], tokenizer, cfg: DataFormatConfig | None = None, *,
+                   source: str | None = None) -> list[Example]:
+    """`encode_record` over a list (errors name the record index and `source`)."""
+    return [encode_record(r, tokenizer, cfg, index=i, source=source) for i, r in enumerate(records)]

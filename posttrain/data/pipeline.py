@@ -1,0 +1,122 @@
+"""The SFT input pipeline: records -> tokenised, packed rows -> shuffled, sharded Grain batches.
+
+Tokenisation and packing happen once, up front, on the host. The packed rows
+then go through `grain.MapDataset.source(rows)[shard_index::shard_count]
+.shuffle(seed).repeat(num_epochs).batch(batch_size)` and `.to_iter_dataset()`.
+Iterators expose Grain's `get_state()` / `set_state()` (a small JSON-able dict)
+so training checkpoints can save and restore the exact data position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterator, Literal, Sequence
+
+import numpy as np
+
+from posttrain.data.formats import DataFormatConfig, encode_records
+from posttrain.data.packing import ROW_KEYS, PackedRows, empty_row, pack_examples
+from posttrain.data.sources import DataError, read_records, source_name
+
+__all__ = ["SFTDataset", "build_sft_dataset", "stack_rows"]
+
+
+def stack_rows(rows: Sequence[dict], batch_size: int, pad_row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Stack row dicts into [batch_size, seq_len] arrays, filling a short batch with `pad_row`."""
+    rows = list(rows) + [pad_row] * (batch_size - len(rows))
+    return {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
+
+
+@dataclasses.dataclass
+class SFTDataset:
+    """Packed SFT rows of this shard plus the Grain pipeline over them.
+
+    `iter(ds)` returns a fresh Grain iterator (with `get_state()` / `set_state()`)
+    yielding dicts of numpy arrays of shape [batch_size, seq_len]: input_ids
+    int32, loss_mask float32, segment_ids int32, positions int32, attention_mask
+    int32. A final partial batch (finite epochs) is filled with all-padding rows
+    so every batch has the same shape.
+    """
+
+    rows: PackedRows
+    stats: dict[str, Any]
+    seq_len: int
+    batch_size: int
+    num_epochs: int | None
+    dataset: Any  # grain.IterDataset
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def batches_per_epoch(self) -> float:
+        """Batches per epoch on this shard (fractional when an epoch ends mid-batch)."""
+        return len(self.rows) / self.batch_size
+
+    def __len__(self) -> int:
+        """Total number of batches (finite epochs only)."""
+        if self.num_epochs is None:
+            raise TypeError("an SFTDataset with num_epochs=None is infinite and has no length")
+        return -(-len(self.rows) * self.num_epochs // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return iter(self.dataset)
+
+
+def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
+                      fmt_cfg: DataFormatConfig | None = None, *, seq_len: int, batch_size: int,
+                      pack: bool = True, seed: int = 0, shuffle: bool = True,
+                      num_epochs: int | None = None, shard_index: int = 0, shard_count: int = 1,
+                      truncation: Literal["right", "drop"] = "right", split: str | None = None,
+                      source: str | None = None) -> SFTDataset:
+    """Tokenise and pack `records` (or a source for `read_records`) and build the batch pipeline.
+
+    Shuffling is over packed rows, deterministic in `seed`, and differs per epoch.
+    num_epochs=None repeats forever. Rows are sharded round-robin over
+    `shard_count` hosts (`shard_index` is this host); the row count is first padded
+    with empty rows to a multiple of `shard_count` so every host sees the same
+    number of batches.
+    """
+    import grain
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, found {batch_size}")
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"need 0 <= shard_index < shard_count, found {shard_index}/{shard_count}")
+    if num_epochs is not None and num_epochs < 1:
+        raise ValueError(f"num_epochs must be >= 1 or None, found {num_epochs}")
+    fmt_cfg = fmt_cfg or DataFormatConfig()
+    if isinstance(records, (str, os.PathLike)):
+        source = source or source_name(records, split)
+        records = read_records(records, split)
+    records = list(records)
+    if not records:
+        raise DataError(f"data set '{source or '<records>'}' is empty")
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    examples = encode_records(records, tokenizer, fmt_cfg, source=source)
+    rows, pstats = pack_examples(examples, seq_len, pack=pack, truncation=truncation, pad_token_id=pad_id)
+    if len(rows) == 0:
+        raise DataError(f"data set '{source or '<records>'}': no example survived packing "
+                        f"(all {pstats.num_dropped} longer than seq_len={seq_len})")
+
+    pad_row = empty_row(seq_len, pad_id)
+    num_filler = (-len(rows)) % shard_count
+    if num_filler:
+        filler = {k: np.stack([pad_row[k]] * num_filler) for k in ROW_KEYS}
+        rows = PackedRows({k: np.concatenate([rows.arrays[k], filler[k]]) for k in ROW_KEYS})
+    shard = rows[shard_index::shard_count]
+
+    stats = {"num_records": len(records), **pstats.as_dict(), "num_filler_rows": num_filler,
+             "shard_rows": len(shard), "shard_index": shard_index, "shard_count": shard_count}
+
+    ds = grain.MapDataset.source(shard)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs)
+    ds = ds.batch(batch_size, batch_fn=lambda items: stack_rows(items, batch_size, pad_row))
+    iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    return SFTDataset(rows=shard, stats=stats, seq_len=seq_len, batch_size=batch_size,
+                      num_epochs=num_epochs, dataset=iter_ds)

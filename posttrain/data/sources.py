@@ -1,0 +1,191 @@
+"""Reading raw records (list of dicts) from local files or Hugging Face `datasets`.
+
+`read_records` understands `.jsonl` (optionally `.gz`), `.json`, `.parquet`,
+local `datasets` folders (`save_to_disk` output or anything
+`datasets.load_dataset(path)` can read) and, as a last resort, hub data set
+names. `read_prompts` is a thin helper for RL prompt sets.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["DataError", "read_records", "read_prompts", "source_name"]
+
+
+class DataError(ValueError):
+    """A data problem: unreadable/malformed source, empty data set, missing field."""
+
+
+def source_name(path_or_name: str | os.PathLike, split: str | None = None) -> str:
+    name = str(path_or_name)
+    return f"{name} [split={split}]" if split else name
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: malformed JSON on line {lineno}: {e.msg} "
+                                f"(column {e.colno})") from e
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: line {lineno} is a JSON {type(obj).__name__}, "
+                                "expected an object")
+            records.append(obj)
+    return records
+
+
+def _read_json(path: Path) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: malformed JSON on line {e.lineno}: {e.msg}") from e
+    if isinstance(obj, dict) and isinstance(obj.get("data"), list):
+        obj = obj["data"]
+    if not isinstance(obj, list):
+        raise DataError(f"{path}: expected a JSON list of objects or {{\"data\": [...]}}, "
+                        f"found a {type(obj).__name__}")
+    for i, rec in enumerate(obj):
+        if not isinstance(rec, dict):
+            raise DataError(f"{path}: item {i} is a JSON {type(rec).__name__}, expected an object")
+    return obj
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - re-raised naming the file
+        raise DataError(f"{path}: cannot read parquet: {e}") from e
+
+
+def _pick_split(dd: Any, split: str | None, src: str) -> Any:
+    """Choose a split of a DatasetDict-like mapping (default: 'train', or the only split)."""
+    splits = list(dd.keys())
+    if split is None:
+        if "train" in splits:
+            split = "train"
+        elif len(splits) == 1:
+            split = splits[0]
+        else:
+            raise DataError(f"{src}: has splits {splits}; choose one with split=...")
+    if split not in splits:
+        raise DataError(f"{src}: no split '{split}'; available splits: {splits}")
+    return dd[split]
+
+
+def _read_hf_dir(path: Path, split: str | None) -> list[dict]:
+    import datasets
+
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() \
+            or (path / "state.json").is_file():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = _pick_split(ds, split, str(path))
+        elif split is not None:
+            raise DataError(f"{path}: a single-split dataset saved with save_to_disk; "
+                            f"split={split!r} cannot be selected")
+        return ds.to_list()
+    try:
+        ds = datasets.load_dataset(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{path}: cannot load the folder with datasets.load_dataset: {e}") from e
+    return _pick_split(ds, split, str(path)).to_list()
+
+
+def _read_hub(name: str, split: str | None) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name)
+    except Exception as e:  # noqa: BLE001
+        raise DataError(
+            f"cannot load data set '{name}': it is not a local file or folder, and loading it from the "
+            f"Hugging Face hub failed ({type(e).__name__}: {e}). Check the path, or the network / "
+            "HF_DATASETS_OFFLINE setting.") from e
+    return _pick_split(ds, split, name).to_list()
+
+
+def read_records(path_or_name: str | os.PathLike, split: str | None = None) -> list[dict]:
+    """All records of a data source as a list of plain dicts.
+
+    Local files: `.jsonl`/`.jsonl.gz` (one object a line; blank lines skipped; a
+    malformed line raises a DataError naming file and line), `.json` (a list of
+    objects, or `{"data": [...]}`), `.parquet`. Local folders: `save_to_disk`
+    output or anything `datasets.load_dataset(folder)` reads. Other strings are
+    treated as hub data set names. `split` picks a split of multi-split sources
+    (default 'train' or the only one). An empty data set is a DataError.
+    """
+    src = source_name(path_or_name, split)
+    path = Path(path_or_name)
+    if path.is_file():
+        suffixes = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+        if suffixes in (".jsonl", ".jsonl.gz", ".ndjson"):
+            records = _read_jsonl(path)
+        elif suffixes == ".json":
+            records = _read_json(path)
+        elif suffixes == ".parquet":
+            records = _read_parquet(path)
+        else:
+            raise DataError(f"{path}: unsupported file type '{suffixes}'; "
+                            "expected .jsonl, .jsonl.gz, .json or .parquet")
+    elif path.is_dir():
+        records = _read_hf_dir(path, split)
+    else:
+        name = str(path_or_name)
+        # Hub names look like "name" or "org/name"; anything else is a missing local path.
+        looks_local = (name.startswith((".", "/", "~")) or name.count("/") > 1
+                       or path.suffix in (".jsonl", ".ndjson", ".json", ".parquet", ".gz"))
+        if looks_local:
+            raise DataError(f"data file '{name}' does not exist")
+        records = _read_hub(name, split)
+    if not records:
+        raise DataError(f"data set '{src}' is empty")
+    return records
+
+
+def read_prompts(path_or_name: str | os.PathLike | Sequence[dict], *, prompt_field: str = "prompt",
+                 split: str | None = None, required_fields: Sequence[str] = ()) -> list[dict]:
+    """Records of an RL prompt set, each with its prompt under the key 'prompt'.
+
+    The prompt (a string or a list of chat messages) is read from `prompt_field`;
+    every other field (answers, metadata) is kept as is. `required_fields` are
+    checked to be present too. Accepts a source for `read_records` or a list of dicts.
+    """
+    if isinstance(path_or_name, (str, os.PathLike)):
+        records = read_records(path_or_name, split)
+        src = source_name(path_or_name, split)
+    else:
+        records = list(path_or_name)
+        src = "<records>"
+        if not records:
+            raise DataError("prompt set is empty")
+    out = []
+    for i, rec in enumerate(records):
+        for field in (prompt_field, *required_fields):
+            if field not in rec:
+                raise DataError(f"{src}: record {i} has no field '{field}' "
+                                f"(fields present: {sorted(rec)})")
+        prompt = rec[prompt_field]
+        if not (isinstance(prompt, str) or (isinstance(prompt, list)
+                                           and all(isinstance(m, dict) for m in prompt))):
+            raise DataError(f"{src}: record {i} field '{prompt_field}' must be a string or a list of "
+                            f"messages, found {type(prompt).__name__}")
+        new = dict(rec)
+        if prompt_field != "prompt":
+            new.pop(prompt_field)
+        new["prompt"] = prompt
+        out.append(new)
+    return out

@@ -1,0 +1,195 @@
+"""Tests for posttrain.config: YAML + dotted overrides -> typed dataclass trees, errors, round trip."""
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pytest
+
+from posttrain.config import ConfigError, config_from_argv, load_config, save_config, to_dict
+
+
+@dataclass
+class ModelCfg:
+    path: str
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+@dataclass
+class TrainerCfg:
+    max_steps: int = 100
+    seed: int = 0
+    output_dir: Optional[str] = None
+    use_lora: bool = False
+
+
+@dataclass
+class OptimCfg:
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+
+@dataclass
+class RewardCfg:
+    name: str
+    weight: float = 1.0
+
+
+@dataclass
+class Cfg:
+    model: ModelCfg
+    trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    rewards: list[RewardCfg] = field(default_factory=list)
+    tags: dict[str, int] = field(default_factory=dict)
+    data: Optional[str] = None
+
+
+YAML = """\
+model:
+  path: /models/tiny
+trainer:
+  max_steps: 50
+optim:
+  lr: 3e-4
+rewards:
+  - name: exact
+  - name: format
+    weight: 0.5
+tags:
+  a: 1
+"""
+
+
+@pytest.fixture
+def yaml_path(tmp_path):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(YAML)
+    return p
+
+
+def test_yaml_and_defaults(yaml_path):
+    cfg = load_config(Cfg, yaml_path, [])
+    assert cfg.model == ModelCfg(path="/models/tiny", dtype="bfloat16")
+    assert cfg.trainer == TrainerCfg(max_steps=50)
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.rewards == [RewardCfg("exact", 1.0), RewardCfg("format", 0.5)]
+    assert cfg.tags == {"a": 1}
+
+
+def test_overrides(yaml_path):
+    cfg = load_config(Cfg, yaml_path, [
+        "model.path=/other", "trainer.max_steps=10", "optim.lr=1e-4", "data=train.jsonl",
+        "trainer.use_lora=true", "optim.betas=[0.8, 0.9]", "rewards.1.weight=2", "tags.b=3",
+        "trainer.output_dir=null", "model.dtype=float32"])
+    assert cfg.model == ModelCfg("/other", "float32")
+    assert cfg.trainer == TrainerCfg(max_steps=10, use_lora=True, output_dir=None)
+    assert cfg.optim.lr == 1e-4 and cfg.optim.betas == [0.8, 0.9]
+    assert cfg.rewards[1] == RewardCfg("format", 2.0)
+    assert isinstance(cfg.rewards[1].weight, float)
+    assert cfg.tags == {"a": 1, "b": 3}
+    assert cfg.data == "train.jsonl"
+
+
+def test_no_file_defaults_and_str_keeps_raw_text():
+    cfg = load_config(Cfg, None, ["model.path=0123", "optim.lr=1"])
+    assert cfg.model.path == "0123"  # a str field takes the override text verbatim
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.trainer == TrainerCfg()
+
+
+def test_unknown_key_lists_valid_keys(yaml_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(Cfg, yaml_path, ["trainer.max_stepz=3"])
+    msg = str(e.value)
+    assert "'trainer.max_stepz'" in msg
+    for k in ("max_steps", "seed", "output_dir", "use_lora"):
+        assert k in msg
+    with pytest.raises(ConfigError, match=r"'rewards\[0\]\.wieght'.*name, weight"):
+        load_config(Cfg, None, ["model.path=x", "rewards=[{name: a, wieght: 1}]"])
+    with pytest.raises(ConfigError, match="'bogus'.*model, trainer, optim, rewards, tags, data"):
+        load_config(Cfg, None, ["model.path=x", "bogus=1"])
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("trainer.max_steps=abc", ["trainer.max_steps", "int", "abc"]),
+    ("trainer.max_steps=1.5", ["trainer.max_steps", "int", "1.5"]),
+    ("trainer.use_lora=3", ["trainer.use_lora", "bool", "3"]),
+    ("optim.lr=fast", ["optim.lr", "float", "fast"]),
+    ("optim.betas=0.9", ["optim.betas", "list", "0.9"]),
+    ("optim.betas=[0.9, x]", ["optim.betas[1]", "float", "x"]),
+    ("tags.a=one", ["tags.a", "int", "one"]),
+    ("trainer.output_dir=[1]", ["trainer.output_dir", "str | None"]),
+    ("trainer=5", ["trainer", "TrainerCfg", "5"]),
+])
+def test_bad_types(override, needles):
+    with pytest.raises(ConfigError) as e:
+        load_config(Cfg, None, ["model.path=x", override])
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_bad_literal_lists_accepted_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(Cfg, None, ["model.path=x", "model.dtype=fp8"])
+    msg = str(e.value)
+    assert "model.dtype" in msg and "fp8" in msg and "'float32'" in msg and "'bfloat16'" in msg
+
+
+def test_missing_required_named():
+    with pytest.raises(ConfigError, match="'model.path'"):
+        load_config(Cfg, None, [])
+    with pytest.raises(ConfigError, match=r"'rewards\[0\].name'"):
+        load_config(Cfg, None, ["model.path=x", "rewards=[{weight: 1}]"])
+
+
+def test_yaml_error_names_file_and_line(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("model:\n  path: x\n  dtype: [unclosed\ntrainer:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(Cfg, p, [])
+    msg = str(e.value)
+    assert str(p) in msg
+    assert "line 4" in msg  # the error is detected where the flow sequence should have closed
+    p2 = tmp_path / "tab.yaml"
+    p2.write_text("model:\n  path: x\n\tbad: 1\n")
+    with pytest.raises(ConfigError, match=r"tab\.yaml:3:"):
+        load_config(Cfg, p2, [])
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(Cfg, None, ["model.path"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Cfg, tmp_path / "nope.yaml", [])
+
+
+def test_round_trip(yaml_path, tmp_path):
+    cfg = load_config(Cfg, yaml_path, ["trainer.seed=7", "optim.lr=2.5e-5", "data=d.jsonl"])
+    out = tmp_path / "out" / "config.yaml"
+    save_config(cfg, out)
+    assert load_config(Cfg, out, []) == cfg
+    d = to_dict(cfg)
+    assert d["rewards"] == [{"name": "exact", "weight": 1.0}, {"name": "format", "weight": 0.5}]
+    assert d["optim"]["lr"] == 2.5e-5
+
+
+def test_config_from_argv(yaml_path):
+    cfg = config_from_argv(Cfg, ["--config", str(yaml_path), "trainer.max_steps=2"])
+    assert cfg.trainer.max_steps == 2 and cfg.model.path == "/models/tiny"
+
+
+def test_post_init_errors_become_config_errors():
+    @dataclass
+    class Checked:
+        n: int = 1
+
+        def __post_init__(self):
+            if self.n < 0:
+                raise ValueError("n must be >= 0")
+
+    @dataclass
+    class Outer:
+        inner: Checked = field(default_factory=Checked)
+
+    with pytest.raises(ConfigError, match="inner.*n must be >= 0"):
+        load_config(Outer, None, ["inner.n=-1"])
