@@ -11,6 +11,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     import json
+    import sys
     from pathlib import Path
 
     from rich.console import Console
@@ -23,7 +24,7 @@ def run(args) -> int:
     try:
         folder, cfg = hf_io.load_config(resolve_model_path(args.model))
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 1
     counted, dtypes = hf_io.count_checkpoint_params(folder)
     hf = json.loads((Path(folder) / "config.json").read_text())

@@ -1,0 +1,74 @@
+"""Bad checkpoints give clear errors: unknown model_type, missing or mis-shaped tensor, missing folder; and `posttrain info`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from posttrain.cli.main import main
+from posttrain.models import CheckpointError, UnsupportedModelError, from_pretrained
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_model_type_names_supported(hf_checkpoint, tmp_path):
+    path = _copy(hf_checkpoint("llama"), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError) as e:
+        from_pretrained(path)
+    msg = str(e.value)
+    assert "gpt_neox" in msg
+    for family in ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"):
+        assert family in msg
+
+
+def test_missing_tensor_is_named(hf_checkpoint, tmp_path):
+    path = _copy(hf_checkpoint("llama"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+        from_pretrained(path)
+
+
+def test_misshaped_tensor_names_expected_and_found(hf_checkpoint, tmp_path):
+    path = _copy(hf_checkpoint("llama"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        from_pretrained(path)
+    msg = str(e.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg and "(16, 64)" in msg and "(32, 64)" in msg
+
+
+def test_missing_folder_says_so(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        from_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        from_pretrained(tmp_path / "empty")
+
+
+def test_info_prints_architecture_params_dtype(hf_checkpoint, capsys):
+    import transformers
+
+    path = hf_checkpoint("qwen3")
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(path).parameters())
+    assert "Qwen3ForCausalLM" in out and f"{n:,}" in out and "float32" in out
+
+
+def test_info_on_missing_folder_fails_cleanly(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "nope")]) == 1
+    assert "does not exist" in capsys.readouterr().err
