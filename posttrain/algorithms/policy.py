@@ -1,0 +1,230 @@
+"""Clipped policy-gradient losses (PPO/GRPO/DAPO token-level, GSPO sequence-level),
+loss aggregation modes, and a masked token-entropy helper.
+
+Shapes: token arrays are ``[N, T]`` (N sequences, T completion positions) with a float/bool
+``mask`` ``[N, T]`` marking real completion tokens; ``advantages`` is ``[N]`` and is broadcast
+over the tokens of its sequence. All math is done in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.algorithms.kl import kl_penalty
+
+__all__ = [
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum_norm",
+    "AGGREGATION_MODES",
+    "aggregate",
+    "policy_loss",
+    "entropy_from_logits",
+]
+
+# Log-ratios are clamped to this magnitude before exp() so a wildly off-policy token cannot
+# overflow to inf (exp(20) ~ 4.9e8 is far outside any clip range, so values are unaffected
+# in practice).
+_MAX_LOG_RATIO = 20.0
+
+
+def _f32(x):
+    return jnp.asarray(x, dtype=jnp.float32)
+
+
+def token_mean(per_token, mask, max_tokens=None):
+    """DAPO token-level mean (Yu et al. 2025): ``sum(x * m) / sum(m)`` over the whole batch.
+
+    Every token carries equal weight regardless of the length of its sequence. ``max_tokens``
+    is ignored. Returns 0 when the mask is empty.
+    """
+    x, m = _f32(per_token), _f32(mask)
+    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def seq_mean_token_mean(per_token, mask, max_tokens=None):
+    """Original GRPO aggregation (Shao et al. 2024): mean over sequences of the per-sequence
+    token mean, ``1/N' * sum_i [ sum_t x_it m_it / sum_t m_it ]``.
+
+    Sequences whose mask is entirely zero (e.g. filtered overlong samples) are excluded from
+    ``N'``; returns 0 when no sequence has a token. ``max_tokens`` is ignored.
+    """
+    x, m = _f32(per_token), _f32(mask)
+    lengths = jnp.sum(m, axis=-1)
+    per_seq = jnp.sum(x * m, axis=-1) / jnp.maximum(lengths, 1.0)
+    valid = (lengths > 0).astype(jnp.float32)
+    return jnp.sum(per_seq * valid) / jnp.maximum(jnp.sum(valid), 1.0)
+
+
+def seq_mean_token_sum_norm(per_token, mask, max_tokens=None):
+    """Dr. GRPO aggregation (Liu et al. 2025): ``sum(x * m) / (N * max_tokens)``.
+
+    ``max_tokens`` is a constant independent of the sampled lengths (e.g. the generation
+    budget ``max_new_tokens``), which removes GRPO's length bias. Defaults to ``T``.
+    """
+    x, m = _f32(per_token), _f32(mask)
+    n, t = x.shape[0], x.shape[-1]
+    denom = float(n) * float(t if max_tokens is None else max_tokens)
+    if denom <= 0:
+        raise ValueError(f"seq_mean_token_sum_norm needs N*max_tokens > 0, got N={n}, max_tokens={max_tokens}")
+    return jnp.sum(x * m) / denom
+
+
+AGGREGATION_MODES = {
+    "token_mean": token_mean,
+    "seq_mean_token_mean": seq_mean_token_mean,
+    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+}
+
+
+def aggregate(per_token, mask, mode: str = "token_mean", max_tokens=None):
+    """Reduce a ``[N, T]`` per-token quantity to a scalar with one of ``AGGREGATION_MODES``:
+
+    * ``token_mean``:              ``sum(x*m) / sum(m)``                        (DAPO)
+    * ``seq_mean_token_mean``:     ``mean_i( sum_t x*m / sum_t m )``           (GRPO)
+    * ``seq_mean_token_sum_norm``: ``sum(x*m) / (N * max_tokens)``             (Dr. GRPO)
+    """
+    try:
+        fn = AGGREGATION_MODES[mode]
+    except KeyError:
+        raise ValueError(
+            f"unknown aggregation mode {mode!r}; accepted: {sorted(AGGREGATION_MODES)}"
+        ) from None
+    return fn(per_token, mask, max_tokens=max_tokens)
+
+
+def _masked_mean(x, m):
+    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def policy_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    ratio_level: str = "token",
+    aggregation: str = "token_mean",
+    ref_logp=None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    max_tokens=None,
+):
+    """Clipped surrogate policy loss (to be minimised) and metrics.
+
+    Token level (``ratio_level="token"``) -- PPO (Schulman et al. 2017, "Proximal Policy
+    Optimization Algorithms") as used by GRPO, with DAPO's decoupled "clip-higher" range
+    (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale")::
+
+        r_t  = exp(logp_t - old_logp_t)
+        l_t  = -min(r_t * A_i, clip(r_t, 1 - epsilon_low, 1 + epsilon_high) * A_i)
+
+    Sequence level (``ratio_level="sequence"``) -- GSPO (Zheng et al. 2025, "Group Sequence
+    Policy Optimization") with the length-normalised sequence ratio::
+
+        s_i  = exp( 1/|y_i| * sum_t (logp_t - old_logp_t) )
+
+    in its GSPO-token form ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))`` (value ``s_i``, gradient
+    ``s_i * grad logp_t``), and ``l_t = -min(s_it * A_i, clip(s_it, 1-eps_low, 1+eps_high) * A_i)``.
+
+    If ``beta > 0`` a per-token KL penalty ``beta * kl_penalty(logp, ref_logp, kl_estimator)``
+    is added to ``l_t`` (GRPO). The per-token losses are reduced with
+    ``aggregate(l, mask, aggregation, max_tokens)``.
+
+    Args:
+      logp, old_logp, ref_logp: ``[N, T]`` log-probs of the sampled tokens under the current,
+        behaviour (sampling) and reference policies. ``old_logp``/``ref_logp``/``advantages``
+        are treated as constants (stop-gradient).
+      advantages: ``[N]`` per-sequence advantages, broadcast over tokens.
+      mask: ``[N, T]`` float or bool, 1 for completion tokens.
+
+    Returns:
+      ``(loss, metrics)`` where metrics holds scalars ``pg_loss``, ``clip_frac_low`` (fraction
+      of masked tokens -- or of sequences for GSPO -- where the lower clip is active, i.e.
+      ``A < 0`` and ratio ``< 1 - epsilon_low``), ``clip_frac_high`` (``A > 0`` and ratio
+      ``> 1 + epsilon_high``), ``clip_fraction`` (their sum), ``ratio_mean`` and, when
+      ``ref_logp`` is given, ``kl`` (masked token mean of the chosen estimator).
+    """
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; accepted: ['sequence', 'token']")
+    if beta and ref_logp is None:
+        raise ValueError("beta > 0 requires ref_logp")
+    sg = jax.lax.stop_gradient
+    logp = _f32(logp)
+    old_logp = sg(_f32(old_logp))
+    m = _f32(mask)
+    if logp.ndim != 2 or logp.shape != old_logp.shape or logp.shape != m.shape:
+        raise ValueError(
+            f"logp, old_logp and mask must share shape [N, T]; got {logp.shape}, {old_logp.shape}, {m.shape}"
+        )
+    adv = sg(_f32(advantages))
+    if adv.shape != (logp.shape[0],):
+        raise ValueError(f"advantages must have shape [N]={logp.shape[0]}, got {adv.shape}")
+    adv_t = adv[:, None]
+    valid_tok = m > 0
+
+    log_ratio = jnp.where(valid_tok, logp - old_logp, 0.0)
+    log_ratio = jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+    if ratio_level == "token":
+        ratio = jnp.exp(log_ratio)
+        ratio_val = sg(ratio)
+        low_hit = (adv_t < 0) & (ratio_val < 1.0 - epsilon_low)
+        high_hit = (adv_t > 0) & (ratio_val > 1.0 + epsilon_high)
+        clip_frac_low = _masked_mean(low_hit.astype(jnp.float32), m)
+        clip_frac_high = _masked_mean(high_hit.astype(jnp.float32), m)
+        ratio_mean = _masked_mean(ratio_val, m)
+    else:
+        lengths = jnp.sum(m, axis=-1)
+        seq_log_ratio = jnp.sum(log_ratio * m, axis=-1) / jnp.maximum(lengths, 1.0)
+        seq_ratio = jnp.exp(sg(seq_log_ratio))  # s_i, a constant
+        # GSPO-token: value s_i on every token, gradient s_i * grad(logp_t).
+        safe_logp = jnp.where(valid_tok, logp, 0.0)  # keep padded garbage out of exp()
+        ratio = seq_ratio[:, None] * jnp.exp(safe_logp - sg(safe_logp))
+        ratio = jnp.where(valid_tok, ratio, 1.0)
+        seq_valid = (lengths > 0).astype(jnp.float32)
+        low_hit = (adv < 0) & (seq_ratio < 1.0 - epsilon_low)
+        high_hit = (adv > 0) & (seq_ratio > 1.0 + epsilon_high)
+        clip_frac_low = _masked_mean(low_hit.astype(jnp.float32), seq_valid)
+        clip_frac_high = _masked_mean(high_hit.astype(jnp.float32), seq_valid)
+        ratio_mean = _masked_mean(seq_ratio, seq_valid)
+
+    surr_unclipped = ratio * adv_t
+    surr_clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv_t
+    per_token = -jnp.minimum(surr_unclipped, surr_clipped)
+    pg_loss = aggregate(per_token, m, aggregation, max_tokens=max_tokens)
+
+    metrics = {
+        "pg_loss": sg(pg_loss),
+        "clip_frac_low": clip_frac_low,
+        "clip_frac_high": clip_frac_high,
+        "clip_fraction": clip_frac_low + clip_frac_high,
+        "ratio_mean": ratio_mean,
+    }
+    loss = pg_loss
+    if ref_logp is not None:
+        ref_logp = sg(_f32(ref_logp))
+        if ref_logp.shape != logp.shape:
+            raise ValueError(f"ref_logp shape {ref_logp.shape} != logp shape {logp.shape}")
+        kl_tok = kl_penalty(
+            jnp.where(valid_tok, logp, 0.0), jnp.where(valid_tok, ref_logp, 0.0), kl_estimator
+        )
+        metrics["kl"] = sg(_masked_mean(kl_tok, m))
+        if beta:
+            loss = aggregate(per_token + beta * kl_tok, m, aggregation, max_tokens=max_tokens)
+    return loss, metrics
+
+
+def entropy_from_logits(logits, mask):
+    """Masked mean token entropy ``H = -sum_v p_v log p_v`` of ``softmax(logits)``.
+
+    ``logits`` ``[N, T, V]`` (cast to float32), ``mask`` ``[N, T]``. Returns a scalar; 0 for an
+    empty mask.
+    """
+    logits = _f32(logits)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return _masked_mean(ent, _f32(mask))
