@@ -1,0 +1,32 @@
+"""`posttrain rl CONFIG.yaml [key=value ...]`: a GRPO-family RL run from a typed config."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config (see configs/rl_smoke.yaml, configs/gsm8k_grpo.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=DIR trainer.max_steps=10")
+
+
+def run(args) -> int:
+    import sys
+
+    from posttrain.config import ConfigError
+
+    config, overrides = args.config, list(args.overrides)
+    if config and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]
+    try:
+        from posttrain.rl.loop import load_rl_config, run_rl
+
+        cfg = load_rl_config(config, overrides)
+        result = run_rl(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    last = result.evals[-1] if result.evals else {}
+    acc = f", held-out accuracy {last['eval/accuracy']:.3f}" if "eval/accuracy" in last else ""
+    print(f"done: {result.steps} steps{acc}; outputs in {result.output_dir}")
+    return 0

@@ -1,0 +1,1 @@
+"""posttrain.rl: reinforcement learning with verifiable rewards (GRPO family) on one host: rollouts, batches, loss, loop."""

@@ -1,0 +1,123 @@
+"""Typed config of an RL run (`posttrain rl CONFIG.yaml key=value ...`), reusing the training sections.
+
+The algorithm section starts from a named preset (`grpo`, `dr_grpo`, `dapo`, `gspo`, `rloo`; see
+`posttrain.algorithms.registry`) and any field set to a value overrides the preset's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from posttrain.training.config import LoraConfig, MeshConfig, ModelSection, OptimConfig, TrainerConfig
+
+
+@dataclasses.dataclass
+class PromptData:
+    """Prompt sets: `train` and optional held-out `eval` (JSONL/JSON/Parquet/datasets), with field names.
+
+    Every other column (e.g. `answer`) is passed to the rewards as a keyword argument.
+    chat: render prompts with the tokenizer's chat template (a `messages` list always is).
+    """
+
+    train: str = ""
+    eval: str | None = None
+    prompt_field: str = "prompt"
+    chat: bool = False
+    system_prompt: str | None = None
+    shuffle: bool = True
+    seed: int = 0
+    max_prompt_tokens: int = 512
+    eval_limit: int = 0  # 0 = every held-out prompt
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Sampling of the G completions per prompt (G = group_size)."""
+
+    batch_prompts: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_slots: int = 0  # concurrent sequences in the sampler (0 = all of a step's rollouts)
+    stop_token_ids: list[int] | None = None
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    """The GRPO-family algorithm: a preset plus overrides (None = keep the preset's value)."""
+
+    preset: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo"] | None = None
+    ratio_level: Literal["token", "sequence"] | None = None
+    epsilon_low: float | None = None
+    epsilon_high: float | None = None
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] | None = None
+    beta: float | None = None
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    dynamic_sampling: bool | None = None
+    overlong_filtering: bool | None = None
+    overlong_penalty: bool | None = None
+    max_resample_rounds: int = 3  # dynamic sampling: extra sampling rounds to fill the batch, at most
+    ppo_epochs: int = 1
+    minibatches: int = 1  # optimizer steps per rollout batch and epoch
+    old_logprobs: Literal["sampler", "recompute"] = "sampler"
+
+    def resolved(self) -> dict[str, Any]:
+        from posttrain.algorithms.registry import get_preset
+
+        overrides = {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if v is not None and k not in ("preset", "max_resample_rounds", "ppo_epochs", "minibatches", "old_logprobs")
+        }
+        return get_preset(self.preset, **overrides)
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`), `module:function` or `file.py:function`."""
+
+    name: str = "math_answer"
+    weight: float = 1.0
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RewardsSection:
+    functions: list[RewardConfig] = dataclasses.field(default_factory=lambda: [RewardConfig()])
+    correctness: str | None = "math_answer"  # the reward whose 1.0 means "correct" (accuracy metrics)
+    timeout_s: float = 10.0
+    failure_value: float = 0.0
+    num_workers: int = 2
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every: int = 0  # steps between held-out evaluations (0 = only at the start and end)
+    at_start: bool = True
+    k: int = 0  # pass@k with n_samples draws (0 = greedy pass@1 only)
+    n_samples: int = 0
+    temperature: float = 1.0
+    log_samples: int = 4  # completions written to samples.jsonl per evaluation and logged as text
+
+
+@dataclasses.dataclass
+class RLConfig:
+    """A GRPO-family RL run: everything `posttrain rl CONFIG.yaml` needs."""
+
+    output_dir: str = "outputs/rl"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: PromptData = dataclasses.field(default_factory=PromptData)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    rewards: RewardsSection = dataclasses.field(default_factory=RewardsSection)
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6, decay="constant"))
+    trainer: TrainerConfig = dataclasses.field(default_factory=lambda: TrainerConfig(log_every=1, save_every=50))
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    export_hf: bool = True
+    export_dtype: Literal["float32", "bfloat16", "float16"] | None = None

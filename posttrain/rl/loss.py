@@ -1,0 +1,71 @@
+"""The RL policy loss in the trainer's protocol: `loss_fn(model, batch) -> (loss_sum, weight, metrics)`.
+
+Per-token log-probs of the current policy come from one forward pass over prompt+completion (the
+vocabulary projection chunked so [tokens, vocab] logits are never whole); the loss itself is
+`posttrain.algorithms.policy.policy_loss` (PPO/DAPO clipped ratio or GSPO, KL to the reference).
+The minibatch loss L is returned as (L * w, w) with w the aggregation's normaliser (target tokens for
+token-mean, sequences otherwise), so summing over micro-batches and dividing reproduces the aggregate
+over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.algorithms.policy import policy_loss
+
+
+def _logp_and_entropy(model, h, targets, chunk_size: int | None):
+    """log p(targets) and the entropy of softmax(logits) per position, chunked over tokens."""
+    b, s, d = h.shape
+    n = b * s
+
+    def piece(hc, tc):
+        logits = model.logits(hc[None])[0]
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        logp_all = logits - lse[:, None]
+        tgt = jnp.take_along_axis(logp_all, tc[:, None], axis=-1)[:, 0]
+        ent = -jnp.sum(jnp.exp(jax.lax.stop_gradient(logp_all)) * jax.lax.stop_gradient(logp_all), axis=-1)
+        return tgt, ent
+
+    if not chunk_size or chunk_size >= n:
+        tgt, ent = piece(h.reshape(n, d), targets.reshape(n))
+        return tgt.reshape(b, s), ent.reshape(b, s)
+    n_chunks = -(-n // chunk_size)
+    pad = n_chunks * chunk_size - n
+    hf = jnp.pad(h.reshape(n, d), ((0, pad), (0, 0))).reshape(n_chunks, chunk_size, d)
+    tf = jnp.pad(targets.reshape(n), (0, pad)).reshape(n_chunks, chunk_size)
+    tgt, ent = jax.lax.map(jax.checkpoint(lambda a: piece(*a)), (hf, tf))
+    return tgt.reshape(-1)[:n].reshape(b, s), ent.reshape(-1)[:n].reshape(b, s)
+
+
+def normaliser(mask: jax.Array, aggregation: str) -> jax.Array:
+    """The weight w of a minibatch under an aggregation mode (see module docstring)."""
+    if aggregation == "token_mean":
+        return jnp.sum(mask)
+    if aggregation == "seq_mean_token_mean":
+        return jnp.sum(jnp.any(mask > 0, axis=-1).astype(jnp.float32))
+    return jnp.asarray(mask.shape[0], jnp.float32)
+
+
+def rl_loss(model, batch, *, loss_kwargs: dict, chunk_size: int | None = None):
+    """Policy loss of one (micro-)batch built by `posttrain.rl.batch.build_rl_batch`."""
+    ids = batch["input_ids"]
+    h, _ = model.hidden_states(ids, attention_mask=batch["attention_mask"], positions=batch["positions"])
+    logp, ent = _logp_and_entropy(model, h[:, :-1], ids[:, 1:], chunk_size)
+    mask = batch["completion_mask"]
+    loss, metrics = policy_loss(logp, batch["old_logp"], batch["advantages"], mask,
+                                ref_logp=batch.get("ref_logp"), **loss_kwargs)
+    w = normaliser(mask, loss_kwargs.get("aggregation", "token_mean"))
+    tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    # (numerator, denominator) pairs: the trainer reports Σ num / Σ den over micro-batches
+    out = {k: (v * w, w) for k, v in metrics.items()}
+    out["entropy"] = (jnp.sum(ent * mask), tokens)
+    return loss * w, w, out
+
+
+def make_rl_loss(loss_kwargs: dict, chunk_size: int | None = None):
+    return functools.partial(rl_loss, loss_kwargs=dict(loss_kwargs), chunk_size=chunk_size)
