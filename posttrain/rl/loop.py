@@ -70,7 +70,8 @@ def _reward_runner(cfg: RLConfig, preset: dict):
     from posttrain.rewards.length import overlong_penalty
     from posttrain.rewards.runner import RewardRunner, RewardSpec
 
-    specs = [RewardSpec(name=r.name, weight=r.weight, kwargs=dict(r.kwargs)) for r in cfg.rewards.functions]
+    specs = [dataclasses.replace(RewardSpec.coerce(r.name), weight=r.weight, kwargs=dict(r.kwargs))
+             for r in cfg.rewards.functions]
     if preset.get("overlong_penalty") and not any(r.name == "overlong_penalty" for r in cfg.rewards.functions):
         budget = cfg.rollout.max_new_tokens
         cache = max(1, int(round(preset.get("overlong_cache_fraction", 0.2) * budget)))
