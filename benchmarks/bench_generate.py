@@ -1,0 +1,193 @@
+"""Benchmark of `posttrain.sampling`: greedy tokens/s against `transformers` generate, and continuous vs static batching.
+
+Case 1: a Llama-shaped model (vocab 8192, hidden 256, intermediate 768, 4 layers, 4 heads, 2 KV heads) with
+random weights built by transformers/torch, saved, and loaded into ours (same weights); 16 prompts of 64
+tokens, 128 new tokens each, no stop token. Ours vs `transformers` `generate` (torch, CPU, greedy, batch 16),
+warm-up runs excluded for both.
+
+Case 2: 64 prompts through 16 slots, with stop tokens picked (from the greedy completions) so that about
+half of the sequences end early: continuous batching (one call) vs static batches of 16 (4 calls, each
+running until its longest sequence ends).
+
+Run: `python benchmarks/bench_generate.py [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+VOCAB, PROMPT_LEN, NEW = 8192, 64, 128
+
+
+def build_checkpoint(out: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # weights of unit-scale activations, so greedy sequences are not degenerate
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.save_pretrained(out)
+    return out
+
+
+def time_hf(path: Path, prompts: np.ndarray, new: int, repeats: int = 1):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def run():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                                  eos_token_id=None, pad_token_id=0)
+
+    run()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = run()
+        best = min(best, time.perf_counter() - t)
+    return best, out[:, prompts.shape[1]:].numpy()
+
+
+def time_ours(sampler, prompts, params, repeats: int = 1, batches: int = 1):
+    """Best wall time of generating `prompts` in `batches` consecutive generate calls (after a warm-up)."""
+    chunks = np.array_split(np.arange(len(prompts)), batches)
+
+    def run():
+        out = []
+        for c in chunks:
+            out += sampler.generate([prompts[i] for i in c], params)
+        return out
+
+    run()  # warm-up (compiles)
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = run()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def pick_stop_ids(seqs: list[list[int]], rng, target: float = 0.5) -> list[int]:
+    """Stop ids that end about `target` of the sequences, each around the middle of its completion.
+
+    Greedy decoding with stop ids yields the prefix of the stop-free completion up to the first stop
+    token, so the effect of a stop set can be computed on the stop-free completions.
+    """
+    stops: set[int] = set()
+
+    def stopped(stop_set):
+        return [next((j for j, t in enumerate(s) if t in stop_set), None) for s in seqs]
+
+    for i in rng.permutation(len(seqs)):
+        s = seqs[i]
+        j = int(rng.integers(len(s) // 4, 3 * len(s) // 4))
+        cand = stops | {s[j]}
+        ends = stopped(cand)
+        early = [e for e in ends if e is not None]
+        if len(early) / len(seqs) > target + 0.05 or min(early) < len(s) // 8:
+            continue
+        stops = cand
+        if len(early) / len(seqs) >= target - 0.05:
+            break
+    return sorted(stops)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one timed repeat instead of three")
+    ap.add_argument("--profile", action="store_true", help="also time prefill and decode separately")
+    args = ap.parse_args(argv)
+    repeats = 1 if args.quick else 3
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from posttrain.models import from_pretrained
+    from posttrain.sampling import Sampler, SamplingParams
+
+    console = Console()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_checkpoint(Path(tmp) / "llama-bench")
+        model = from_pretrained(path)
+
+        # ---------------------------------------------------------------- case 1: ours vs transformers
+        prompts = rng.integers(3, VOCAB, size=(16, PROMPT_LEN))
+        plist = prompts.tolist()
+        params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
+        sampler = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW)
+        t_ours, out = time_ours(sampler, plist, params, repeats)
+        stats1 = dict(sampler.last_stats)
+        tokens = sum(len(c.token_ids) for c in out)
+        assert tokens == 16 * NEW
+        t_hf, hf_tokens = time_hf(path, prompts, NEW, repeats)
+        same = sum(c.token_ids == hf_tokens[i].tolist() for i, c in enumerate(out))
+        if args.profile:
+            sampler.profile = True
+            sampler.generate(plist, params)
+            prof = sampler.last_stats
+            sampler.profile = False
+
+        # ---------------------------------------------------------------- case 2: continuous vs static batches
+        prompts2 = rng.integers(3, VOCAB, size=(64, PROMPT_LEN)).tolist()
+        free = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW).generate(prompts2, params)
+        stops = pick_stop_ids([c.token_ids for c in free], rng)
+        params2 = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=stops)
+        s2 = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW)
+        t_cont, out_cont = time_ours(s2, prompts2, params2, repeats)
+        stats_cont = dict(s2.last_stats)
+        t_static, out_static = time_ours(s2, prompts2, params2, repeats, batches=4)
+        assert [c.token_ids for c in out_cont] == [c.token_ids for c in out_static]
+        tokens2 = sum(len(c.token_ids) for c in out_cont)
+        lengths = np.array([len(c.token_ids) for c in out_cont])
+        early = float(np.mean(lengths < NEW))
+
+    t1 = Table(title=f"Case 1: 16 prompts x {PROMPT_LEN} tokens, {NEW} new tokens, greedy, no stop (CPU)")
+    for col in ("engine", "seconds", "tokens/s", "ratio"):
+        t1.add_column(col, justify="right")
+    t1.add_row("transformers generate (torch)", f"{t_hf:.3f}", f"{tokens / t_hf:,.0f}", "1.00x")
+    t1.add_row("posttrain Sampler (JAX)", f"{t_ours:.3f}", f"{tokens / t_ours:,.0f}", f"{t_hf / t_ours:.2f}x")
+    console.print(t1)
+    console.print(f"identical greedy sequences (ours vs transformers): {same}/16; "
+                  f"ours: {stats1.get('prefill_calls')} prefill call(s), {stats1.get('decode_steps')} decode steps")
+    if args.profile:
+        console.print(f"profile (blocking after prefill): prefill {prof.get('prefill_seconds', 0):.3f}s, "
+                      f"decode {prof.get('decode_seconds', 0):.3f}s, total {prof.get('seconds', 0):.3f}s")
+
+    t2 = Table(title=f"Case 2: 64 prompts through 16 slots, up to {NEW} new tokens, {len(stops)} stop ids "
+                     f"({early:.0%} of sequences stop early; mean length {lengths.mean():.0f})")
+    for col in ("batching", "seconds", "tokens/s", "ratio"):
+        t2.add_column(col, justify="right")
+    t2.add_row("static batches of 16", f"{t_static:.3f}", f"{tokens2 / t_static:,.0f}", "1.00x")
+    t2.add_row("continuous batching", f"{t_cont:.3f}", f"{tokens2 / t_cont:,.0f}", f"{t_static / t_cont:.2f}x")
+    console.print(t2)
+    console.print(f"continuous: {stats_cont.get('prefill_calls')} prefill calls, {stats_cont.get('decode_segments')} "
+                  f"decode segments, {stats_cont.get('decode_steps')} decode steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""Benchmark: seconds per GRPO step, posttrain's RL loop (JAX) vs TRL's GRPOTrainer (PyTorch), same run.
+
+What one step is, on both sides: 8 prompts (32 word-tokens each) x 4 sampled completions of up to 64 new
+tokens (temperature 1, stop at eos id 2), a cheap deterministic reward on the completion text
+(`benchmarks/_bench_rewards.py:reward`, the same function on both sides), group-normalised GRPO advantages,
+beta 0 (no reference model), one AdamW update (lr 1e-5, constant, clip 1.0), float32, full parameters.
+Model: a Llama-shaped HF checkpoint with random weights (vocab 8192, hidden 256, intermediate 768, 4 layers,
+4 heads, 2 KV heads, head_dim 64), written once with transformers/torch and loaded by both sides; the word
+tokenizer from `posttrain.tokenizer.build_tokenizer` is saved in the same folder.
+
+How each side is timed (warm-up steps, which include our jit compiles, are dropped on both):
+  * ours: `posttrain.rl.loop.run_rl` on a config built from overrides. s/step is the wall-clock between
+    consecutive ends of steps (`MetricsLogger.advance` is wrapped, in the worker process only), so it
+    covers everything the loop does per step; rollout / train are the loop's own `time/rollout_s`
+    (sampling + detokenising + rewards) and `time/train_s` (the jitted optimizer step) from
+    `result.history`; their sum is shown too.
+  * TRL: a `TrainerCallback` (on_step_begin -> on_step_end). Rollout = time inside the trainer's
+    `_generate_and_score_completions` (wrapped on the instance: HF `model.generate` + decoding + rewards +
+    advantages, the counterpart of our rollout); `model.generate` alone is wrapped on the model instance
+    and shown as "generate"; train = step - rollout (the loss forward/backward and optimizer step).
+    TRL 1.16 only sends its own profiling timings to wandb/mlflow/trackio, so they are not used.
+    GRPOConfig turns activation (gradient) checkpointing on by default; it is turned off here, as ours does
+    not recompute activations either (`--trl-checkpointing` keeps TRL's default). TRL's loss_type is set to
+    "grpo" (per-sequence token mean, as our grpo preset), scale_rewards "group", num_iterations 1.
+Each side runs in its own subprocess, one after the other (never concurrently), so neither framework's
+thread pool competes with the other's. torch uses `torch.set_num_threads(--torch-threads)`, by default
+os.cpu_count() (torch's own default here too); XLA uses its default CPU thread pool. A float32 matmul rate (2048^3, jax.jit and torch)
+is measured first for context. On a shared machine timings move run to run; compare within one run.
+
+    python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--torch-threads N] [--trl-checkpointing]
+                                    [--no-trl] [--no-ours] [--no-peak]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HERE = Path(__file__).resolve().parent
+REWARD_REF = f"{HERE / '_bench_rewards.py'}:reward"
+
+VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV, HEAD_DIM = 8192, 256, 768, 4, 4, 2, 64
+N_PROMPTS, PROMPT_WORDS, GROUP, MAX_NEW = 8, 32, 4, 64
+LR = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared inputs: checkpoint + tokenizer folder, prompt set
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_checkpoint(folder: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posttrain.tokenizer import build_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM,
+                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(folder)
+    build_tokenizer(folder, kind="word", vocab=[f"w{i}" for i in range(VOCAB - 7)])
+    return folder
+
+
+def make_prompts(n: int = N_PROMPTS) -> list[str]:
+    import numpy as np
+
+    rng = np.random.default_rng(1234)
+    return [" ".join(f"w{j}" for j in rng.integers(0, VOCAB - 7, size=PROMPT_WORDS)) for _ in range(n)]
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# workers (each in its own process)
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_peak(threads: int, n: int = 2048, reps: int = 5) -> dict:
+    """Best-of-`reps` float32 n^3 matmul rate, under jax.jit and with torch (FLOP/s)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    jax_rate = 2 * n**3 / best
+
+    import torch
+
+    torch.set_num_threads(threads)
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    x @ y
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x @ y
+        best = min(best, time.perf_counter() - t)
+    return {"jax": jax_rate, "torch": 2 * n**3 / best, "torch_threads": torch.get_num_threads()}
+
+
+def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int) -> dict:
+    from posttrain.rl.loop import load_rl_config, run_rl
+    from posttrain.training import metrics as metrics_lib
+
+    ends: list[float] = []
+    orig_advance = metrics_lib.MetricsLogger.advance
+
+    def advance(self, step):  # the end of every RL step, after its logging
+        ends.append(time.perf_counter())
+        return orig_advance(self, step)
+
+    metrics_lib.MetricsLogger.advance = advance
+    total = warmup + steps
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_rl_config(None, [
+            f"output_dir={tmp}/rl", f"model.path={folder}", f"data.train={prompts_file}",
+            f"rollout.batch_prompts={N_PROMPTS}", f"rollout.group_size={GROUP}", f"rollout.max_new_tokens={MAX_NEW}",
+            "rollout.temperature=1.0", "algorithm.preset=grpo", "algorithm.beta=0.0",
+            f"rewards.functions=[{{name: '{REWARD_REF}'}}]", "rewards.correctness=null", "rewards.num_workers=0",
+            f"optim.lr={LR}", "optim.decay=constant", "optim.weight_decay=0.0", "optim.clip_norm=1.0",
+            f"trainer.max_steps={total}", "trainer.save_every=0", "trainer.progress=false", "eval.at_start=false",
+            "export_hf=false", "data.chat=false",
+        ])
+        t_start = time.perf_counter()
+        result = run_rl(cfg)
+        t_total = time.perf_counter() - t_start
+    h = result.history
+    if len(h) != total or len(ends) != total:
+        raise RuntimeError(f"expected {total} steps, history has {len(h)}, step ends {len(ends)}")
+    timed = h[warmup:]
+    wall = [ends[i] - ends[i - 1] for i in range(max(warmup, 1), total)]
+    return {
+        "step": wall,
+        "rollout": [r["time/rollout_s"] for r in timed],
+        "train": [r["time/train_s"] for r in timed],
+        "sum": [r["time/rollout_s"] + r["time/train_s"] for r in timed],
+        "warmup": [r["time/rollout_s"] + r["time/train_s"] for r in h[:warmup]],
+        "length_mean": statistics.mean(r["completion/length_mean"] for r in timed),
+        "truncated": statistics.mean(r["completion/truncated_fraction"] for r in timed),
+        "reward_mean": statistics.mean(r["reward/mean"] for r in timed),
+        "loss": timed[-1]["loss"],
+        "run_rl_s": t_total,
+    }
+
+
+def run_trl(folder: Path, prompts: list[str], warmup: int, steps: int, threads: int, checkpointing: bool) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(HERE))
+    from _bench_rewards import reward
+
+    torch.set_num_threads(threads)
+    total = warmup + steps
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    gen_s: list[float] = []
+    orig_generate = model.generate
+
+    def timed_generate(*a, **k):  # instance attribute: the trainer's unwrapped model is this very object on CPU
+        t = time.perf_counter()
+        out = orig_generate(*a, **k)
+        gen_s.append(time.perf_counter() - t)
+        return out
+
+    model.generate = timed_generate
+
+    step_s: list[float] = []
+    logs: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            step_s.append(time.perf_counter() - self.t)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:  # the per-step training log (completion lengths, rewards, loss)
+                logs_out.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+
+    logs_out = logs
+
+    def trl_reward(prompts, completions, **kw):
+        return reward(prompts, completions)
+
+    ds = datasets.Dataset.from_dict({"prompt": [prompts[i % len(prompts)] for i in range(N_PROMPTS * total)]})
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=N_PROMPTS * GROUP, num_generations=GROUP,
+            gradient_accumulation_steps=1, num_iterations=1, max_completion_length=MAX_NEW, temperature=1.0,
+            beta=0.0, loss_type="grpo", scale_rewards="group", learning_rate=LR, lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_steps=total, logging_steps=1, report_to=[],
+            save_strategy="no", use_cpu=True, bf16=False, fp16=False, seed=0, disable_tqdm=True,
+            dataloader_num_workers=0, log_completions=False,
+            activation_checkpointing=checkpointing,  # GRPOConfig's default is True; ours recomputes nothing
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward], args=args, train_dataset=ds,
+                              processing_class=tok, callbacks=[Clock()])
+        if args.generation_batch_size != N_PROMPTS * GROUP or args.steps_per_generation != 1:
+            raise RuntimeError(f"TRL batch is not {N_PROMPTS} x {GROUP} per step: generation_batch_size="
+                               f"{args.generation_batch_size}, steps_per_generation={args.steps_per_generation}")
+        rollout_s: list[float] = []
+        orig_gas = trainer._generate_and_score_completions
+
+        def timed_gas(*a, **k):
+            t = time.perf_counter()
+            out_ = orig_gas(*a, **k)
+            rollout_s.append(time.perf_counter() - t)
+            return out_
+
+        trainer._generate_and_score_completions = timed_gas
+        trainer.train()
+    if not (len(step_s) == len(rollout_s) == len(gen_s) == total):
+        raise RuntimeError(f"expected {total} steps/rollouts/generate calls, got {len(step_s)}/{len(rollout_s)}/"
+                           f"{len(gen_s)}")
+    timed_logs = logs[warmup:] if len(logs) == total else logs
+
+    def mean_of(key):
+        vals = [lg[key] for lg in timed_logs if key in lg]
+        return statistics.mean(vals) if vals else float("nan")
+
+    return {
+        "step": step_s[warmup:],
+        "rollout": rollout_s[warmup:],
+        "generate": gen_s[warmup:],
+        "train": [s - r for s, r in zip(step_s[warmup:], rollout_s[warmup:])],
+        "warmup": step_s[:warmup],
+        "length_mean": mean_of("completions/mean_length"),
+        "truncated": mean_of("completions/clipped_ratio"),
+        "reward_mean": mean_of("reward"),
+        "loss": timed_logs[-1].get("loss", float("nan")) if timed_logs else float("nan"),
+        "torch_threads": torch.get_num_threads(),
+        "checkpointing": bool(args.activation_checkpointing),
+        "log_keys": sorted(timed_logs[-1]) if timed_logs else [],
+    }
+
+
+def worker(kind: str, folder: Path, warmup: int, steps: int, threads: int, checkpointing: bool = False) -> dict:
+    load0 = os.getloadavg()[0]
+    if kind == "peak":
+        out = run_peak(threads)
+    elif kind == "ours":
+        out = run_ours(folder, folder / "prompts.jsonl", warmup, steps)
+    else:
+        prompts = [json.loads(line)["prompt"] for line in (folder / "prompts.jsonl").read_text().splitlines()]
+        out = run_trl(folder, prompts, warmup, steps, threads, checkpointing)
+    out["loadavg"] = [load0, os.getloadavg()[0]]  # 1-minute load average when the worker started and ended
+    return out
+
+
+def _spawn(kind: str, folder: Path, warmup: int, steps: int, threads: int, checkpointing: bool = False) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--warmup",
+                           str(warmup), "--steps", str(steps), "--torch-threads", str(threads)]
+                          + (["--trl-checkpointing"] if checkpointing else []), capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per side, not timed (ours: includes compiles)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per side, after the warm-up")
+    p.add_argument("--no-trl", action="store_true", help="skip TRL")
+    p.add_argument("--no-ours", action="store_true", help="skip posttrain")
+    p.add_argument("--no-peak", action="store_true", help="skip the matmul-rate measurement")
+    p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
+                   help="torch.set_num_threads for TRL and the torch matmul (default: all cores)")
+    p.add_argument("--trl-checkpointing", action="store_true",
+                   help="keep GRPOConfig's default activation (gradient) checkpointing on for TRL (off by default)")
+    p.add_argument("--worker", choices=["ours", "trl", "peak"], help=argparse.SUPPRESS)
+    p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.worker and (args.steps < 1 or args.warmup < 0):
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.folder, args.warmup, args.steps, args.torch_threads,
+                                               args.trl_checkpointing)), flush=True)
+        return 0
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))
+    t0 = time.perf_counter()
+    res: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_checkpoint(Path(tmp) / "bench-llama")
+        write_prompts(folder / "prompts.jsonl", make_prompts())
+        peak = None if args.no_peak else _spawn("peak", folder, 0, 0, args.torch_threads)
+        for kind in ("ours", "trl"):
+            if (kind == "ours" and args.no_ours) or (kind == "trl" and args.no_trl):
+                continue
+            console.print(f"running {kind}: {args.warmup} warm-up + {args.steps} timed steps ...")
+            t = time.perf_counter()
+            res[kind] = _spawn(kind, folder, args.warmup, args.steps, args.torch_threads,
+                               args.trl_checkpointing)
+            console.print(f"  {kind} done in {time.perf_counter() - t:.0f} s; median step "
+                          f"{statistics.median(res[kind]['step']):.3f} s")
+
+    med = statistics.median
+    table = Table(title=f"GRPO step, CPU float32: Llama-shaped vocab {VOCAB}, hidden {HIDDEN}, mlp {INTER}, "
+                        f"{LAYERS} layers, {HEADS}/{KV} heads x {HEAD_DIM}; {N_PROMPTS} prompts x {GROUP} "
+                        f"completions <= {MAX_NEW} new tokens; beta 0; 1 update/step. Medians of {args.steps} "
+                        f"steps after {args.warmup} warm-up")
+    for col in ("system", "s/step", "min s/step", "rollout s", "(generate s)", "train s", "rollout %",
+                "compl. len", "truncated", "reward", "warm-up s", "load avg"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    names = {"ours": "posttrain run_rl (JAX)", "trl": "TRL GRPOTrainer (torch)"}
+    for kind, r in res.items():
+        s, ro, tr = med(r["step"]), med(r["rollout"]), med(r["train"])
+        gen = f"{med(r['generate']):.2f}" if "generate" in r else "-"
+        table.add_row(names[kind], f"{s:.2f}", f"{min(r['step']):.2f}", f"{ro:.2f}", gen, f"{tr:.2f}",
+                      f"{ro / (ro + tr):.0%}", f"{r['length_mean']:.1f}", f"{r['truncated']:.0%}",
+                      f"{r['reward_mean']:.3f}", ", ".join(f"{x:.1f}" for x in r["warmup"]),
+                      "->".join(f"{x:.1f}" for x in r["loadavg"]))
+    console.print(table)
+    notes = []
+    if "ours" in res:
+        o = res["ours"]
+        notes.append(f"ours: s/step = wall-clock between step ends; rollout / train = the loop's time/rollout_s / "
+                     f"time/train_s (median sum {med(o['sum']):.2f} s); whole run_rl incl. model load and compiles "
+                     f"{o['run_rl_s']:.0f} s; last loss {o['loss']:.3g}.")
+    if "trl" in res:
+        r = res["trl"]
+        notes.append(f"TRL: s/step from a TrainerCallback (on_step_begin -> on_step_end); rollout = time inside "
+                     f"GRPOTrainer._generate_and_score_completions (generate + decode + rewards + advantages), "
+                     f"(generate) = model.generate alone (wrapped on the model instance); train = step - rollout. "
+                     f"torch threads {r['torch_threads']}; activation checkpointing "
+                     f"{'on' if r['checkpointing'] else 'off'}; last loss {r['loss']:.3g}.")
+    if peak:
+        notes.append(f"float32 2048^3 matmul: jax.jit {peak['jax'] / 1e9:.0f} GFLOP/s, torch "
+                     f"{peak['torch'] / 1e9:.0f} GFLOP/s ({peak['torch_threads']} threads); {os.cpu_count()} CPU "
+                     f"cores. load avg = 1-minute load average when a side started -> ended (above "
+                     f"{os.cpu_count()}: other processes were competing for the cores).")
+    notes.append(f"total benchmark time {time.perf_counter() - t0:.0f} s.")
+    for n in notes:
+        console.print(n)
+    if "ours" in res and "trl" in res:
+        ratio = med(res["trl"]["step"]) / med(res["ours"]["step"])
+        print(f"ratio (TRL s/step / ours s/step): {ratio:.2f} (target >= 2)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Supervised fine-tuning loss: masked next-token cross-entropy (plain and chunked) and per-token log-probs.
+
+Shift convention (as in `posttrain.data.formats`): position t predicts `input_ids[:, t + 1]`, and that
+prediction is weighted by `loss_mask[:, t + 1]`. Losses come back as `(sum, count)` so the trainer can
+normalise over the real target tokens of a whole accumulated batch (see `posttrain.training.trainer`).
+
+The chunked path never materialises the [tokens, vocab] logits: the flattened hidden states are cut into
+chunks of `chunk_size` tokens and `lax.map` computes, per chunk, `logits = model.logits(h_chunk)` (which
+applies Gemma's final soft-capping and an LM-head adapter if any), its logsumexp and the target logit.
+The chunk body is rematerialised (`jax.checkpoint`), so the backward pass keeps only one chunk of
+logits alive at a time, not one per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "cross_entropy",
+    "logprobs_from_logits",
+    "logprobs_from_hidden",
+    "token_logprobs",
+    "sft_loss",
+    "make_sft_loss",
+    "sft_weight",
+]
+
+
+def logprobs_from_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log softmax(logits)[target] in float32; logits [..., V], targets [...] int."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return tgt - lse
+
+
+def cross_entropy(logits: jax.Array, input_ids: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Plain masked next-token cross-entropy over full logits.
+
+    logits [B, T, V] (position t scores token t+1), input_ids [B, T], loss_mask [B, T].
+    Returns (Σ_t mask[t+1] * -log p(ids[t+1] | ..t), Σ_t mask[t+1]).
+    """
+    targets = input_ids[:, 1:]
+    w = loss_mask[:, 1:].astype(jnp.float32)
+    nll = -logprobs_from_logits(logits[:, :-1], targets)
+    return jnp.sum(nll * w), jnp.sum(w)
+
+
+def logprobs_from_hidden(model, h: jax.Array, targets: jax.Array, *, chunk_size: int | None = None) -> jax.Array:
+    """log p(targets) from final hidden states h [B, S, D] and targets [B, S] via `model.logits`.
+
+    With `chunk_size` (tokens per chunk) smaller than B*S the vocabulary projection runs chunk by chunk
+    under `lax.map` with a rematerialised body; otherwise in one piece.
+    """
+    b, s, d = h.shape
+    n = b * s
+    if not chunk_size or chunk_size >= n:
+        return logprobs_from_logits(model.logits(h), targets)
+    n_chunks = -(-n // chunk_size)
+    pad = n_chunks * chunk_size - n
+    hf = jnp.pad(h.reshape(n, d), ((0, pad), (0, 0))).reshape(n_chunks, chunk_size, d)
+    tf = jnp.pad(targets.reshape(n), (0, pad)).reshape(n_chunks, chunk_size)
+
+    @jax.checkpoint
+    def chunk(args):
+        hc, tc = args
+        return logprobs_from_logits(model.logits(hc[None])[0], tc)
+
+    out = jax.lax.map(chunk, (hf, tf))
+    return out.reshape(-1)[:n].reshape(b, s)
+
+
+def token_logprobs(model, input_ids: jax.Array, *, attention_mask=None, positions=None, segment_ids=None,
+                   chunk_size: int | None = None) -> jax.Array:
+    """Per-token log-probs [B, T-1]: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
+
+    This is what RL needs for the current, behaviour and reference policies; padding positions hold
+    meaningless values and must be masked by the caller.
+    """
+    h, _ = model.hidden_states(input_ids, attention_mask=attention_mask, positions=positions,
+                               segment_ids=segment_ids)
+    return logprobs_from_hidden(model, h[:, :-1], input_ids[:, 1:], chunk_size=chunk_size)
+
+
+def sft_weight(batch: dict[str, Any]) -> jax.Array:
+    """The normaliser of the SFT loss: the number of target tokens, Σ loss_mask[:, 1:]."""
+    return jnp.sum(jnp.asarray(batch["loss_mask"])[:, 1:].astype(jnp.float32))
+
+
+def sft_loss(model, batch: dict[str, jax.Array], *, chunk_size: int | None = None):
+    """The trainer's loss protocol for SFT: (Σ masked token NLL, Σ mask, metrics).
+
+    `batch` holds input_ids, loss_mask and optionally attention_mask, positions, segment_ids ([B, T]).
+    Metrics follow the trainer's convention: a scalar is summed over micro-batches.
+    """
+    ids = batch["input_ids"]
+    logp = token_logprobs(model, ids, attention_mask=batch.get("attention_mask"), positions=batch.get("positions"),
+                          segment_ids=batch.get("segment_ids"), chunk_size=chunk_size)
+    w = batch["loss_mask"][:, 1:].astype(jnp.float32)
+    loss_sum = -jnp.sum(logp * w)
+    count = jnp.sum(w)
+    return loss_sum, count, {"target_tokens": count}
+
+
+def make_sft_loss(chunk_size: int | None = None):
+    """`sft_loss` with a fixed chunk size (a hashable callable for the trainer's compile cache)."""
+    return functools.partial(sft_loss, chunk_size=chunk_size or None)

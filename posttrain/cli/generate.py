@@ -1,0 +1,130 @@
+"""`posttrain generate`: completions for a JSONL file of prompts (`prompt` text or chat `messages`) to a JSONL file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class InputError(ValueError):
+    """A prompts file that cannot be used as given (the message names the file and line)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder (with its tokenizer), hub id, or tiny:<family>")
+    p.add_argument("--prompts", required=True, help="JSONL input: one object per line with `prompt` or `messages`")
+    p.add_argument("--output", required=True, help="JSONL output: one line per completion")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="also wrap plain `prompt` text as one user message")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--max-slots", type=int, default=32, help="sequences decoded at once (at most)")
+    p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: fitted to the prompts)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Parsed lines of a prompts file (blank lines skipped); errors name the file and line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"prompts file {path} does not exist")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise InputError(f"{path}, line {lineno}: expected a JSON object, got {type(rec).__name__}")
+            if "messages" in rec:
+                msgs = rec["messages"]
+                if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                         for m in msgs):
+                    raise InputError(f"{path}, line {lineno}: `messages` must be a list of {{role, content}} objects")
+            elif "prompt" in rec:
+                if not isinstance(rec["prompt"], str):
+                    raise InputError(f"{path}, line {lineno}: `prompt` must be a string")
+            else:
+                raise InputError(f"{path}, line {lineno}: has neither a `prompt` (text) nor a `messages` (chat) field")
+            rec["_line"] = lineno
+            records.append(rec)
+    if not records:
+        raise InputError(f"prompts file {path} has no prompts")
+    return records
+
+
+def encode_prompts(records: list[dict], tokenizer, chat: bool, source: str) -> list[list[int]]:
+    out = []
+    for rec in records:
+        try:
+            if "messages" in rec:
+                ids = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=True)
+            elif chat:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": rec["prompt"]}],
+                                                    add_generation_prompt=True, tokenize=True)
+            else:
+                ids = tokenizer.encode(rec["prompt"])
+        except Exception as e:  # noqa: BLE001 - re-raised with the line named
+            raise InputError(f"{source}, line {rec['_line']}: cannot tokenize: {e}") from None
+        if not ids:
+            raise InputError(f"{source}, line {rec['_line']}: the prompt is empty after tokenization")
+        out.append(list(ids))
+    return out
+
+
+def run(args) -> int:
+    def fail(msg: str) -> int:
+        print(f"error: {msg}", file=sys.stderr)
+        return 1
+
+    from posttrain.sampling import Sampler, SamplingParams
+
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, n=args.n, seed=args.seed)
+        records = read_prompts(args.prompts)
+    except ValueError as e:
+        return fail(str(e))
+
+    from posttrain import tokenizer as tok_lib
+    from posttrain.models import from_pretrained
+    from posttrain.models.hf_io import resolve_path
+    from posttrain.models.tiny import resolve_model_path
+
+    try:
+        folder = resolve_path(resolve_model_path(args.model))
+        tokenizer = tok_lib.load(folder)
+        model = from_pretrained(folder, dtype=args.dtype)
+        prompts = encode_prompts(records, tokenizer, args.chat, args.prompts)
+        slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
+        sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
+        completions = sampler.generate(prompts, params, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        return fail(str(e))
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for c in completions:
+            f.write(json.dumps({
+                "prompt_index": c.prompt_index,
+                "sample_index": c.sample_index,
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+            }) + "\n")
+    stats = sampler.last_stats
+    print(f"wrote {len(completions)} completions to {out} "
+          f"({stats.get('generated_tokens', 0)} tokens, {stats.get('seconds', 0.0):.1f}s)", file=sys.stderr)
+    return 0

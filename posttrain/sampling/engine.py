@@ -1,0 +1,529 @@
+"""The generation engine: `Sampler.generate` turns prompts into `Completion`s with continuous batching.
+
+Cache design. The KV cache is *slot-indexed*: k, v [layers, slots, max_len, kv_heads, head_dim] plus a
+`valid` mask [slots, max_len] (`posttrain.models.KVCache`). A slot holds one sequence; token p of slot b
+lives at [b, p]. It is allocated once per (slots, max_len) configuration, lives in the sampler between
+calls and is donated to every compiled call, so it is updated in place and never copied. We do not page
+it: a page table buys memory sharing between sequences of very different lengths and prefix sharing, at
+the price of gathers in every attention call and a host-side allocator; with RL's workload (one length
+budget for every sample, groups of `n` samples per prompt) slots of `max_len` waste little, keep every
+shape static for XLA, and the one thing paging would share (a prompt's prefix across its `n` samples)
+is handled by prefilling once and copying the rows. Attention reads the whole `max_len` row each step
+(masked), so `max_len` is chosen tight (by default: longest prompt plus `max_new_tokens`, rounded up to a
+power of two).
+
+Prefill. Waiting prompts are right-padded to a length bucket (powers of two >= 16, capped at max_len) and
+the number of prompt rows is rounded up to a power of two, so new prompt lengths within a bucket reuse the
+compiled program. The rows are run through the model into a small temporary cache [rows, bucket]; its rows
+are then scattered into the slots assigned to them (one prompt row to the `n` slots of its samples, which
+is how a GRPO group shares one prefill), the rest of each slot's `valid` row is cleared, and the first
+token of every sample is drawn from the prompt's last logits.
+
+Decode. A `lax.while_loop` runs whole decode steps on device (all slots, one token each; the state is
+donated): feed each slot's last token at its position, draw the next token, record it in a per-segment
+buffer [steps, slots], and retire a slot on a stop token or when it reaches its token budget. The loop
+ends when every slot is done, when enough slots are free to admit waiting prompts, or after
+`segment_steps` steps; only then does the host look at the results (one transfer per segment, none per token).
+
+Continuous batching. The host loop alternates prefill of waiting prompts into free slots with decode
+segments, so a few long completions do not hold the other slots idle: a finished slot takes the next
+prompt. Prompts are admitted in order; a prompt's samples are admitted together (up to the slot count).
+
+Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only, so the
+same seed gives the same completions whatever the slot count or scheduling.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from posttrain import distributed
+from posttrain.models.attention import KVCache
+from posttrain.sampling.filters import choose_tokens
+from posttrain.sampling.params import Completion, SamplingParams
+
+#: Python-side trace counter of the compiled functions ("prefill", "decode", "init"): a new entry means
+#: a new compilation (tests assert that new prompt lengths inside a bucket add none).
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+MIN_BUCKET = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def length_bucket(n: int, cap: int, minimum: int = MIN_BUCKET) -> int:
+    """Padded prefill length of a prompt of n tokens: the next power of two >= max(n, minimum), at most cap."""
+    return min(_pow2(max(n, minimum)), cap)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything the device keeps per slot between compiled calls (donated to each of them)."""
+
+    cache: KVCache
+    last_token: jax.Array  # [S] int32: the newest token, not yet fed to the model
+    position: jax.Array  # [S] int32: where last_token goes
+    active: jax.Array  # [S] bool: still generating
+    n_generated: jax.Array  # [S] int32
+    max_new: jax.Array  # [S] int32: token budget of the slot
+    key: jax.Array  # [S, *key_shape] uint32: the sample's PRNG key data
+
+
+def _state_shardings(mesh, cache_shape, key_shape) -> DecodeState | None:
+    """Slots over the batch mesh axes (data, fsdp); the cache's kv heads over `tensor` when it divides them."""
+    if mesh is None:
+        return None
+    slots, max_len = cache_shape[1], cache_shape[2]
+    kv = NamedSharding(mesh, distributed.logical_to_spec(
+        ("layers", "batch", "seq", "kv_heads", "head_dim"), cache_shape, mesh))
+    valid = NamedSharding(mesh, distributed.logical_to_spec(("batch", "seq"), (slots, max_len), mesh))
+    per_slot = NamedSharding(mesh, distributed.logical_to_spec(("batch",), (slots,), mesh))
+    key = NamedSharding(mesh, distributed.logical_to_spec(("batch",) + (None,) * len(key_shape),
+                                                          (slots, *key_shape), mesh))
+    return DecodeState(KVCache(kv, kv, valid), per_slot, per_slot, per_slot, per_slot, per_slot, key)
+
+
+def _pin(ds: DecodeState, shardings: DecodeState | None) -> DecodeState:
+    if shardings is None:
+        return ds
+    return jax.tree.map(jax.lax.with_sharding_constraint, ds, shardings)
+
+
+def _is_stop(tok, stop_ids):
+    return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+
+def _sample_keys(seed, prompt_idx, sample_idx):
+    base = jax.random.key(seed)
+    return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt_idx, sample_idx)
+
+
+def _step_keys(key_data, n_generated):
+    keys = jax.random.wrap_key_data(key_data)
+    return jax.vmap(jax.random.fold_in)(keys, n_generated)
+
+
+def _init_state(cache_shape, cache_dtype, key_shape, mesh):
+    TRACE_COUNTS["init"] += 1
+    layers, slots, max_len, kv_heads, head_dim = cache_shape
+    z = jnp.zeros((slots,), jnp.int32)
+    ds = DecodeState(
+        cache=KVCache(jnp.zeros(cache_shape, cache_dtype), jnp.zeros(cache_shape, cache_dtype),
+                      jnp.zeros((slots, max_len), bool)),
+        last_token=z, position=z, active=jnp.zeros((slots,), bool), n_generated=z, max_new=z,
+        key=jnp.zeros((slots, *key_shape), jnp.uint32),
+    )
+    return _pin(ds, _state_shardings(mesh, cache_shape, key_shape))
+
+
+def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
+             stop_ids, greedy, temperature, top_p, min_p, *, top_k: int):
+    """Prefills prompt rows ids [P, Lb] (real lengths `lens`) and installs them in the assigned slots.
+
+    Assignment a copies prompt row asg_row[a] into slot asg_slot[a] (slot index S = padding, dropped) as
+    sample (asg_prompt[a], asg_sample[a]) and draws its first token. Returns the new state and the first
+    tokens, their log-probs and sampling log-probs [A].
+    """
+    TRACE_COUNTS["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    cache = ds.cache
+    n_rows, lb = ids.shape
+    slots, max_len = cache.valid.shape
+    tmp = KVCache.create(cfg, n_rows, lb, dtype=cache.k.dtype)
+    pos = jnp.broadcast_to(jnp.arange(lb, dtype=jnp.int32), (n_rows, lb))
+    mask = pos < lens[:, None]
+    h, tmp = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp)
+    h_last = h[jnp.arange(n_rows), lens - 1]  # [P, D]: logits only where they are needed
+    logits = model.logits(h_last[:, None])[:, 0]
+
+    keys = _sample_keys(seed, asg_prompt, asg_sample)
+    first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(asg_prompt))  # noqa: E731
+    tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p)
+    done = _is_stop(tok, stop_ids) | (max_new <= 1)
+
+    k = cache.k.at[:, asg_slot, :lb].set(tmp.k[:, asg_row], mode="drop")
+    v = cache.v.at[:, asg_slot, :lb].set(tmp.v[:, asg_row], mode="drop")
+    rows = tmp.valid[asg_row]
+    if lb < max_len:
+        rows = jnp.concatenate([rows, jnp.zeros((rows.shape[0], max_len - lb), bool)], axis=1)
+    valid = cache.valid.at[asg_slot].set(rows, mode="drop")
+
+    def put(arr, values):
+        return arr.at[asg_slot].set(values, mode="drop")
+
+    ds = DecodeState(
+        cache=KVCache(k, v, valid),
+        last_token=put(ds.last_token, tok),
+        position=put(ds.position, lens[asg_row]),
+        active=put(ds.active, ~done),
+        n_generated=put(ds.n_generated, jnp.ones_like(tok)),
+        max_new=put(ds.max_new, jnp.broadcast_to(max_new, tok.shape)),
+        key=put(ds.key, jax.random.key_data(keys)),
+    )
+    ds = _pin(ds, _state_shardings(model.mesh, cache.k.shape, ds.key.shape[1:]))
+    return ds, (tok, lp, slp)
+
+
+def _decode(graphdef, state, ds: DecodeState, min_free, stop_ids, greedy, temperature, top_p, min_p, *, top_k: int,
+            budget: int):
+    """Decode steps in one `while_loop` until no slot is active, `min_free` slots are free, or `budget` steps.
+
+    Returns the state and the segment's record: tokens, log-probs, sampling log-probs and an `emitted`
+    flag, each [budget, S] (row t = step t; only the first `steps` rows are filled), and `steps`.
+    """
+    TRACE_COUNTS["decode"] += 1
+    model = nnx.merge(graphdef, state)
+    slots = ds.active.shape[0]
+    shardings = _state_shardings(model.mesh, ds.cache.k.shape, ds.key.shape[1:])
+    record = (
+        jnp.zeros((budget, slots), jnp.int32),
+        jnp.zeros((budget, slots), jnp.float32),
+        jnp.zeros((budget, slots), jnp.float32),
+        jnp.zeros((budget, slots), bool),
+    )
+    ones = jnp.ones((slots, 1), jnp.int32)
+
+    def cond(carry):
+        ds, _, step = carry
+        n_free = slots - jnp.sum(ds.active.astype(jnp.int32))
+        return (step < budget) & jnp.any(ds.active) & (n_free < min_free)
+
+    def body(carry):
+        ds, (r_tok, r_lp, r_slp, r_emit), step = carry
+        logits, cache = model(ds.last_token[:, None], attention_mask=ones, positions=ds.position[:, None],
+                              cache=ds.cache)
+        keys = lambda: _step_keys(ds.key, ds.n_generated)  # noqa: E731
+        tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p)
+        act = ds.active
+        n_gen = ds.n_generated + act.astype(jnp.int32)
+        done = _is_stop(tok, stop_ids) | (n_gen >= ds.max_new)
+        new = dataclasses.replace(
+            ds,
+            cache=cache,
+            last_token=jnp.where(act, tok, ds.last_token),
+            position=ds.position + act.astype(jnp.int32),
+            active=act & ~done,
+            n_generated=n_gen,
+        )
+        new = _pin(new, shardings)
+        r_tok = jax.lax.dynamic_update_index_in_dim(r_tok, tok, step, 0)
+        r_lp = jax.lax.dynamic_update_index_in_dim(r_lp, lp, step, 0)
+        r_slp = jax.lax.dynamic_update_index_in_dim(r_slp, slp, step, 0)
+        r_emit = jax.lax.dynamic_update_index_in_dim(r_emit, act, step, 0)
+        return new, (r_tok, r_lp, r_slp, r_emit), step + 1
+
+    ds, record, steps = jax.lax.while_loop(cond, body, (ds, record, jnp.int32(0)))
+    return ds, record, steps
+
+
+_init_jit = jax.jit(_init_state, static_argnums=(0, 1, 2, 3))
+
+
+_COMPILED: list[tuple] = []  # (graphdef, prefill, decode), most recent last; shared by all samplers
+
+
+def _compiled_for(graphdef):
+    """Jitted prefill and decode for one model structure, shared by every sampler of an equal structure.
+
+    The graphdef is closed over and found by equality rather than passed as a static (hashed) argument:
+    a config holding lists (e.g. several eos ids) makes it unhashable.
+    """
+    for i, entry in enumerate(_COMPILED):
+        if entry[0] == graphdef:
+            _COMPILED.append(_COMPILED.pop(i))
+            return entry[1], entry[2]
+    prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("top_k",), donate_argnames=("ds",))
+    decode = jax.jit(functools.partial(_decode, graphdef), static_argnames=("top_k", "budget"),
+                     donate_argnames=("ds",))
+    _COMPILED.append((graphdef, prefill, decode))
+    del _COMPILED[:-8]
+    return prefill, decode
+
+
+class _Progress:
+    """A rich progress bar (completions done, tokens/s) or a user callback(done, total, tokens, seconds)."""
+
+    def __init__(self, progress, total: int):
+        self.callback = progress if callable(progress) else None
+        self.bar = None
+        if progress is True:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("completions"),
+                TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), console=Console(stderr=True),
+                transient=False,
+            )
+            self.task = self.bar.add_task("generate", total=total, tps="-")
+            self.bar.start()
+        self.total = total
+
+    def update(self, done: int, tokens: int, seconds: float):
+        if self.callback is not None:
+            self.callback(done, self.total, tokens, seconds)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, tps=f"{tokens / max(seconds, 1e-9):,.0f}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class Sampler:
+    """Generates completions from a posttrain `Transformer`, reading its current weights at every call.
+
+    max_slots: sequences decoded at once (the cache's batch size, rounded up to a multiple of the mesh's
+      data x fsdp size). Every decode step computes all slots, so on CPU keep it near the request size.
+    max_len: cache length (prompt + completion); None = chosen per call as the next power of two of the
+      longest prompt plus max_new_tokens (at most the model's max_position_embeddings).
+    segment_steps: decode steps per compiled segment at most (the host sees progress after each).
+    refill_fraction: a decode segment stops to admit waiting prompts once this fraction of the slots
+      (at least one, at least the next prompt's samples) is free; larger values batch more prefills.
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_slots: int = 32, max_len: int | None = None,
+                 segment_steps: int = 128, refill_fraction: float = 0.125):
+        if max_slots < 1:
+            raise ValueError(f"max_slots={max_slots} must be >= 1")
+        if max_len is not None and max_len < 2:
+            raise ValueError(f"max_len={max_len} must be >= 2")
+        if segment_steps < 1:
+            raise ValueError(f"segment_steps={segment_steps} must be >= 1")
+        if not 0.0 <= refill_fraction <= 1.0:
+            raise ValueError(f"refill_fraction={refill_fraction} must be in [0, 1]")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_slots = int(max_slots)
+        self.max_len = max_len
+        self.segment_steps = int(segment_steps)
+        self.refill_fraction = float(refill_fraction)
+        self._state: DecodeState | None = None
+        self._state_config: tuple | None = None
+        self.last_stats: dict = {}
+        self.profile = False  # block after each compiled call to time prefill and decode separately
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    def _default_stop_ids(self) -> list[int]:
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
+            return list(self.tokenizer.eos_token_ids)
+        return list(self.cfg.eos_token_ids)
+
+    @property
+    def slots(self) -> int:
+        """Slots of the cache: max_slots, rounded up to a multiple of the mesh's data x fsdp size."""
+        slots = self.max_slots
+        mesh = getattr(self.model, "mesh", None)
+        if mesh is not None:
+            ways = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+            slots = -(-slots // ways) * ways
+        return slots
+
+    def _validate(self, prompts, params: SamplingParams) -> tuple[int, str]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.cfg.vocab_size
+        max_pos = self.cfg.max_position_embeddings
+        limit, what = max_pos, f"model context (max_position_embeddings={max_pos})"
+        if self.max_len is not None and self.max_len < limit:
+            limit, what = self.max_len, f"sampler cache (max_len={self.max_len})"
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + params.max_new_tokens > limit:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={params.max_new_tokens} it needs "
+                    f"{len(p) + params.max_new_tokens} positions, more than the {limit} of the {what} "
+                    f"(prompts may have at most {max(limit - params.max_new_tokens, 0)} tokens)"
+                )
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab})")
+        return limit, what
+
+    def _ensure_state(self, slots: int, max_len: int) -> DecodeState:
+        cfg = self.cfg
+        cache_dtype = jnp.dtype(cfg.compute_dtype)
+        key_shape = tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
+        config = (slots, max_len, str(cache_dtype), key_shape, id(self.model.mesh) if self.model.mesh else None)
+        if self._state is None or self._state_config != config:
+            self._state = None  # free the old cache before allocating the new one
+            cache_shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+            self._state = _init_jit(cache_shape, cache_dtype, key_shape, self.model.mesh)
+            self._state_config = config
+        return self._state
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams | None = None, *,
+                 progress: bool | Callable[[int, int, int, float], None] = False) -> list[Completion]:
+        """One `Completion` per prompt and sample: prompt order, the `n` samples of a prompt in a row.
+
+        progress: True for a rich progress bar, or a callable(done, total, generated_tokens, seconds).
+        """
+        params = params or SamplingParams()
+        prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        self._validate(prompts, params)
+        if not prompts:
+            return []
+        n = params.n
+        total = len(prompts) * n
+        max_new = params.max_new_tokens
+        slots = self.slots
+        longest = max(len(p) for p in prompts)
+        if self.max_len is not None:
+            max_len = self.max_len
+        else:
+            max_len = min(_pow2(max(longest + max_new, MIN_BUCKET)),
+                          max(self.cfg.max_position_embeddings, longest + max_new))
+        stop = self._default_stop_ids() if params.stop_token_ids is None else list(params.stop_token_ids)
+        stop_set = set(stop)
+        stop_arr = np.full(max(8, _pow2(len(stop))), -1, np.int32)
+        stop_arr[: len(stop)] = stop
+        top_k = 0 if params.greedy or params.top_k >= self.cfg.vocab_size else params.top_k
+        scalars = dict(
+            greedy=np.bool_(params.greedy), temperature=np.float32(params.temperature if not params.greedy else 1.0),
+            top_p=np.float32(params.top_p), min_p=np.float32(params.min_p),
+        )
+        graphdef, state = nnx.split(self.model)
+        prefill_fn, decode_fn = _compiled_for(graphdef)
+        ds = self._ensure_state(slots, max_len)
+        self._state = None  # donated below; restored when the call completes
+
+        waiting = collections.deque([i, 0] for i in range(len(prompts)))  # [prompt index, next sample]
+        waiting_samples = total
+        quantum = max(1, math.ceil(self.refill_fraction * slots))
+        owner: list[tuple[int, int] | None] = [None] * slots
+        toks: dict[tuple[int, int], list[int]] = {}
+        lps: dict[tuple[int, int], list[float]] = {}
+        slps: dict[tuple[int, int], list[float]] = {}
+        finished: dict[tuple[int, int], Completion] = {}
+        stats = collections.Counter()
+        t0 = time.perf_counter()
+        bar = _Progress(progress, total) if progress else None
+        generated = 0
+
+        def target() -> int:
+            head = min(n - waiting[0][1], slots)
+            return min(waiting_samples, max(head, quantum))
+
+        try:
+            while waiting or any(o is not None for o in owner):
+                pending = None
+                free = [s for s in range(slots) if owner[s] is None]
+                if waiting and (len(free) >= target() or len(free) == slots):
+                    rows, asg = [], []  # asg: (row, slot, prompt, sample)
+                    while waiting:
+                        p, nxt = waiting[0]
+                        chunk = min(n - nxt, slots)
+                        if chunk > len(free) - len(asg):
+                            break
+                        rows.append(p)
+                        for j in range(chunk):
+                            s = free[len(asg)]
+                            asg.append((len(rows) - 1, s, p, nxt + j))
+                            owner[s] = (p, nxt + j)
+                        waiting_samples -= chunk
+                        if nxt + chunk == n:
+                            waiting.popleft()
+                        else:
+                            waiting[0][1] = nxt + chunk
+                    ds, pending = self._run_prefill(prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new,
+                                                    params.seed, stop_arr, scalars, top_k, stats)
+                    pending = (asg, pending)
+                min_free = target() if waiting else slots + 1
+                t_dec = time.perf_counter()
+                if max_new > 1:
+                    ds, record, steps = decode_fn(state, ds, np.int32(min_free), stop_arr, **scalars,
+                                                  top_k=top_k, budget=self.segment_steps)
+                    stats["decode_segments"] += 1
+                else:  # every sample is complete after its first token
+                    record, steps = None, 0
+                host = jax.device_get((pending[1] if pending else None, record, steps, ds.active))
+                stats["decode_seconds"] += time.perf_counter() - t_dec
+                first, record, steps, active = host
+                steps = int(steps)
+                stats["decode_steps"] += steps
+                if pending:
+                    f_tok, f_lp, f_slp = (x.tolist() for x in first)
+                    for a, (_, s, p, i) in enumerate(pending[0]):
+                        toks[(p, i)], lps[(p, i)], slps[(p, i)] = [f_tok[a]], [f_lp[a]], [f_slp[a]]
+                    generated += len(pending[0])
+                for s, o in enumerate(owner):
+                    if o is None:
+                        continue
+                    emit = record[3][:steps, s] if steps else None
+                    if steps and emit.any():
+                        r_tok, r_lp, r_slp = record[0], record[1], record[2]
+                        toks[o].extend(r_tok[:steps, s][emit].tolist())
+                        lps[o].extend(r_lp[:steps, s][emit].tolist())
+                        slps[o].extend(r_slp[:steps, s][emit].tolist())
+                        generated += int(emit.sum())
+                    if not active[s]:
+                        finished[o] = self._completion(o, toks.pop(o), lps.pop(o), slps.pop(o), stop_set, params)
+                        owner[s] = None
+                if bar is not None:
+                    bar.update(len(finished), generated, time.perf_counter() - t0)
+        finally:
+            if bar is not None:
+                bar.close()
+        self._state = ds
+        stats["generated_tokens"] = generated
+        stats["seconds"] = time.perf_counter() - t0
+        stats["slots"] = slots
+        stats["max_len"] = max_len
+        self.last_stats = dict(stats)
+        return [finished[(p, i)] for p in range(len(prompts)) for i in range(n)]
+
+    def _run_prefill(self, prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new, seed, stop_arr,
+                     scalars, top_k, stats):
+        n_rows = min(_pow2(len(rows)), slots)
+        lb = length_bucket(max(len(prompts[p]) for p in rows), max_len)
+        ids = np.zeros((n_rows, lb), np.int32)
+        lens = np.ones((n_rows,), np.int32)
+        for r, p in enumerate(rows):
+            ids[r, : len(prompts[p])] = prompts[p]
+            lens[r] = len(prompts[p])
+        a_row = np.zeros((slots,), np.int32)
+        a_slot = np.full((slots,), slots, np.int32)  # index `slots` = no assignment (dropped)
+        a_prompt = np.zeros((slots,), np.int32)
+        a_sample = np.zeros((slots,), np.int32)
+        for a, (r, s, p, i) in enumerate(asg):
+            a_row[a], a_slot[a], a_prompt[a], a_sample[a] = r, s, p, i
+        t = time.perf_counter()
+        ds, first = prefill_fn(state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, np.uint32(seed),
+                                 np.int32(max_new), stop_arr, **scalars, top_k=top_k)
+        if self.profile:
+            jax.block_until_ready(first)
+            stats["prefill_seconds"] += time.perf_counter() - t
+        stats["prefill_calls"] += 1
+        stats["prefill_rows"] += len(rows)
+        stats["prefill_tokens"] += int(lens[: len(rows)].sum())
+        return ds, first
+
+    def _completion(self, key, tokens, logprobs, slogprobs, stop_set, params) -> Completion:
+        reason = "stop" if tokens and tokens[-1] in stop_set else "length"
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+        return Completion(
+            prompt_index=key[0], sample_index=key[1], token_ids=tokens, logprobs=logprobs,
+            sampling_logprobs=slogprobs if params.modifies_distribution else None,
+            finish_reason=reason, text=text,
+        )

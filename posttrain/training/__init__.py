@@ -1,0 +1,40 @@
+"""The shared trainer core: train state, jit step with gradient accumulation, optimizers, checkpoints, metrics, SFT.
+
+Heavy modules (JAX) load on first attribute access, so importing the config classes stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Trainer": "posttrain.training.trainer",
+    "LossFn": "posttrain.training.trainer",
+    "flops_per_token": "posttrain.training.trainer",
+    "reduce_metrics": "posttrain.training.trainer",
+    "make_optimizer": "posttrain.training.optim",
+    "make_schedule": "posttrain.training.optim",
+    "decay_mask": "posttrain.training.optim",
+    "Checkpointer": "posttrain.training.checkpoint",
+    "MetricsLogger": "posttrain.training.metrics",
+    "Throughput": "posttrain.training.metrics",
+    "run_sft": "posttrain.training.sft",
+    "load_sft_config": "posttrain.training.sft",
+    "TrainingDivergedError": "posttrain.training.sft",
+    "SFTResult": "posttrain.training.sft",
+    "SFTConfig": "posttrain.training.config",
+    "ModelSection": "posttrain.training.config",
+    "DataSection": "posttrain.training.config",
+    "OptimConfig": "posttrain.training.config",
+    "TrainerConfig": "posttrain.training.config",
+    "LoraConfig": "posttrain.training.config",
+    "MeshConfig": "posttrain.training.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'posttrain.training' has no attribute {name!r}")

@@ -1,0 +1,343 @@
+"""The algorithm-agnostic trainer: train state, one jit-compiled step with gradient accumulation, log-probs.
+
+An algorithm supplies a loss function (the *loss protocol*)::
+
+    loss_fn(model, micro_batch) -> (loss_sum, weight, metrics)
+
+`loss_sum` is an unnormalised scalar (e.g. the sum of masked token NLLs), `weight` its normaliser for
+this micro-batch (e.g. the number of target tokens, or of sequences for sequence-mean RL modes), and
+`metrics` a flat dict whose values are either a scalar (summed over micro-batches) or a pair
+`(numerator, denominator)` (reported as Σ numerator / Σ denominator). `weight` must not depend on the
+parameters.
+
+`Trainer.step(batch)` splits the global batch (a dict of arrays with a leading batch axis) into
+`grad_accum` micro-batches and runs them under `lax.scan` inside one compiled function, accumulating
+the *unnormalised* gradients of `loss_sum` and the sums of `loss_sum` and `weight` in float32; at the
+end the gradient is divided by Σ weight. The step's loss is therefore Σ loss_sum / Σ weight, a mean over
+the real targets of the whole accumulated batch, and its gradient is exactly the gradient of that
+globally normalised loss (not an average of per-micro-batch means). Micro-batch j takes rows
+j, j + k, j + 2k, ... so that, with the batch sharded over the data axes, every device holds a slice of
+every micro-batch.
+
+The model is split once (`nnx.split`) into a static graph definition, the trained parameters (`wrt`:
+all `nnx.Param`s, or only the `nnx.LoRAParam` adapters when the model has LoRA) and the rest (frozen
+weights, quantised kernels); the step is a pure function of (params, optimizer state, rest, batch, step)
+with params and optimizer state donated. An update whose loss or gradient norm is not finite, or whose
+batch has no weight, is not applied (the parameters stay as they were) and is flagged in the metrics
+(`skipped`), so a divergence can never reach a checkpoint. With a mesh, every parameter is placed by its
+logical axes (`posttrain.distributed`) and each batch is sharded over (data, fsdp).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from posttrain import distributed
+from posttrain.models import lora as lora_lib
+
+__all__ = ["LossFn", "Trainer", "reduce_metrics", "flops_per_token"]
+
+LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array, dict[str, Any]]]
+
+
+def reduce_metrics(metrics: dict[str, Any]) -> dict[str, jax.Array]:
+    """Turns accumulated metrics into values: a (num, den) pair becomes num / den, a scalar stays."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, (tuple, list)):
+            num, den = v
+            out[k] = jnp.asarray(num, jnp.float32) / jnp.maximum(jnp.asarray(den, jnp.float32), 1e-12)
+        else:
+            out[k] = jnp.asarray(v, jnp.float32)
+    return out
+
+
+def _as_f32(tree):
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs per token for MFU (PaLM, Chowdhery et al. 2022, app. B): 6 N + 12 L H Q T.
+
+    N counts the parameters of matrix multiplies (every layer's linear maps and the output head; not
+    the embedding lookup or the norms), L layers, H query heads of size Q, T the sequence length (the
+    attention score and value products, forward and backward).
+    """
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * f
+    n = cfg.num_layers * per_layer + cfg.vocab_size * d
+    return 6.0 * n + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+class Trainer:
+    """Train state (params, optimizer state, step, RNG) and the compiled step of any loss function.
+
+    Args:
+      model: an NNX model (e.g. `posttrain.models.Transformer`), with LoRA adapters attached or not.
+      tx: an optax transformation (see `posttrain.training.optim.make_optimizer`).
+      loss_fn: the default loss (protocol above); `step(batch, loss_fn=...)` can run any other.
+      grad_accum: micro-batches per step; the global batch size must be divisible by it.
+      mesh: a (data, fsdp, tensor) mesh, or None for the default device.
+      wrt: which variables are trained (default: LoRA adapters if attached, else every `nnx.Param`).
+      schedule: the learning-rate schedule, only to report `lr` in the metrics.
+      seed: seeds the train state's RNG key (checkpointed; `next_rng()` hands out per-step keys).
+      logprob_chunk_size: tokens per vocabulary-projection chunk in `token_logprobs` (None = whole).
+    """
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, loss_fn: LossFn | None = None,
+                 grad_accum: int = 1, mesh: Mesh | None = None, wrt=None, schedule: optax.Schedule | None = None,
+                 seed: int = 0, logprob_chunk_size: int | None = None, donate: bool = True):
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, found {grad_accum}")
+        self.tx = tx
+        self.loss_fn = loss_fn
+        self.grad_accum = int(grad_accum)
+        self.mesh = mesh
+        self.schedule = schedule
+        self.logprob_chunk_size = logprob_chunk_size
+        self.donate = donate
+        self.has_lora = lora_lib.has_lora(model)
+        self.wrt = wrt if wrt is not None else (nnx.LoRAParam if self.has_lora else nnx.Param)
+        self.cfg = getattr(model, "cfg", None)
+        if mesh is not None:
+            distributed.shard_model(model, mesh)
+        self.graphdef, self.params, self.rest = nnx.split(model, self.wrt, ...)
+        if self.has_lora:
+            with lora_lib.disabled(model):
+                self.graphdef_base = nnx.split(model, self.wrt, ...)[0]
+        else:
+            self.graphdef_base = self.graphdef
+        if not jax.tree.leaves(self.params):
+            raise ValueError(f"the model has no trainable parameters of kind {self.wrt}")
+        self.opt_state = self._init_opt_state(self.params)
+        self.step_count = 0
+        self.rng = jax.random.key_data(jax.random.key(seed))
+        self._param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
+        self._opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self._step_fns: dict[Any, Callable] = {}
+        self._eval_fns: dict[Any, Callable] = {}
+        self._logprob_fns: dict[bool, Callable] = {}
+
+    # ------------------------------------------------------------------ state
+    def _init_opt_state(self, params):
+        if self.mesh is None:
+            return self.tx.init(params)
+        # Optimizer moments take their parameter's sharding; scalars (counts) are replicated.
+        abstract = jax.eval_shape(self.tx.init, params)
+        flat_params = {tuple(p): x for p, x in _flat_with_names(params)}
+        rep = NamedSharding(self.mesh, PartitionSpec())
+
+        def pick(path, leaf):
+            names = tuple(_names(path))
+            # An optimizer-state leaf whose path ends with a parameter's path mirrors that parameter.
+            for n in range(len(names)):
+                x = flat_params.get(names[n:])
+                if x is not None and x.shape == leaf.shape:
+                    return x.sharding
+            return rep
+
+        shardings = jax.tree_util.tree_map_with_path(pick, abstract)
+        return jax.jit(self.tx.init, out_shardings=shardings)(params)
+
+    @property
+    def num_trainable(self) -> int:
+        return int(sum(math.prod(x.shape) for x in jax.tree.leaves(self.params)))
+
+    def model(self, *, adapters: bool = True) -> nnx.Module:
+        """A model object over the current weights. It shares the trainer's Variables (setting a value on it
+        changes the trainer's state) and its arrays are donated by the next `step`: use it, then step."""
+        return nnx.merge(self.graphdef if adapters else self.graphdef_base, self.params, self.rest)
+
+    def next_rng(self) -> jax.Array:
+        """A fresh PRNG key from the train state's key (the key is advanced and checkpointed)."""
+        key = jax.random.wrap_key_data(self.rng)
+        key, sub = jax.random.split(key)
+        self.rng = jax.random.key_data(key)
+        return sub
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds: trained params, optimizer state, step, RNG key."""
+        return {"params": self.params, "opt_state": self.opt_state,
+                "step": np.asarray(self.step_count, np.int64), "rng": self.rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), state["params"], self._param_shardings)
+        self.opt_state = jax.tree.map(lambda x, s: jax.device_put(x, s), state["opt_state"], self._opt_shardings)
+        self.step_count = int(state["step"])
+        self.rng = jnp.asarray(state["rng"], jnp.uint32)
+
+    # ------------------------------------------------------------------ batches
+    def put_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
+        """Moves a host batch to the devices (sharded over data+fsdp when a mesh is set)."""
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        return {k: jax.device_put(np.asarray(v), distributed.batch_sharding(self.mesh, np.ndim(v)))
+                for k, v in batch.items()}
+
+    def _split(self, x: jax.Array) -> jax.Array:
+        """[B, ...] -> [k, B/k, ...] with micro-batch j = rows j, j+k, j+2k, ..."""
+        k = self.grad_accum
+        y = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+        if self.mesh is not None:
+            spec = distributed.logical_to_spec((None, "batch") + (None,) * (x.ndim - 1), y.shape, self.mesh)
+            y = jax.lax.with_sharding_constraint(y, NamedSharding(self.mesh, spec))
+        return y
+
+    # ------------------------------------------------------------------ the step
+    def _build_step(self, loss_fn: LossFn):
+        graphdef, tx, schedule, k = self.graphdef, self.tx, self.schedule, self.grad_accum
+
+        def micro(params, rest, mb):
+            model = nnx.merge(graphdef, params, rest)
+            loss_sum, weight, metrics = loss_fn(model, mb)
+            return jnp.asarray(loss_sum, jnp.float32), (jnp.asarray(weight, jnp.float32), _as_f32(metrics))
+
+        grad_fn = jax.value_and_grad(micro, has_aux=True)
+
+        def step_fn(params, opt_state, rest, batch, step):
+            if k == 1:
+                (loss_sum, (weight, metrics)), grads = grad_fn(params, rest, batch)
+                grads = _as_f32(grads)
+            else:
+                mbs = jax.tree.map(self._split, batch)
+                first = jax.tree.map(lambda x: x[0], mbs)
+                _, (w_shape, m_shape) = jax.eval_shape(lambda p, r, b: micro(p, r, b), params, rest, first)
+                zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)  # noqa: E731
+                init = (zeros(jax.eval_shape(lambda p: p, params)), jnp.zeros((), jnp.float32),
+                        zeros(w_shape), zeros(m_shape))
+
+                def body(carry, mb):
+                    g_acc, l_acc, w_acc, m_acc = carry
+                    (ls, (w, m)), g = grad_fn(params, rest, mb)
+                    g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+                    m_acc = jax.tree.map(jnp.add, m_acc, m)
+                    return (g_acc, l_acc + ls, w_acc + w, m_acc), None
+
+                (grads, loss_sum, weight, metrics), _ = jax.lax.scan(body, init, mbs)
+            denom = jnp.maximum(weight, 1e-12)
+            grads = jax.tree.map(lambda g: g / denom, grads)
+            loss = loss_sum / denom
+            grad_norm = optax.tree.norm(grads)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            updates, new_opt = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (weight > 0)
+            new_params = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_params, params)
+            new_opt = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_opt, opt_state)
+            if "attention_mask" in batch:
+                tokens = jnp.sum(batch["attention_mask"].astype(jnp.float32))
+            else:
+                tokens = jnp.asarray(math.prod(batch["input_ids"].shape), jnp.float32)
+            out = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "weight": weight,
+                "tokens": tokens,
+                "skipped": 1.0 - ok.astype(jnp.float32),
+                "lr": jnp.asarray(schedule(step) if schedule is not None else 0.0, jnp.float32),
+            }
+            for name, v in reduce_metrics(metrics).items():
+                out.setdefault(name, v)
+            return new_params, new_opt, out
+
+        kwargs = {}
+        if self.donate:
+            kwargs["donate_argnums"] = (0, 1)
+        if self.mesh is not None:
+            kwargs["out_shardings"] = (self._param_shardings, self._opt_shardings,
+                                       NamedSharding(self.mesh, PartitionSpec()))
+        return jax.jit(step_fn, **kwargs)
+
+    def _check_batch(self, batch):
+        sizes = {np.shape(v)[0] for v in batch.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"batch arrays disagree on the batch size: { {k: np.shape(v) for k, v in batch.items()} }")
+        b = sizes.pop()
+        if b % self.grad_accum:
+            raise ValueError(f"batch size {b} is not divisible by grad_accum={self.grad_accum}")
+        return b
+
+    def step(self, batch: dict[str, Any], loss_fn: LossFn | None = None, *, fetch: bool = True) -> dict[str, Any]:
+        """One optimizer update on `batch`; returns metrics (floats when `fetch`, device scalars otherwise).
+
+        Metrics: loss (Σ loss_sum / Σ weight), grad_norm (before clipping), lr, weight, tokens (real
+        tokens by attention_mask), skipped (1 if the update was not applied), plus the loss's own.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise ValueError("no loss function: pass loss_fn to Trainer(...) or to step(...)")
+        self._check_batch(batch)
+        fn = self._step_fns.get(loss_fn)
+        if fn is None:
+            fn = self._step_fns[loss_fn] = self._build_step(loss_fn)
+        dev = self.put_batch(batch)
+        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, self.rest, dev,
+                                                   jnp.asarray(self.step_count, jnp.int32))
+        self.step_count += 1
+        if fetch:
+            return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation and log-probs
+    def eval_step(self, batch: dict[str, Any], loss_fn: LossFn | None = None) -> tuple[float, float]:
+        """(Σ loss_sum, Σ weight) of `batch` under the current weights, without updating anything."""
+        loss_fn = loss_fn or self.loss_fn
+        fn = self._eval_fns.get(loss_fn)
+        if fn is None:
+            graphdef = self.graphdef
+
+            def eval_fn(params, rest, b):
+                model = nnx.merge(graphdef, params, rest)
+                ls, w, _ = loss_fn(model, b)
+                return jnp.asarray(ls, jnp.float32), jnp.asarray(w, jnp.float32)
+
+            fn = self._eval_fns[loss_fn] = jax.jit(eval_fn)
+        ls, w = jax.device_get(fn(self.params, self.rest, self.put_batch(batch)))
+        return float(ls), float(w)
+
+    def logprob_fn(self, *, adapters: bool = True) -> Callable:
+        """The jitted pure function (params, rest, input_ids, attention_mask, positions, segment_ids) ->
+        [B, T-1] per-token log-probs (chunked log-softmax); `adapters=False` gives the base model."""
+        fn = self._logprob_fns.get(adapters)
+        if fn is None:
+            from posttrain.algorithms.sft import token_logprobs
+
+            graphdef = self.graphdef if adapters else self.graphdef_base
+            chunk = self.logprob_chunk_size
+
+            def lp(params, rest, input_ids, attention_mask, positions, segment_ids):
+                model = nnx.merge(graphdef, params, rest)
+                return token_logprobs(model, input_ids, attention_mask=attention_mask, positions=positions,
+                                      segment_ids=segment_ids, chunk_size=chunk)
+
+            fn = self._logprob_fns[adapters] = jax.jit(lp)
+        return fn
+
+    def token_logprobs(self, batch: dict[str, Any], *, adapters: bool = True, params=None) -> jax.Array:
+        """log p(input_ids[:, t+1] | ..t) [B, T-1] under the current (or given) params; `adapters=False`
+        (LoRA models) scores with the adapters switched off: the base model, RL's reference policy."""
+        dev = self.put_batch(batch)
+        return self.logprob_fn(adapters=adapters)(
+            self.params if params is None else params, self.rest, dev["input_ids"], dev.get("attention_mask"),
+            dev.get("positions"), dev.get("segment_ids"))
+
+
+# ---------------------------------------------------------------------- helpers
+def _names(path) -> list[str]:
+    from posttrain.training.optim import path_names
+
+    return path_names(path)
+
+
+def _flat_with_names(tree):
+    return [(_names(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+

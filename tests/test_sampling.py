@@ -1,0 +1,235 @@
+"""Sampling engine: greedy parity with `transformers`, continuous batching, n samples, recompiles, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from posttrain.models import from_pretrained
+from posttrain.sampling import Completion, Sampler, SamplingParams
+from posttrain.sampling import engine
+
+TOL = 1e-4
+NEW = 12
+LENGTHS = (5, 9, 17, 3, 12)  # > sliding_window=5 of gemma 2/3, across two prefill buckets (16, 32)
+
+
+def _prompts(lengths=LENGTHS, seed=0, vocab=96):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def _hf_greedy(hf, prompt, eos):
+    hf.generation_config.eos_token_id = eos
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, eos_token_id=eos,
+                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def _hf_logprobs(hf, prompt, completion):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = hf(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits, -1).numpy()
+    at = np.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
+    return logp[at, completion]
+
+
+@pytest.fixture(scope="module")
+def llama(hf_checkpoint):
+    return from_pretrained(hf_checkpoint("llama"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])  # gemma: sliding windows, soft-caps
+def test_greedy_matches_transformers(family, hf_checkpoint):
+    import transformers
+
+    path = hf_checkpoint(family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    sampler = Sampler(from_pretrained(path), max_slots=8)
+    prompts = _prompts()
+
+    # 1) no stop token: every sequence runs the full NEW tokens, on both sides
+    ours = sampler.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[]))
+    assert [(c.prompt_index, c.sample_index) for c in ours] == [(i, 0) for i in range(len(prompts))]
+    for p, c in zip(prompts, ours):
+        assert c.token_ids == _hf_greedy(hf, p, None)
+        assert c.finish_reason == "length" and len(c.token_ids) == NEW
+        assert c.sampling_logprobs is None and c.text is None
+        ref = _hf_logprobs(hf, p, c.token_ids)
+        assert np.abs(np.asarray(c.logprobs) - ref).max() <= TOL
+
+    # 2) a stop token that some sequences produce mid-way: both stop on it and include it
+    stop = ours[1].token_ids[4]
+    stopped = sampler.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[stop]))
+    for p, c in zip(prompts, stopped):
+        assert c.token_ids == _hf_greedy(hf, p, stop)
+        if stop in c.token_ids:
+            assert c.finish_reason == "stop" and c.token_ids.index(stop) == len(c.token_ids) - 1
+        else:
+            assert c.finish_reason == "length"
+    assert stopped[1].finish_reason == "stop" and len(stopped[1].token_ids) <= 5
+
+
+def test_default_stop_ids_are_the_model_eos(llama):
+    prompts = _prompts()
+    free = Sampler(llama, max_slots=8).generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0,
+                                                                         stop_token_ids=[]))
+    eos_of = free[2].token_ids[3]
+    model = llama
+    old = model.cfg
+    model.cfg = old.replace(eos_token_id=[eos_of])
+    try:
+        out = Sampler(model, max_slots=8).generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0))
+    finally:
+        model.cfg = old
+    assert out[2].finish_reason == "stop" and out[2].token_ids == free[2].token_ids[: free[2].token_ids.index(eos_of) + 1]
+
+    class Tok:  # a tokenizer's eos ids win over the config's
+        eos_token_ids = [free[0].token_ids[0]]
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    out = Sampler(llama, Tok(), max_slots=8).generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0))
+    assert out[0].token_ids == free[0].token_ids[:1] and out[0].finish_reason == "stop"
+    assert out[0].text == str(free[0].token_ids[0])
+
+
+def test_continuous_batching_matches_plain_batching(llama):
+    """10 prompts through 3 slots (slots are refilled as sequences stop) == all 10 at once."""
+    prompts = _prompts(lengths=(3, 16, 7, 11, 4, 15, 9, 2, 13, 6), seed=1)
+    plain = Sampler(llama, max_slots=16)
+    free = plain.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[]))
+    # stop ids that end several sequences early, at different steps
+    stops = [free[0].token_ids[2], free[3].token_ids[6], free[7].token_ids[9]]
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=stops)
+    ref = plain.generate(prompts, params)
+    assert plain.last_stats["prefill_calls"] == 1
+    cont = Sampler(llama, max_slots=3)
+    out = cont.generate(prompts, params)
+    reasons = [c.finish_reason for c in ref]
+    assert "stop" in reasons and "length" in reasons
+    assert cont.last_stats["slots"] == 3 and cont.last_stats["prefill_calls"] >= 4
+    assert cont.last_stats["max_len"] == 32
+    for a, b in zip(out, ref):
+        assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # sampled completions do not depend on the slot count either (keys come from (seed, prompt, sample))
+    sp = SamplingParams(max_new_tokens=NEW, temperature=1.0, stop_token_ids=stops, seed=7)
+    a, b = cont.generate(prompts, sp), plain.generate(prompts, sp)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+def test_n_samples_share_prefill_and_come_in_a_row(llama):
+    prompts = _prompts(lengths=(6, 14), seed=2)
+    sampler = Sampler(llama, max_slots=8)
+    out = sampler.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=1.0, n=4, seed=3))
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, i) for p in range(2) for i in range(4)]
+    assert sampler.last_stats["prefill_calls"] == 1 and sampler.last_stats["prefill_rows"] == 2
+    assert len({tuple(c.token_ids) for c in out[:4]}) > 1  # independent samples
+    assert all(c.sampling_logprobs is None for c in out)  # temperature 1, no filter: same distribution
+    # copied cache rows are right: n greedy samples equal the single greedy completion
+    g1 = sampler.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[]))
+    g3 = sampler.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[], n=3))
+    assert sampler.last_stats["prefill_rows"] == 2
+    for p in range(2):
+        for i in range(3):
+            assert g3[3 * p + i].token_ids == g1[p].token_ids
+            np.testing.assert_allclose(g3[3 * p + i].logprobs, g1[p].logprobs, atol=1e-5)
+    # more samples than slots: still complete and ordered (groups split into slot-sized chunks)
+    big = Sampler(llama, max_slots=3).generate(prompts, SamplingParams(max_new_tokens=NEW, n=5, seed=1))
+    assert [(c.prompt_index, c.sample_index) for c in big] == [(p, i) for p in range(2) for i in range(5)]
+
+
+def test_seed_repeats_and_sampling_logprobs(llama):
+    prompts = _prompts(lengths=(4, 10, 7), seed=4)
+    sampler = Sampler(llama, max_slots=8)
+    params = SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9, n=2, seed=11)
+    a = sampler.generate(prompts, params)
+    b = sampler.generate(prompts, params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    c = sampler.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9, n=2,
+                                                 seed=12))
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    for comp in a:
+        assert len(comp.sampling_logprobs) == len(comp.logprobs) == len(comp.token_ids)
+        # filtering and T < 1 sharpen the distribution: the drawn tokens are at least as likely under it
+        assert np.all(np.asarray(comp.sampling_logprobs) >= np.asarray(comp.logprobs) - 1e-5)
+        assert np.all(np.asarray(comp.sampling_logprobs) <= 0)
+
+
+def test_reads_current_weights_without_recompiling(llama, hf_checkpoint):
+    """RL updates weights in place between calls: the next generate must use them, with no new compile."""
+    from flax import nnx
+
+    model = from_pretrained(hf_checkpoint("llama"))
+    sampler = Sampler(model, max_slots=8)
+    prompts = _prompts(lengths=(5, 9), seed=5)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
+    before = sampler.generate(prompts, params)
+    counts = dict(engine.TRACE_COUNTS)
+    emb = model.embed_tokens.embedding
+    emb[...] = emb[...][::-1]  # a different model, same shapes
+    after = sampler.generate(prompts, params)
+    assert dict(engine.TRACE_COUNTS) == counts
+    for p, c in zip(prompts, after):
+        logits = np.asarray(model(np.asarray([p])))[0, -1]
+        assert c.token_ids[0] == int(np.argmax(logits))
+    assert [c.token_ids for c in before] != [c.token_ids for c in after]
+    del nnx
+
+
+def test_no_recompilation_within_a_bucket(llama):
+    sampler = Sampler(llama, max_slots=8, max_len=64)
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9)
+    sampler.generate(_prompts(lengths=(17, 20, 3)), params)  # warm-up: bucket 32
+    counts = dict(engine.TRACE_COUNTS)
+    for lengths in [(25, 31, 18), (32, 1, 29), (19, 19, 19)]:
+        sampler.generate(_prompts(lengths=lengths), params)
+    # other values of temperature / top_p / seed / max_new_tokens are traced values, not constants
+    sampler.generate(_prompts(lengths=(20, 21, 22)),
+                     SamplingParams(max_new_tokens=9, temperature=1.3, top_p=0.5, seed=5))
+    assert dict(engine.TRACE_COUNTS) == counts
+    # the counter does see compilations: a prompt in the next bucket (64) compiles one new prefill
+    sampler.generate(_prompts(lengths=(40, 3, 5)), params)
+    assert engine.TRACE_COUNTS["prefill"] == counts["prefill"] + 1
+    assert engine.TRACE_COUNTS["decode"] == counts["decode"]
+
+
+def test_bad_input(llama):
+    sampler = Sampler(llama, max_slots=8)
+    params = SamplingParams(max_new_tokens=8)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        sampler.generate([[5, 6], [], [7]], params)
+    # the tiny checkpoints have max_position_embeddings=256
+    with pytest.raises(ValueError, match=r"prompt 2 has 250 tokens.*max_new_tokens=8.*258.*256"):
+        sampler.generate([[5], [6], [7] * 250], params)
+    with pytest.raises(ValueError, match=r"prompt 0 has 30 tokens.*max_len=32"):
+        Sampler(llama, max_len=32).generate([[5] * 30], params)
+    with pytest.raises(ValueError, match=r"prompt 0 has token id 96 outside"):
+        sampler.generate([[5, 96]], params)
+    assert sampler.generate([], params) == []
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=rf"top_p={bad}"):
+            SamplingParams(top_p=bad)
+    for field, value in [("temperature", -1.0), ("n", 0), ("max_new_tokens", 0), ("top_k", -1), ("min_p", 1.0),
+                         ("min_p", -0.5)]:
+        with pytest.raises(ValueError, match=rf"{field}={value}"):
+            SamplingParams(**{field: value})
+    # the sampler is still usable after a rejected call
+    out = sampler.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert isinstance(out[0], Completion) and 1 <= len(out[0].token_ids) <= 3
+
+
+def test_progress_callback(llama):
+    seen = []
+    out = Sampler(llama, max_slots=3).generate(  # the slot count of the continuous batching test: no compile
+        _prompts(lengths=(3, 4, 5, 6)), SamplingParams(max_new_tokens=NEW, stop_token_ids=[]),
+        progress=lambda done, total, tokens, secs: seen.append((done, total, tokens)))
+    assert seen[-1] == (4, 4, 4 * NEW) and len(out) == 4 and len(seen) >= 2
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
