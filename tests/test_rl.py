@@ -119,18 +119,47 @@ def test_prompt_stream_is_deterministic_and_covers_epochs():
 
 
 def test_build_rl_batch_alignment():
-    ro = Rollouts(group_size=2, record_index=[0, 0], prompt_ids=[[5, 6, 7], [5, 6, 7]],
+    ro = Rollouts(group_size=2, record_index=[0, 0], prompt_ids=[[5, 6, 7], [4, 5, 6, 7]],
                   completion_ids=[[8, 9], [10]], logprobs=[[-0.5, -0.25], [-1.0]],
                   finish_reasons=["stop", "length"], texts=["", ""], prompts_text=["", ""],
                   rewards=np.array([1.0, 0.0], np.float32), per_reward={}, reward_stats={})
     b = build_rl_batch(ro, np.array([0.5, -0.5]), seq_weights=np.array([1.0, 0.0]))
-    assert b["input_ids"].shape == (2, 32)
-    np.testing.assert_array_equal(b["input_ids"][0, :6], [5, 6, 7, 8, 9, 0])
-    # entry t predicts token t+1: completion tokens 8, 9 sit at positions 3, 4 -> entries 2, 3
-    np.testing.assert_array_equal(b["completion_mask"][0, :6], [0, 0, 1, 1, 0, 0])
-    np.testing.assert_array_equal(b["old_logp"][0, :5], [0, 0, -0.5, -0.25, 0])
+    assert b["input_ids"].shape == (2, 32) and b["completion_mask"].shape == (2, 16)
+    # prompt left-padded into columns 0..15, completion from column 16
+    np.testing.assert_array_equal(b["input_ids"][0, 12:19], [0, 5, 6, 7, 8, 9, 0])
+    np.testing.assert_array_equal(b["attention_mask"][0, 12:19], [0, 1, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(b["positions"][0, 13:18], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(b["completion_mask"][0, :3], [1, 1, 0])
+    np.testing.assert_array_equal(b["old_logp"][0, :3], [-0.5, -0.25, 0])
     assert b["completion_mask"][1].sum() == 0  # weight 0 (e.g. overlong-filtered)
-    assert bucket_length(33) == 64 and bucket_length(5) == 32
+    assert bucket_length(33) == 48 and bucket_length(5) == 16
+
+
+def test_rl_loss_logprobs_equal_full_forward():
+    """The loss scores completion tokens exactly as a plain forward + log-softmax does."""
+    import jax.numpy as jnp
+
+    from posttrain.algorithms.sft import token_logprobs
+    from posttrain.models import init_model
+    from posttrain.models.config import llama_like
+    from posttrain.rl.loss import rl_loss
+
+    model = init_model(llama_like())
+    ro = Rollouts(group_size=2, record_index=[0, 0], prompt_ids=[[5, 6, 7], [4, 5, 6, 7, 9]],
+                  completion_ids=[[8, 9, 3], [10]], logprobs=[[0.0] * 3, [0.0]], finish_reasons=["stop"] * 2,
+                  texts=["", ""], prompts_text=["", ""], rewards=np.zeros(2, np.float32), per_reward={},
+                  reward_stats={})
+    b = build_rl_batch(ro, np.array([1.0, -1.0]))
+    # old_logp := log-probs from a plain forward of each unpadded sequence; the loss's ratios must all be 1
+    ref = [np.asarray(token_logprobs(model, jnp.asarray([p + c])))[0, len(p) - 1:]
+           for p, c in zip(ro.prompt_ids, ro.completion_ids)]
+    b["old_logp"] = np.zeros_like(b["old_logp"])
+    for i, r in enumerate(ref):
+        b["old_logp"][i, : len(r)] = r
+    batch = {k: jnp.asarray(v) for k, v in b.items()}
+    _, _, metrics = rl_loss(model, batch, loss_kwargs={"aggregation": "token_mean"})
+    num, den = metrics["ratio_mean"]
+    assert abs(float(num / den) - 1.0) < 1e-5
 
 
 def test_pass_at_k_estimator():

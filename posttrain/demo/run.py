@@ -27,17 +27,18 @@ class DemoSettings:
     n_rl_prompts: int = 4000
     n_eval: int = 500
     max_operand: int = 50
+    direct_fraction: float = 0.5
     hidden: int = 128
     layers: int = 4
     heads: int = 4
-    sft_steps: int = 200
+    sft_steps: int = 300
     sft_batch: int = 32
     sft_lr: float = 3e-3
-    rl_steps: int = 60
+    rl_steps: int = 30
     rl_prompts: int = 16
     group_size: int = 8
-    rl_lr: float = 3e-4
-    rl_eval_every: int = 20
+    rl_lr: float = 1e-4
+    rl_eval_every: int = 10
     max_new_tokens: int = 32
 
     @staticmethod
@@ -68,7 +69,7 @@ def sft_config(out: Path, model: Path, s: DemoSettings, seed: int) -> dict:
         "model": {"path": str(model)},
         "data": {"train": str(out / "data" / "sft_train.jsonl"), "seq_len": 128, "batch_size": s.sft_batch,
                  "pack": True, "seed": seed, "format": {"format": "prompt_completion"}},
-        "optim": {"name": "adamw", "lr": s.sft_lr, "warmup_steps": 20, "decay": "cosine", "min_lr_ratio": 0.1,
+        "optim": {"name": "adamw", "lr": s.sft_lr, "warmup_steps": 20, "decay": "constant",
                   "weight_decay": 0.01, "clip_norm": 1.0},
         "trainer": {"max_steps": s.sft_steps, "log_every": 10, "save_every": s.sft_steps, "keep_checkpoints": 1,
                     "seed": seed, "resume": False},
@@ -89,7 +90,7 @@ def rl_config(out: Path, model: Path, s: DemoSettings, seed: int) -> dict:
         "optim": {"lr": s.rl_lr, "decay": "constant", "clip_norm": 1.0},
         "trainer": {"max_steps": s.rl_steps, "log_every": 1, "save_every": s.rl_steps, "keep_checkpoints": 1,
                     "seed": seed, "resume": False},
-        "eval": {"every": s.rl_eval_every, "at_start": True},
+        "eval": {"every": s.rl_eval_every, "at_start": False},  # the demo evaluated the SFT export already
     }
 
 
@@ -162,7 +163,8 @@ def run_demo(output_dir: str | Path, seed: int = 0, settings: DemoSettings | Non
         f"exact-answer reward. A {s.layers}-layer model is built from scratch; the SFT stage is kept "
         f"[bold]deliberately short[/bold] ({s.sft_steps} steps) so that RL has room to improve it."
     )
-    train, heldout = make_splits(seed, s.n_train + s.n_rl_prompts, s.n_eval, max_operand=s.max_operand)
+    train, heldout = make_splits(seed, s.n_train + s.n_rl_prompts, s.n_eval, max_operand=s.max_operand,
+                                 direct_fraction=s.direct_fraction)
     data = out / "data"
     write_jsonl(train[: s.n_train], data / "sft_train.jsonl")
     write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in train[s.n_train:]], data / "rl_prompts.jsonl")

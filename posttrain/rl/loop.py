@@ -115,7 +115,7 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
     from posttrain.data import read_prompts
     from posttrain.models import lora as lora_lib
     from posttrain.models.hf_io import save_pretrained
-    from posttrain.rl.batch import build_rl_batch
+    from posttrain.rl.batch import build_rl_batch, completion_logprobs
     from posttrain.rl.evaluate import evaluate
     from posttrain.rl.loss import make_rl_loss
     from posttrain.rl.rollout import Rollouts, generate_rollouts
@@ -254,9 +254,9 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
             batch = build_rl_batch(ro, adv, seq_weights=weights, pad_id=tok.pad_token_id or 0)
             t1 = time.perf_counter()
             if cfg.algorithm.old_logprobs == "recompute":
-                batch["old_logp"] = np.asarray(trainer.token_logprobs(batch))
+                batch["old_logp"] = completion_logprobs(trainer.token_logprobs(batch), batch)
             if ref_fn is not None:
-                batch["ref_logp"] = ref_fn(batch)
+                batch["ref_logp"] = completion_logprobs(ref_fn(batch), batch)
             n = len(ro)
             mb = cfg.algorithm.minibatches
             if n % mb or (n // mb) % cfg.trainer.grad_accum:

@@ -1,7 +1,8 @@
 """The RL policy loss in the trainer's protocol: `loss_fn(model, batch) -> (loss_sum, weight, metrics)`.
 
-Per-token log-probs of the current policy come from one forward pass over prompt+completion (the
-vocabulary projection chunked so [tokens, vocab] logits are never whole); the loss itself is
+Per-token log-probs of the current policy come from one forward pass over prompt+completion, with the
+vocabulary projection only at completion positions (and chunked, so [tokens, vocab] logits are never
+whole; see `posttrain.rl.batch` for the layout); the loss itself is
 `posttrain.algorithms.policy.policy_loss` (PPO/DAPO clipped ratio or GSPO, KL to the reference).
 The minibatch loss L is returned as (L * w, w) with w the aggregation's normaliser (target tokens for
 token-mean, sequences otherwise), so summing over micro-batches and dividing reproduces the aggregate
@@ -54,9 +55,10 @@ def normaliser(mask: jax.Array, aggregation: str) -> jax.Array:
 def rl_loss(model, batch, *, loss_kwargs: dict, chunk_size: int | None = None):
     """Policy loss of one (micro-)batch built by `posttrain.rl.batch.build_rl_batch`."""
     ids = batch["input_ids"]
-    h, _ = model.hidden_states(ids, attention_mask=batch["attention_mask"], positions=batch["positions"])
-    logp, ent = _logp_and_entropy(model, h[:, :-1], ids[:, 1:], chunk_size)
     mask = batch["completion_mask"]
+    c = mask.shape[1]  # completions fill the last C columns; column P-1+j predicts completion token j
+    h, _ = model.hidden_states(ids, attention_mask=batch["attention_mask"], positions=batch["positions"])
+    logp, ent = _logp_and_entropy(model, h[:, -c - 1:-1], ids[:, -c:], chunk_size)
     loss, metrics = policy_loss(logp, batch["old_logp"], batch["advantages"], mask,
                                 ref_logp=batch.get("ref_logp"), **loss_kwargs)
     w = normaliser(mask, loss_kwargs.get("aggregation", "token_mean"))
