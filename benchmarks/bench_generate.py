@@ -1,4 +1,4 @@
-"""Benchmark of `posttrain.sampling`: greedy tokens/s against `transformers` generate, and continuous vs static batching.
+"""Benchmark of `posttrain.sampling`: tokens/s against `transformers` generate; continuous vs static batching.
 
 Case 1: a Llama-shaped model (vocab 8192, hidden 256, intermediate 768, 4 layers, 4 heads, 2 KV heads) with
 random weights built by transformers/torch, saved, and loaded into ours (same weights); 16 prompts of 64
@@ -9,7 +9,7 @@ Case 2: 64 prompts through 16 slots, with stop tokens picked (from the greedy co
 half of the sequences end early: continuous batching (one call) vs static batches of 16 (4 calls, each
 running until its longest sequence ends).
 
-Run: `python benchmarks/bench_generate.py [--quick]`.
+Run: `python benchmarks/bench_generate.py [--repeats N] [--profile]`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def build_checkpoint(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def time_hf(path: Path, prompts: np.ndarray, new: int, repeats: int = 1):
+def hf_runner(path: Path, prompts: np.ndarray, new: int, threads: int):
+    """A function running `transformers` greedy generate on the batch with `threads` torch threads; returns
+    the new tokens [B, new]. (On a shared machine torch's spinning worker threads can slow it down tenfold,
+    so the benchmark times 1 thread and all cores and keeps transformers' best.)"""
     import torch
     import transformers
 
@@ -58,21 +61,17 @@ def time_hf(path: Path, prompts: np.ndarray, new: int, repeats: int = 1):
     mask = torch.ones_like(ids)
 
     def run():
+        torch.set_num_threads(threads)
         with torch.no_grad():
-            return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                                  eos_token_id=None, pad_token_id=0)
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                 min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+        return out[:, prompts.shape[1]:].numpy()
 
-    run()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = run()
-        best = min(best, time.perf_counter() - t)
-    return best, out[:, prompts.shape[1]:].numpy()
+    return run
 
 
-def time_ours(sampler, prompts, params, repeats: int = 1, batches: int = 1):
-    """Best wall time of generating `prompts` in `batches` consecutive generate calls (after a warm-up)."""
+def ours_runner(sampler, prompts, params, batches: int = 1):
+    """A function generating `prompts` in `batches` consecutive generate calls; returns the completions."""
     chunks = np.array_split(np.arange(len(prompts)), batches)
 
     def run():
@@ -81,13 +80,20 @@ def time_ours(sampler, prompts, params, repeats: int = 1, batches: int = 1):
             out += sampler.generate([prompts[i] for i in c], params)
         return out
 
-    run()  # warm-up (compiles)
-    best, out = float("inf"), None
+    return run
+
+
+def best_times(runners: dict, repeats: int):
+    """Warm-up once each, then `repeats` interleaved timed rounds; the best time of each (the machine may be
+    shared: interleaving and taking the minimum compare the engines under the same conditions)."""
+    results = {name: run() for name, run in runners.items()}
+    best = {name: float("inf") for name in runners}
     for _ in range(repeats):
-        t = time.perf_counter()
-        out = run()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+        for name, run in runners.items():
+            t = time.perf_counter()
+            results[name] = run()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best, results
 
 
 def pick_stop_ids(seqs: list[list[int]], rng, target: float = 0.5) -> list[int]:
@@ -117,10 +123,10 @@ def pick_stop_ids(seqs: list[list[int]], rng, target: float = 0.5) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one timed repeat instead of three")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds (best of)")
     ap.add_argument("--profile", action="store_true", help="also time prefill and decode separately")
     args = ap.parse_args(argv)
-    repeats = 1 if args.quick else 3
+    repeats = args.repeats
 
     from rich.console import Console
     from rich.table import Table
@@ -130,6 +136,7 @@ def main(argv=None) -> int:
 
     console = Console()
     rng = np.random.default_rng(0)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(Path(tmp) / "llama-bench")
         model = from_pretrained(path)
@@ -139,11 +146,17 @@ def main(argv=None) -> int:
         plist = prompts.tolist()
         params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
         sampler = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW)
-        t_ours, out = time_ours(sampler, plist, params, repeats)
+        cores = os.cpu_count() or 1
+        runners = {"ours": ours_runner(sampler, plist, params)}
+        for threads in sorted({1, cores}):
+            runners[f"hf{threads}"] = hf_runner(path, prompts, NEW, threads)
+        best, res = best_times(runners, repeats)
+        hf_best = min((k for k in best if k.startswith("hf")), key=best.get)
+        t_ours, t_hf, out, hf_tokens = best["ours"], best[hf_best], res["ours"], res[hf_best]
+        hf_threads = int(hf_best[2:])
         stats1 = dict(sampler.last_stats)
         tokens = sum(len(c.token_ids) for c in out)
         assert tokens == 16 * NEW
-        t_hf, hf_tokens = time_hf(path, prompts, NEW, repeats)
         same = sum(c.token_ids == hf_tokens[i].tolist() for i, c in enumerate(out))
         if args.profile:
             sampler.profile = True
@@ -157,9 +170,12 @@ def main(argv=None) -> int:
         stops = pick_stop_ids([c.token_ids for c in free], rng)
         params2 = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=stops)
         s2 = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW)
-        t_cont, out_cont = time_ours(s2, prompts2, params2, repeats)
+        best2, res2 = best_times({"continuous": ours_runner(s2, prompts2, params2),
+                                  "static": ours_runner(s2, prompts2, params2, batches=4)}, repeats)
+        t_cont, t_static = best2["continuous"], best2["static"]
+        out_cont, out_static = res2["continuous"], res2["static"]
+        s2.generate(prompts2, params2)
         stats_cont = dict(s2.last_stats)
-        t_static, out_static = time_ours(s2, prompts2, params2, repeats, batches=4)
         assert [c.token_ids for c in out_cont] == [c.token_ids for c in out_static]
         tokens2 = sum(len(c.token_ids) for c in out_cont)
         lengths = np.array([len(c.token_ids) for c in out_cont])
@@ -168,7 +184,7 @@ def main(argv=None) -> int:
     t1 = Table(title=f"Case 1: 16 prompts x {PROMPT_LEN} tokens, {NEW} new tokens, greedy, no stop (CPU)")
     for col in ("engine", "seconds", "tokens/s", "ratio"):
         t1.add_column(col, justify="right")
-    t1.add_row("transformers generate (torch)", f"{t_hf:.3f}", f"{tokens / t_hf:,.0f}", "1.00x")
+    t1.add_row(f"transformers generate (torch, {hf_threads} thread{'s' if hf_threads > 1 else ''})", f"{t_hf:.3f}", f"{tokens / t_hf:,.0f}", "1.00x")
     t1.add_row("posttrain Sampler (JAX)", f"{t_ours:.3f}", f"{tokens / t_ours:,.0f}", f"{t_hf / t_ours:.2f}x")
     console.print(t1)
     console.print(f"identical greedy sequences (ours vs transformers): {same}/16; "
@@ -184,6 +200,8 @@ def main(argv=None) -> int:
     t2.add_row("static batches of 16", f"{t_static:.3f}", f"{tokens2 / t_static:,.0f}", "1.00x")
     t2.add_row("continuous batching", f"{t_cont:.3f}", f"{tokens2 / t_cont:,.0f}", f"{t_static / t_cont:.2f}x")
     console.print(t2)
+    console.print(f"machine: {os.cpu_count()} CPUs, load average {load_before:.1f} at start, "
+                  f"{os.getloadavg()[0]:.1f} at end; best of {repeats} interleaved rounds")
     console.print(f"continuous: {stats_cont.get('prefill_calls')} prefill calls, {stats_cont.get('decode_segments')} "
                   f"decode segments, {stats_cont.get('decode_steps')} decode steps")
     return 0

@@ -24,11 +24,13 @@ How each side is timed (warm-up steps, which include our jit compiles, are dropp
     "grpo" (per-sequence token mean, as our grpo preset), scale_rewards "group", num_iterations 1.
 Each side runs in its own subprocess, one after the other (never concurrently), so neither framework's
 thread pool competes with the other's. torch uses `torch.set_num_threads(--torch-threads)`, by default
-os.cpu_count() (torch's own default here too); XLA uses its default CPU thread pool. A float32 matmul rate (2048^3, jax.jit and torch)
-is measured first for context. On a shared machine timings move run to run; compare within one run.
+os.cpu_count() (torch's own default here too); XLA uses its default CPU thread pool. A float32 matmul rate
+(2048^3, jax.jit and torch) is measured first for context. On a shared machine timings move run to run:
+compare within one run, and watch the load-average column (other processes on the cores hurt a multi-threaded
+torch far more than XLA; `--torch-threads 1` shows how much).
 
-    python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--torch-threads N] [--trl-checkpointing]
-                                    [--no-trl] [--no-ours] [--no-peak]
+    python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--rounds 1] [--torch-threads N]
+                                    [--trl-checkpointing] [--no-trl] [--no-ours] [--no-peak]
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int) -> dict:
     if len(h) != total or len(ends) != total:
         raise RuntimeError(f"expected {total} steps, history has {len(h)}, step ends {len(ends)}")
     timed = h[warmup:]
-    wall = [ends[i] - ends[i - 1] for i in range(max(warmup, 1), total)]
+    wall = [ends[i] - ends[i - 1] for i in range(warmup, total)]  # warmup >= 1
     return {
         "step": wall,
         "rollout": [r["time/rollout_s"] for r in timed],
@@ -275,6 +277,19 @@ def worker(kind: str, folder: Path, warmup: int, steps: int, threads: int, check
     return out
 
 
+def _merge(a: dict, b: dict) -> dict:
+    """Pools two rounds of one side: per-step lists concatenated, per-run means averaged, load range kept."""
+    out = {}
+    for k, v in a.items():
+        if isinstance(v, list) and k != "log_keys":
+            out[k] = v + b[k]
+        elif isinstance(v, float) and k in ("length_mean", "truncated", "reward_mean"):
+            out[k] = (v + b[k]) / 2
+        else:
+            out[k] = b[k]
+    return out
+
+
 def _spawn(kind: str, folder: Path, warmup: int, steps: int, threads: int, checkpointing: bool = False) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--warmup",
                            str(warmup), "--steps", str(steps), "--torch-threads", str(threads)]
@@ -292,11 +307,15 @@ def _spawn(kind: str, folder: Path, warmup: int, steps: int, threads: int, check
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per side, not timed (ours: includes compiles)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="warm-up steps per side, not timed (>= 1; ours: includes the compiles)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per side, after the warm-up")
     p.add_argument("--no-trl", action="store_true", help="skip TRL")
     p.add_argument("--no-ours", action="store_true", help="skip posttrain")
     p.add_argument("--no-peak", action="store_true", help="skip the matmul-rate measurement")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternating rounds (ours, TRL, ours, TRL, ...), each a fresh process with its own warm-up; "
+                        "the timed steps of all rounds are pooled (evens out a machine whose load drifts)")
     p.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
                    help="torch.set_num_threads for TRL and the torch matmul (default: all cores)")
     p.add_argument("--trl-checkpointing", action="store_true",
@@ -304,8 +323,9 @@ def main(argv=None) -> int:
     p.add_argument("--worker", choices=["ours", "trl", "peak"], help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not args.worker and (args.steps < 1 or args.warmup < 0):
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if not args.worker and (args.steps < 1 or args.warmup < 1 or args.rounds < 1):
+        p.error("--steps, --warmup and --rounds must be >= 1 (the first step holds our compiles and TRL's "
+                "first-call costs)")
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.folder, args.warmup, args.steps, args.torch_threads,
                                                args.trl_checkpointing)), flush=True)
@@ -314,28 +334,30 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 150))
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # a pipe: wide enough for the table
     t0 = time.perf_counter()
     res: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_checkpoint(Path(tmp) / "bench-llama")
         write_prompts(folder / "prompts.jsonl", make_prompts())
         peak = None if args.no_peak else _spawn("peak", folder, 0, 0, args.torch_threads)
-        for kind in ("ours", "trl"):
-            if (kind == "ours" and args.no_ours) or (kind == "trl" and args.no_trl):
-                continue
-            console.print(f"running {kind}: {args.warmup} warm-up + {args.steps} timed steps ...")
-            t = time.perf_counter()
-            res[kind] = _spawn(kind, folder, args.warmup, args.steps, args.torch_threads,
-                               args.trl_checkpointing)
-            console.print(f"  {kind} done in {time.perf_counter() - t:.0f} s; median step "
-                          f"{statistics.median(res[kind]['step']):.3f} s")
+        kinds = [k for k, skip in (("ours", args.no_ours), ("trl", args.no_trl)) if not skip]
+        for rnd in range(args.rounds):
+            for kind in kinds:
+                console.print(f"round {rnd + 1}/{args.rounds}, {kind}: {args.warmup} warm-up + {args.steps} timed "
+                              f"steps ...")
+                t = time.perf_counter()
+                r = _spawn(kind, folder, args.warmup, args.steps, args.torch_threads, args.trl_checkpointing)
+                res[kind] = r if kind not in res else _merge(res[kind], r)
+                console.print(f"  {kind} done in {time.perf_counter() - t:.0f} s; median step "
+                              f"{statistics.median(r['step']):.3f} s (load avg {r['loadavg'][0]:.1f} -> "
+                              f"{r['loadavg'][1]:.1f})")
 
     med = statistics.median
     table = Table(title=f"GRPO step, CPU float32: Llama-shaped vocab {VOCAB}, hidden {HIDDEN}, mlp {INTER}, "
                         f"{LAYERS} layers, {HEADS}/{KV} heads x {HEAD_DIM}; {N_PROMPTS} prompts x {GROUP} "
                         f"completions <= {MAX_NEW} new tokens; beta 0; 1 update/step. Medians of {args.steps} "
-                        f"steps after {args.warmup} warm-up")
+                        f"steps after {args.warmup} warm-up" + (f", x {args.rounds} rounds" if args.rounds > 1 else ""))
     for col in ("system", "s/step", "min s/step", "rollout s", "(generate s)", "train s", "rollout %",
                 "compl. len", "truncated", "reward", "warm-up s", "load avg"):
         table.add_column(col, justify="left" if col == "system" else "right")
@@ -346,7 +368,7 @@ def main(argv=None) -> int:
         table.add_row(names[kind], f"{s:.2f}", f"{min(r['step']):.2f}", f"{ro:.2f}", gen, f"{tr:.2f}",
                       f"{ro / (ro + tr):.0%}", f"{r['length_mean']:.1f}", f"{r['truncated']:.0%}",
                       f"{r['reward_mean']:.3f}", ", ".join(f"{x:.1f}" for x in r["warmup"]),
-                      "->".join(f"{x:.1f}" for x in r["loadavg"]))
+                      f"{min(r['loadavg']):.1f}..{max(r['loadavg']):.1f}")
     console.print(table)
     notes = []
     if "ours" in res:
@@ -364,8 +386,15 @@ def main(argv=None) -> int:
     if peak:
         notes.append(f"float32 2048^3 matmul: jax.jit {peak['jax'] / 1e9:.0f} GFLOP/s, torch "
                      f"{peak['torch'] / 1e9:.0f} GFLOP/s ({peak['torch_threads']} threads); {os.cpu_count()} CPU "
-                     f"cores. load avg = 1-minute load average when a side started -> ended (above "
-                     f"{os.cpu_count()}: other processes were competing for the cores).")
+                     f"cores. load avg = range of the 1-minute load average at the start and end of each side's run "
+                     f"(above {os.cpu_count()}: other processes were competing for the cores).")
+    for kind, r in res.items():
+        notes.append(f"{kind} timed steps (s): " + ", ".join(f"{x:.2f}" for x in r["step"]))
+    busiest = max((max(r["loadavg"]) for r in res.values()), default=0.0)
+    if busiest > (os.cpu_count() or 1):
+        notes.append(f"WARNING: the load average reached {busiest:.1f} on {os.cpu_count()} cores: other processes "
+                     "were competing for the CPU, and a multi-threaded torch (OpenMP) suffers far more from that than "
+                     "a single-threaded one; compare with --torch-threads 1, or rerun on an idle machine.")
     notes.append(f"total benchmark time {time.perf_counter() - t0:.0f} s.")
     for n in notes:
         console.print(n)

@@ -85,7 +85,8 @@ def test_default_stop_ids_are_the_model_eos(llama):
         out = Sampler(model, max_slots=8).generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0))
     finally:
         model.cfg = old
-    assert out[2].finish_reason == "stop" and out[2].token_ids == free[2].token_ids[: free[2].token_ids.index(eos_of) + 1]
+    cut = free[2].token_ids.index(eos_of) + 1
+    assert out[2].finish_reason == "stop" and out[2].token_ids == free[2].token_ids[:cut]
 
     class Tok:  # a tokenizer's eos ids win over the config's
         eos_token_ids = [free[0].token_ids[0]]

@@ -12,7 +12,7 @@ import pytest
 
 from posttrain.config import ConfigError
 from posttrain.data import DataError
-from posttrain.training.sft import TrainingDivergedError, load_sft_config, run_sft
+from posttrain.training.sft import ResumeError, TrainingDivergedError, load_sft_config, run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "sft_smoke.yaml"
@@ -63,7 +63,8 @@ def test_sft_smoke_learns_and_writes_everything(tiny_llama, tmp_path):
     assert load_sft_config(out / "config.yaml") == cfg
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 10, 20, 30, 40, 50, 60, 70, 80]
-    assert all({"loss", "grad_norm", "lr", "tokens_per_sec"} <= r.keys() for r in records)
+    assert all({"loss", "grad_norm", "lr", "tokens"} <= r.keys() for r in records)
+    assert "first_step_time" in records[0] and all("tokens_per_sec" in r for r in records[1:])
     assert "eval_loss" in records[4] and "eval_loss" in records[-1]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["40", "80"]
@@ -122,11 +123,16 @@ def test_resume_gives_the_same_run(tiny_llama, tmp_path):
         return batch
 
     with pytest.raises(KeyboardInterrupt):
-        run_sft(_cfg(tiny_llama, tmp_path / "b", *common), batch_hook=crash)
+        run_sft(_cfg(tiny_llama, tmp_path / "b", *common, "trainer.log_every=1"), batch_hook=crash)
     seen_b: dict = {}
-    third = run_sft(_cfg(tiny_llama, tmp_path / "b", *common), batch_hook=hook(seen_b))
+    third = run_sft(_cfg(tiny_llama, tmp_path / "b", *common, "trainer.log_every=1"), batch_hook=hook(seen_b))
     assert third.start_step == 3
     np.testing.assert_allclose([x for _, x in third.losses], [x for s, x in full.losses if s > 3], atol=1e-6)
+
+    # metrics.jsonl of the crashed-and-resumed run has each step once (step 4, logged before the crash
+    # and run again after resuming from step 3, is not duplicated).
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
 
     # Same data order: every step saw the same batch as in the uninterrupted run.
     for seen in (seen_a, seen_b):
@@ -155,6 +161,9 @@ def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(tiny_llama, tmp_p
                        "export_hf=false"))
     assert res.start_step == 4 and all(math.isfinite(x) for _, x in res.losses)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(res.trainer.params))
+    # A checkpoint of another setting (full fine-tuning) is not silently taken for a LoRA run's.
+    with pytest.raises(ResumeError, match="another model or LoRA setting"):
+        run_sft(_cfg(tiny_llama, out, "trainer.max_steps=8", "lora.enabled=true"))
 
 
 # ---------------------------------------------------------------------- bad input

@@ -7,7 +7,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from posttrain.algorithms.sft import make_sft_loss

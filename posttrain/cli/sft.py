@@ -27,11 +27,11 @@ def run(args) -> int:
     from posttrain.data.sources import DataError
     from posttrain.models.hf_io import CheckpointError
     from posttrain.tokenizer import TokenizerError
-    from posttrain.training.sft import TrainingDivergedError, run_sft
+    from posttrain.training.sft import ResumeError, TrainingDivergedError, run_sft
 
     try:
         result = run_sft(cfg)
-    except (ConfigError, DataError, CheckpointError, TokenizerError, TrainingDivergedError) as e:
+    except (ConfigError, DataError, CheckpointError, TokenizerError, TrainingDivergedError, ResumeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     last = result.losses[-1][1] if result.losses else float("nan")

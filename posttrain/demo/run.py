@@ -26,7 +26,7 @@ class DemoSettings:
     n_train: int = 20000
     n_rl_prompts: int = 4000
     n_eval: int = 500
-    max_operand: int = 50
+    max_operand: int = 20
     direct_fraction: float = 0.5
     hidden: int = 128
     layers: int = 4
@@ -34,7 +34,7 @@ class DemoSettings:
     sft_steps: int = 300
     sft_batch: int = 32
     sft_lr: float = 3e-3
-    rl_steps: int = 30
+    rl_steps: int = 40
     rl_prompts: int = 16
     group_size: int = 8
     rl_lr: float = 1e-4
@@ -159,9 +159,11 @@ def run_demo(output_dir: str | Path, seed: int = 0, settings: DemoSettings | Non
     t_start = time.perf_counter()
     console.rule("[bold]posttrain demo")
     console.print(
-        "Task: chained additions like [cyan]17+25+9=[/cyan] -> [cyan]17+25=42,42+9=51 #### 51[/cyan], "
-        f"exact-answer reward. A {s.layers}-layer model is built from scratch; the SFT stage is kept "
-        f"[bold]deliberately short[/bold] ({s.sft_steps} steps) so that RL has room to improve it."
+        "Task: chained additions like [cyan]7+15+9=[/cyan] -> [cyan]7+15=22,22+9=31 #### 31[/cyan], checked by the "
+        f"exact-answer reward. A {s.layers}-layer model is built from scratch. As in much real SFT data, "
+        f"{100 * s.direct_fraction:.0f}% of the demonstrations skip the working ([cyan]#### 31[/cyan]), and the SFT "
+        f"stage is kept [bold]deliberately short[/bold] ({s.sft_steps} steps) so that RL has room to improve: "
+        "it can learn that working it out pays."
     )
     train, heldout = make_splits(seed, s.n_train + s.n_rl_prompts, s.n_eval, max_operand=s.max_operand,
                                  direct_fraction=s.direct_fraction)

@@ -3,14 +3,14 @@
 Cache design. The KV cache is *slot-indexed*: k, v [layers, slots, max_len, kv_heads, head_dim] plus a
 `valid` mask [slots, max_len] (`posttrain.models.KVCache`). A slot holds one sequence; token p of slot b
 lives at [b, p]. It is allocated once per (slots, max_len) configuration, lives in the sampler between
-calls and is donated to every compiled call, so it is updated in place and never copied. We do not page
-it: a page table buys memory sharing between sequences of very different lengths and prefix sharing, at
-the price of gathers in every attention call and a host-side allocator; with RL's workload (one length
-budget for every sample, groups of `n` samples per prompt) slots of `max_len` waste little, keep every
-shape static for XLA, and the one thing paging would share (a prompt's prefix across its `n` samples)
-is handled by prefilling once and copying the rows. Attention reads the whole `max_len` row each step
-(masked), so `max_len` is chosen tight (by default: longest prompt plus `max_new_tokens`, rounded up to a
-power of two).
+calls and is donated to every compiled call, so the sampler updates it in place and never copies it.
+We do not page it: a page table buys memory sharing between sequences of very different lengths and
+prefix sharing, at the price of gathers in every attention call and a host-side allocator; with RL's
+workload (one length budget for every sample, groups of `n` samples per prompt) slots of `max_len` waste
+little, keep every shape static for XLA, and the one thing paging would share (a prompt's prefix across
+its `n` samples) is handled by prefilling once and copying the rows. Attention reads the whole `max_len`
+row each step (masked), so `max_len` is chosen tight (by default: longest prompt plus `max_new_tokens`,
+rounded up to a power of two).
 
 Prefill. Waiting prompts are right-padded to a length bucket (powers of two >= 16, capped at max_len) and
 the number of prompt rows is rounded up to a power of two, so new prompt lengths within a bucket reuse the
@@ -28,6 +28,12 @@ ends when every slot is done, when enough slots are free to admit waiting prompt
 Continuous batching. The host loop alternates prefill of waiting prompts into free slots with decode
 segments, so a few long completions do not hold the other slots idle: a finished slot takes the next
 prompt. Prompts are admitted in order; a prompt's samples are admitted together (up to the slot count).
+
+Compilation. What is static: slots, max_len, the prefill (rows, bucket) shape, top_k and segment_steps.
+Greedy-or-not, temperature, top_p, min_p, seed, max_new_tokens and the stop ids are traced values, so a
+sampler compiles one decode program and one prefill program per (rows, bucket) it meets; the programs
+are shared by every sampler of a model of the same structure, and the weights are read from the model
+at every call (RL updates them in place between calls).
 
 Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only, so the
 same seed gives the same completions whatever the slot count or scheduling.

@@ -56,11 +56,11 @@ def _logprob_of(x: jax.Array, tok: jax.Array) -> jax.Array:
 def choose_tokens(logits: jax.Array, keys, top_k: int, greedy, temperature, top_p, min_p):
     """Picks one token per row of float32 logits [R, V].
 
-    keys: a function returning typed PRNG keys [R] (one per row; only called when sampling). greedy (a traced bool) takes the argmax of the raw logits
-    and skips the sampling work at run time. Sampling is the Gumbel-max trick (argmax of logits plus
-    Gumbel noise), which draws exactly from softmax(logits). Returns (tokens [R] int32, logprobs [R] under
-    log_softmax(logits), sampling_logprobs [R] under the filtered, temperature-scaled distribution; 0 when
-    greedy).
+    keys: a function returning typed PRNG keys [R] (one per row; only called when sampling).
+    greedy (a traced bool) takes the argmax of the raw logits and skips the sampling work at run time.
+    Sampling is the Gumbel-max trick (argmax of logits plus Gumbel noise), which draws exactly from
+    softmax(logits). Returns (tokens [R] int32, logprobs [R] under log_softmax(logits), sampling_logprobs
+    [R] under the filtered, temperature-scaled distribution; 0 when greedy).
     """
     logits = logits.astype(jnp.float32)
 

@@ -21,6 +21,7 @@ _EXPORTS = {
     "run_sft": "posttrain.training.sft",
     "load_sft_config": "posttrain.training.sft",
     "TrainingDivergedError": "posttrain.training.sft",
+    "ResumeError": "posttrain.training.sft",
     "SFTResult": "posttrain.training.sft",
     "SFTConfig": "posttrain.training.config",
     "ModelSection": "posttrain.training.config",

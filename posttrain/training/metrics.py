@@ -1,6 +1,7 @@
 """Run metrics: `OUTPUT_DIR/metrics.jsonl` (one JSON object per logged step), TensorBoard, a rich progress bar.
 
-Throughput and MFU are measured over the steps between two log points (wall-clock time per step window):
+Throughput and MFU are measured over the steps between two log points (wall-clock time per step window;
+the SFT loop keeps the first step, which includes compilation, out of it and logs it as first_step_time):
 tokens/s counts real (non-padding) tokens; MFU = flops_per_token * processed tokens / (time * peak_flops)
 with `posttrain.training.trainer.flops_per_token` (6 N + 12 L H Q T) and processed tokens = batch * seq_len.
 """

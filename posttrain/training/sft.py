@@ -12,11 +12,15 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["TrainingDivergedError", "SFTResult", "load_sft_config", "run_sft", "build_model"]
+__all__ = ["TrainingDivergedError", "ResumeError", "SFTResult", "load_sft_config", "run_sft", "build_model"]
 
 
 class TrainingDivergedError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the run stopped and the last good checkpoint is intact."""
+
+
+class ResumeError(RuntimeError):
+    """The checkpoint in OUTPUT_DIR/checkpoints does not fit this run (another model or LoRA setting)."""
 
 
 @dataclasses.dataclass
@@ -63,6 +67,22 @@ def build_model(cfg, mesh=None):
 
         raise ConfigError("lora.quantize needs lora.enabled=true (a quantised base can only be trained through adapters)")
     return model, folder
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Removes metrics.jsonl records of steps after `step` (logged by a run that then crashed)."""
+    import json
+
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:  # a line cut short by the crash
+            continue
+    path.write_text("".join(x + "\n" for x in keep))
 
 
 def _eval_batches(cfg, tok):
@@ -139,10 +159,18 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
     it = iter(train_ds)
     start = 0
     if tc.resume and ckpt.latest_step() is not None:
-        meta = ckpt.restore(trainer)
+        try:
+            meta = ckpt.restore(trainer)
+        except Exception as e:  # noqa: BLE001 - re-raised with what to do about it
+            ckpt.close()
+            raise ResumeError(
+                f"cannot resume from checkpoint {ckpt.latest_step()} in {ckpt.directory} ({type(e).__name__}: "
+                f"{str(e)[:300]}); was it written by another model or LoRA setting? Use a fresh output_dir "
+                "or trainer.resume=false") from e
         if meta.get("data_state") is not None:
             it.set_state(meta["data_state"])
         start = trainer.step_count
+        _drop_records_after(out / "metrics.jsonl", start)  # steps after the checkpoint are run again
 
     logger = MetricsLogger(out, total_steps=tc.max_steps, start_step=start, progress=tc.progress)
     say = log or logger.message
@@ -182,7 +210,9 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
                     f"the update was not applied and the run stopped; {where}. "
                     f"Lower optim.lr, enable optim.clip_norm, or check the data.")
             record = None
-            if step % tc.log_every == 0 or step == end or step == start + 1:
+            if step == start + 1:  # the first step includes compilation: report it, keep it out of tokens/s
+                record = dict(metrics, first_step_time=throughput.summary()["step_time"])
+            elif step % tc.log_every == 0 or step == end:
                 record = dict(metrics, **throughput.summary())
             if eval_data and (step % tc.eval_every == 0 or step == tc.max_steps):
                 eval_loss = run_eval()
