@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     t1 = Table(title=f"Case 1: 16 prompts x {PROMPT_LEN} tokens, {NEW} new tokens, greedy, no stop (CPU)")
     for col in ("engine", "seconds", "tokens/s", "ratio"):
         t1.add_column(col, justify="right")
-    t1.add_row(f"transformers generate (torch, {hf_threads} thread{'s' if hf_threads > 1 else ''})", f"{t_hf:.3f}", f"{tokens / t_hf:,.0f}", "1.00x")
+    hf_name = f"transformers generate (torch, {hf_threads} thread{'s' if hf_threads > 1 else ''})"
+    t1.add_row(hf_name, f"{t_hf:.3f}", f"{tokens / t_hf:,.0f}", "1.00x")
     t1.add_row("posttrain Sampler (JAX)", f"{t_ours:.3f}", f"{tokens / t_ours:,.0f}", f"{t_hf / t_ours:.2f}x")
     console.print(t1)
     console.print(f"identical greedy sequences (ours vs transformers): {same}/16; "

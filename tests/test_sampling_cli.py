@@ -9,13 +9,19 @@ import pytest
 from posttrain.cli.main import main
 
 
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """One POSTTRAIN_CACHE for the module, so `tiny:llama` is built once."""
+    return str(tmp_path_factory.mktemp("tiny-cache"))
+
+
 def _write(path, lines):
     path.write_text("".join(line + "\n" for line in lines))
     return path
 
 
-def test_generate_writes_one_line_per_completion(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+def test_generate_writes_one_line_per_completion(tmp_path, monkeypatch, capsys, tiny_cache):
+    monkeypatch.setenv("POSTTRAIN_CACHE", tiny_cache)
     prompts = _write(tmp_path / "p.jsonl", [
         json.dumps({"prompt": "2+2="}),
         "",
@@ -68,3 +74,12 @@ def test_bad_sampling_flag(tmp_path, capsys):
     rc = main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"),
                "--top-p", "1.5"])
     assert rc == 1 and "top_p=1.5" in capsys.readouterr().err
+
+
+def test_too_long_prompt_names_the_line(tmp_path, monkeypatch, capsys, tiny_cache):
+    monkeypatch.setenv("POSTTRAIN_CACHE", tiny_cache)
+    prompts = _write(tmp_path / "p.jsonl", ['{"prompt": "a"}', json.dumps({"prompt": "x" * 2100})])
+    rc = main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+               "--max-new-tokens", "8", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "p.jsonl, line 2: prompt 1 has 2100 tokens" in err, err

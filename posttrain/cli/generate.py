@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -108,9 +109,14 @@ def run(args) -> int:
         prompts = encode_prompts(records, tokenizer, args.chat, args.prompts)
         slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
         sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
-        completions = sampler.generate(prompts, params, progress=not args.no_progress)
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
+    try:
+        completions = sampler.generate(prompts, params, progress=not args.no_progress)
+    except ValueError as e:
+        m = re.match(r"prompt (\d+) ", str(e))  # the sampler names prompts by index: name the line too
+        where = f"{args.prompts}, line {records[int(m.group(1))]['_line']}: " if m else ""
+        return fail(where + str(e))
 
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,14 +47,15 @@ def load_sft_config(path: str | Path | None, overrides=()):
 
 
 def build_model(cfg, mesh=None):
-    """Loads the configured checkpoint and attaches LoRA / QLoRA as configured; returns (model, folder)."""
+    """Loads the configured checkpoint (streamed straight into its shards when a mesh is given) and attaches
+    LoRA / QLoRA as configured; returns (model, folder)."""
     from posttrain.models import lora
     from posttrain.models.hf_io import from_pretrained
     from posttrain.models.tiny import resolve_model_path
 
     folder = resolve_model_path(cfg.model.path)
     m = cfg.model
-    model = from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype,
+    model = from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, mesh=mesh,
                             scan_layers=m.scan_layers, remat=m.remat, attention_impl=m.attention_impl)
     if cfg.lora.enabled:
         lora.attach(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, target=cfg.lora.target, seed=cfg.trainer.seed,
