@@ -223,8 +223,8 @@ def test_bad_input(llama):
         with pytest.raises(ValueError, match=rf"{field}={value}"):
             SamplingParams(**{field: value})
     # the sampler is still usable after a rejected call
-    out = sampler.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0))
-    assert isinstance(out[0], Completion) and 1 <= len(out[0].token_ids) <= 3
+    out = sampler.generate([[5, 6, 7]], SamplingParams(max_new_tokens=NEW, temperature=0.0))
+    assert isinstance(out[0], Completion) and 1 <= len(out[0].token_ids) <= NEW
 
 
 def test_progress_callback(llama):
