@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     from posttrain.models import from_pretrained
     from posttrain.sampling import Sampler, SamplingParams
 
-    console = Console()
+    console = Console(width=max(110, Console().width))
     rng = np.random.default_rng(0)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
