@@ -55,8 +55,26 @@ class KVCache:
         return dataclasses.replace(self, valid=self.valid.at[b, pos].set(token_mask.astype(bool)))
 
 
+def _attend_one(q, k, v, mask, cfg: ModelConfig):
+    """`_attend` for one query per row (decode): multiply-and-reduce over the cache in its [B,S,K,H] layout,
+    so XLA neither transposes the cache nor runs many tiny batched matmuls."""
+    b, _, n, h = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, 1, kvh, n // kvh, h).astype(jnp.float32)  # [B,1,K,G,H]
+    logits = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1) * cfg.attn_scale  # [B,S,K,G]
+    if cfg.attn_logit_softcap is not None:
+        cap = cfg.attn_logit_softcap
+        logits = jnp.tanh(logits / cap) * cap
+    logits = jnp.where(mask[:, 0, 0, :, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=1)
+    out = jnp.sum(probs[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [B,K,G,H]
+    return out.reshape(b, 1, n, h).astype(q.dtype)
+
+
 def _attend(q, k, v, mask, cfg: ModelConfig):
     """softmax(q k^T * scale [softcapped]) v with GQA; q [B,T,N,H], k/v [B,S,K,H], mask [B,1,T,S] bool."""
+    if q.shape[1] == 1 and k.shape[1] > 1 and jax.default_backend() == "cpu":
+        return _attend_one(q, k, v, mask, cfg)
     if cfg.attn_logit_softcap is None:
         impl = None if cfg.attention_impl == "auto" else cfg.attention_impl
         if impl is None and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
@@ -96,9 +114,9 @@ class Attention(nnx.Module):
     def __call__(self, x, *, rope, mask_info, sliding, cache_kv=None, positions=None):
         """x [B,T,D]; rope = (cos, sin); sliding: bool scalar for this layer.
 
-        `mask_info` holds what the mask needs (see `Transformer`); with `cache_kv=(k_all, v_all, valid)`
-        (this layer's cache) the new keys/values are placed at `positions` for attention, and the new
-        token keys/values (k, v) [B,T,K,H] come back for the caller to write into the stacked cache.
+        `mask_info` holds what the mask needs (see `Transformer`); with `cache_kv=(k_all, v_all, valid, layer)`
+        (the stacked cache [layers, B, S, K, H] and this layer's index) the new keys/values are written at
+        [layer, b, positions] and the updated stacked (k_all, v_all) come back.
         """
         cfg = self.cfg
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -114,19 +132,20 @@ class Attention(nnx.Module):
                 mask = mask & (~sliding | (qi - ki < window))
             new_cache = None
         else:
-            k_all, v_all, valid = cache_kv
+            # Write the new keys/values into the stacked cache first, then read this layer's rows: reading
+            # before writing makes XLA copy the whole carried cache to keep the old value alive.
+            k_all, v_all, valid, layer = cache_kv
             b = jnp.arange(x.shape[0])[:, None]
-            pos = jnp.clip(positions, 0, k_all.shape[1] - 1)
-            k = k.astype(k_all.dtype)
-            v = v.astype(v_all.dtype)
-            k_all = k_all.at[b, pos].set(k)
-            v_all = v_all.at[b, pos].set(v)
-            j = jnp.arange(k_all.shape[1])[None, None, :]
+            pos = jnp.clip(positions, 0, k_all.shape[2] - 1)
+            k_all = k_all.at[layer, b, pos].set(k.astype(k_all.dtype))
+            v_all = v_all.at[layer, b, pos].set(v.astype(v_all.dtype))
+            j = jnp.arange(k_all.shape[2])[None, None, :]
             qp = positions[:, :, None]
             mask = valid[:, None, :] & (j <= qp)
             if window:
                 mask = mask & (~sliding | (qp - j < window))
-            new_cache = (k, v)
-            k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+            new_cache = (k_all, v_all)
+            k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(q.dtype)
+            v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(q.dtype)
         out = _attend(q, k, v, mask[:, None], cfg)
         return self.o_proj(out), new_cache

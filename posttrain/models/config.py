@@ -124,6 +124,8 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if isinstance(self.eos_token_id, list):  # Llama 3 lists several; a tuple keeps the config hashable
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
@@ -293,7 +295,7 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
             bos_token_id=self.bos_token_id,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             pad_token_id=self.pad_token_id,
             dtype=self.param_dtype,
         )

@@ -146,15 +146,12 @@ class Transformer(nnx.Module):
             block = nnx.merge(graphdef, state_l)
             rope = glob if loc is None else jax.tree.map(lambda g, lo: jnp.where(sliding_l, lo, g), glob, loc)
             kw = dict(rope=rope, mask_info=mask_info, sliding=sliding_l, positions=positions)
-            if kv is not None:
-                k_all, v_all, valid = kv
-                kw["cache_kv"] = (k_all[layer_idx], v_all[layer_idx], valid)
+            if kv is not None:  # the layer writes its new tokens into the stacked cache (in place in the carry)
+                kw["cache_kv"] = (*kv, layer_idx)
             h, new_kv = block(h, **kw)
             h = distributed.constrain(h, ("batch", "seq", "act_embed"), self.mesh)
-            if kv is not None:  # write only the new tokens into the stacked cache (in place in the carry)
-                b = jnp.arange(h.shape[0])[:, None]
-                pos = jnp.clip(positions, 0, k_all.shape[2] - 1)
-                kv = (k_all.at[layer_idx, b, pos].set(new_kv[0]), v_all.at[layer_idx, b, pos].set(new_kv[1]), valid)
+            if kv is not None:
+                kv = (new_kv[0], new_kv[1], kv[2])
             return (h, kv), None
 
         if cfg.remat != "none":
