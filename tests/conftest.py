@@ -9,6 +9,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """Identical step programs compile once per session: JAX's persistent compilation cache (process-wide)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """`hf_checkpoint(family)` -> folder with a saved tiny random HF model of that family (cached per session)."""

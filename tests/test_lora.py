@@ -20,12 +20,10 @@ CFG = llama_like(vocab_size=64, hidden_size=64, intermediate_size=128, num_layer
 ALL = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
+
 @pytest.fixture(scope="module", autouse=True)
-def _compile_cache(tmp_path_factory):
-    """Identical step functions compile once per session: JAX's persistent compilation cache."""
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def _compile_cache(compile_cache):
+    return compile_cache
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,10 @@ SMOKE = ROOT / "configs" / "sft_smoke.yaml"
 DATA = ROOT / "tests" / "data" / "sft_tiny.jsonl"
 
 
+
 @pytest.fixture(scope="module", autouse=True)
-def _compile_cache(tmp_path_factory):
-    """Runs with the same shapes compile once per session: JAX's persistent compilation cache."""
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def _compile_cache(compile_cache):
+    return compile_cache
 
 
 @pytest.fixture(scope="module")

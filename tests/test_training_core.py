@@ -20,12 +20,10 @@ from posttrain.training.trainer import Trainer, flops_per_token
 CFG = llama_like(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
+
 @pytest.fixture(scope="module", autouse=True)
-def _compile_cache(tmp_path_factory):
-    """Identical step functions (a fresh Trainer per test) compile once per session: JAX's persistent cache."""
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def _compile_cache(compile_cache):
+    return compile_cache
 
 
 @pytest.fixture(scope="module")

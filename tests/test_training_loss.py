@@ -20,11 +20,8 @@ LN2, LN3, LN4 = math.log(2), math.log(3), math.log(4)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _compile_cache(tmp_path_factory):
-    """Identical step functions (a fresh Trainer per test) compile once per session: JAX's persistent cache."""
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def _compile_cache(compile_cache):
+    return compile_cache
 
 
 def test_cross_entropy_hand_values():
