@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
             same=[a.token_ids for a in got] == [b.token_ids for b in ref],
             logprob_diff=max(float(np.abs(np.subtract(a.logprobs, b.logprobs)).max()) for a, b in zip(got, ref)),
             slots=sampler.last_stats["slots"],
-            cache_spec=str(sampler._state.cache.k.sharding.spec),
+            cache_spec=str(sampler._state.cache.k[0].sharding.spec),
             weights_sharding=str(model.layers.mlp.up_proj.kernel[...].sharding.spec),
             weights_same_object=model.layers.mlp.up_proj.kernel[...] is weights_before,
             n_sampled=len(sampled),

@@ -4,10 +4,13 @@ Two modes share one module:
 - no cache (training, scoring): keys are the call's own tokens; a key is visible to a query when it is
   not after it, is a real token (`attention_mask`), lies in the same packed segment (`segment_ids`)
   and, on sliding-window layers, is less than `sliding_window` positions back.
-- with a `KVCache` (sampling): the cache is slot-indexed, `[layers, slots, max_len, kv_heads, head_dim]`;
-  a token at position p of slot b writes its key/value at `[b, p]`, and queries attend to cache
-  entries j <= p that hold real tokens (`KVCache.valid`). Prefill and decode are the same call with
-  different lengths, and each slot advances independently (continuous batching).
+- with a `KVCache` (sampling): the cache is slot-indexed, one array per layer, each
+  `[slots, kv_heads, max_len, head_dim]`; a token at position p of slot b writes its key/value at
+  `[b, :, p]`, and queries attend to cache entries j <= p that hold real tokens (`KVCache.valid`).
+  Prefill and decode are the same call with different lengths, and each slot advances independently
+  (continuous batching). Per-layer arrays (not one stacked array) let each layer update its cache in
+  place and read it whole, with no per-step slice copies; heads before positions make a decode query's
+  read of the cache one contiguous run per (slot, head).
 
 Attention itself goes through `jax.nn.dot_product_attention` (a fused cuDNN kernel on GPU where it
 applies); Gemma 2's attention-logit soft-capping needs the logits, so that case uses an explicit einsum path.
@@ -28,21 +31,31 @@ from posttrain.models.layers import Linear, RMSNorm, apply_rope
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Slot-indexed KV cache: k, v [layers, slots, max_len, kv_heads, head_dim]; valid [slots, max_len]."""
+    """Slot-indexed KV cache: k, v are tuples of per-layer arrays [slots, kv_heads, max_len, head_dim];
+    valid [slots, max_len] marks the entries that hold real tokens."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     valid: jax.Array
 
     @staticmethod
     def create(cfg: ModelConfig, slots: int, max_len: int, dtype=None) -> "KVCache":
         dtype = dtype or jnp.dtype(cfg.compute_dtype)
-        shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((slots, max_len), bool))
+        shape = KVCache.layer_shape(cfg, slots, max_len)
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                       tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                       jnp.zeros((slots, max_len), bool))
+
+    @staticmethod
+    def layer_shape(cfg: ModelConfig, slots: int, max_len: int) -> tuple[int, int, int, int]:
+        return (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+
+    #: logical axis names of one layer's k or v (for `posttrain.distributed`)
+    LAYER_AXES = ("batch", "kv_heads", "seq", "head_dim")
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.valid.shape[1]
 
     def reset_slots(self, slots_mask: jax.Array) -> "KVCache":
         """Marks every entry of the slots where `slots_mask` [slots] is True as empty."""
@@ -56,25 +69,23 @@ class KVCache:
 
 
 def _attend_one(q, k, v, mask, cfg: ModelConfig):
-    """`_attend` for one query per row (decode): multiply-and-reduce over the cache in its [B,S,K,H] layout,
-    so XLA neither transposes the cache nor runs many tiny batched matmuls."""
+    """Attention of one query per row (decode) over a cache in its [B,K,S,H] layout, as multiply-and-reduce:
+    XLA neither transposes the cache nor runs many tiny batched matmuls. q [B,1,N,H], mask [B,1,1,S]."""
     b, _, n, h = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, 1, kvh, n // kvh, h).astype(jnp.float32)  # [B,1,K,G,H]
-    logits = jnp.sum(qg * k[:, :, :, None, :].astype(jnp.float32), axis=-1) * cfg.attn_scale  # [B,S,K,G]
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, n // kvh, 1, h).astype(jnp.float32)  # [B,K,G,1,H]
+    logits = jnp.sum(qg * k[:, :, None].astype(jnp.float32), axis=-1) * cfg.attn_scale  # [B,K,G,S]
     if cfg.attn_logit_softcap is not None:
         cap = cfg.attn_logit_softcap
         logits = jnp.tanh(logits / cap) * cap
-    logits = jnp.where(mask[:, 0, 0, :, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=1)
-    out = jnp.sum(probs[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [B,K,G,H]
+    logits = jnp.where(mask[:, :, 0, None, :], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.sum(probs[..., None] * v[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,H]
     return out.reshape(b, 1, n, h).astype(q.dtype)
 
 
 def _attend(q, k, v, mask, cfg: ModelConfig):
     """softmax(q k^T * scale [softcapped]) v with GQA; q [B,T,N,H], k/v [B,S,K,H], mask [B,1,T,S] bool."""
-    if q.shape[1] == 1 and k.shape[1] > 1 and jax.default_backend() == "cpu":
-        return _attend_one(q, k, v, mask, cfg)
     if cfg.attn_logit_softcap is None:
         impl = None if cfg.attention_impl == "auto" else cfg.attention_impl
         if impl is None and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
@@ -114,9 +125,9 @@ class Attention(nnx.Module):
     def __call__(self, x, *, rope, mask_info, sliding, cache_kv=None, positions=None):
         """x [B,T,D]; rope = (cos, sin); sliding: bool scalar for this layer.
 
-        `mask_info` holds what the mask needs (see `Transformer`); with `cache_kv=(k_all, v_all, valid, layer)`
-        (the stacked cache [layers, B, S, K, H] and this layer's index) the new keys/values are written at
-        [layer, b, positions] and the updated stacked (k_all, v_all) come back.
+        `mask_info` holds what the mask needs (see `Transformer`); with `cache_kv=(k, v, valid)` (this layer's
+        cache arrays [B, K, S, H] and the cache's valid mask) the new keys/values are written at
+        [b, :, positions] and the updated (k, v) come back.
         """
         cfg = self.cfg
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -132,20 +143,23 @@ class Attention(nnx.Module):
                 mask = mask & (~sliding | (qi - ki < window))
             new_cache = None
         else:
-            # Write the new keys/values into the stacked cache first, then read this layer's rows: reading
-            # before writing makes XLA copy the whole carried cache to keep the old value alive.
-            k_all, v_all, valid, layer = cache_kv
+            # This layer's cache arrays [B, K, S, H]: write the new keys/values at [b, :, position], then
+            # attend over the whole row (masked by `valid` and causality).
+            k_c, v_c, valid = cache_kv
             b = jnp.arange(x.shape[0])[:, None]
-            pos = jnp.clip(positions, 0, k_all.shape[2] - 1)
-            k_all = k_all.at[layer, b, pos].set(k.astype(k_all.dtype))
-            v_all = v_all.at[layer, b, pos].set(v.astype(v_all.dtype))
-            j = jnp.arange(k_all.shape[2])[None, None, :]
+            pos = jnp.clip(positions, 0, k_c.shape[2] - 1)
+            k_c = k_c.at[b, :, pos].set(k.astype(k_c.dtype))  # index [B,T] + slice K -> value [B,T,K,H]
+            v_c = v_c.at[b, :, pos].set(v.astype(v_c.dtype))
+            j = jnp.arange(k_c.shape[2])[None, None, :]
             qp = positions[:, :, None]
             mask = valid[:, None, :] & (j <= qp)
             if window:
                 mask = mask & (~sliding | (qp - j < window))
-            new_cache = (k_all, v_all)
-            k = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False).astype(q.dtype)
-            v = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False).astype(q.dtype)
+            new_cache = (k_c, v_c)
+            if x.shape[1] == 1 and jax.default_backend() == "cpu":
+                out = _attend_one(q, k_c.astype(q.dtype), v_c.astype(q.dtype), mask[:, None], cfg)
+                return self.o_proj(out), new_cache
+            k = k_c.swapaxes(1, 2).astype(q.dtype)  # [B, S, K, H] for the many-query path
+            v = v_c.swapaxes(1, 2).astype(q.dtype)
         out = _attend(q, k, v, mask[:, None], cfg)
         return self.o_proj(out), new_cache

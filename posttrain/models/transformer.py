@@ -2,7 +2,8 @@
 
 Layers are stored stacked: each per-layer parameter has a leading "layers" axis (created with
 `nnx.vmap`), so the forward pass can `lax.scan` over layers (one compiled layer body, fast compiles)
-or unroll them (`scan_layers=False`), with optional rematerialisation of the layer body.
+or unroll them (`scan_layers=False`), with optional rematerialisation of the layer body. Calls with a
+KV cache (sampling) unroll the layers, so each layer owns its cache arrays and updates them in place.
 
 `model(input_ids, attention_mask=, positions=, segment_ids=)` -> float32 logits [B, T, V].
 `model(..., cache=KVCache)` -> (logits, cache): the sampling engine's prefill and decode step.
@@ -18,7 +19,7 @@ from flax import nnx
 from posttrain import distributed
 from posttrain.models.attention import Attention, KVCache
 from posttrain.models.config import ModelConfig
-from posttrain.models.layers import Embed, Linear, RMSNorm, dtype_of, rope_tables
+from posttrain.models.layers import Embed, Linear, RMSNorm, contract, dtype_of, rope_tables
 
 
 class MLP(nnx.Module):
@@ -116,59 +117,66 @@ class Transformer(nnx.Module):
         return x
 
     # ------------------------------------------------------------------ forward
-    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None):
-        """Final-norm hidden states [B, T, D] (compute dtype), and the updated cache when one is given."""
+    def layer_states(self) -> list[nnx.State]:
+        """Per-layer parameter states, sliced once from the stacked layers (the sampler's decode loop takes
+        them so that no step slices the stacked weights again)."""
+        _, state = nnx.split(self.layers)
+        return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.cfg.num_layers)]
+
+    def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
+                      layer_states=None):
+        """Final-norm hidden states [B, T, D] (compute dtype), and the updated cache when one is given.
+
+        Without a cache the layers run under `lax.scan` (or unrolled, per `cfg.scan_layers`). With a
+        `KVCache` (sampling) they are unrolled, each layer updating its own cache arrays in place;
+        `layer_states` (from `layer_states()`) supplies the per-layer weights already sliced.
+        """
         cfg = self.cfg
         attention_mask, positions = self._inputs(input_ids, attention_mask, positions, segment_ids)
         x = distributed.constrain(self.embed(input_ids), ("batch", "seq", "act_embed"), self.mesh)
         glob, loc = self._rope(positions)
-        sliding = jnp.asarray(cfg.sliding_layers)
-
-        mask_info = None
-        if cache is None:
-            t = input_ids.shape[1]
-            idx = jnp.arange(t)
-            qi, ki = idx[None, :, None], idx[None, None, :]
-            base = (qi >= ki) & (attention_mask[:, None, :] > 0)
-            if segment_ids is not None:
-                base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
-            base = base | (qi == ki)  # a padding query attends to itself only: no empty softmax rows
-            mask_info = {"base": base, "q_index": qi, "k_index": ki}
-            cache = None
-        else:
-            cache = cache.mark(positions, attention_mask)
-
+        sliding = cfg.sliding_layers
         graphdef, layer_state = nnx.split(self.layers)
 
-        def body(carry, xs):
-            h, kv = carry
-            state_l, sliding_l, layer_idx = xs
+        def run_layer(h, state_l, sliding_l, mask_info, cache_kv):
             block = nnx.merge(graphdef, state_l)
             rope = glob if loc is None else jax.tree.map(lambda g, lo: jnp.where(sliding_l, lo, g), glob, loc)
-            kw = dict(rope=rope, mask_info=mask_info, sliding=sliding_l, positions=positions)
-            if kv is not None:  # the layer writes its new tokens into the stacked cache (in place in the carry)
-                kw["cache_kv"] = (*kv, layer_idx)
-            h, new_kv = block(h, **kw)
-            h = distributed.constrain(h, ("batch", "seq", "act_embed"), self.mesh)
-            if kv is not None:
-                kv = (new_kv[0], new_kv[1], kv[2])
-            return (h, kv), None
+            h, new_kv = block(h, rope=rope, mask_info=mask_info, sliding=sliding_l, positions=positions,
+                              cache_kv=cache_kv)
+            return distributed.constrain(h, ("batch", "seq", "act_embed"), self.mesh), new_kv
+
+        if cache is not None:
+            cache = cache.mark(positions, attention_mask)
+            if layer_states is None:
+                layer_states = [jax.tree.map(lambda a, i=i: a[i], layer_state) for i in range(cfg.num_layers)]
+            ks, vs = list(cache.k), list(cache.v)
+            for i in range(cfg.num_layers):
+                x, (ks[i], vs[i]) = run_layer(x, layer_states[i], jnp.asarray(sliding[i]), None,
+                                              (ks[i], vs[i], cache.valid))
+            return self.norm(x), KVCache(tuple(ks), tuple(vs), cache.valid)
+
+        t = input_ids.shape[1]
+        idx = jnp.arange(t)
+        qi, ki = idx[None, :, None], idx[None, None, :]
+        base = (qi >= ki) & (attention_mask[:, None, :] > 0)
+        if segment_ids is not None:
+            base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        base = base | (qi == ki)  # a padding query attends to itself only: no empty softmax rows
+        mask_info = {"base": base, "q_index": qi, "k_index": ki}
+
+        def body(h, xs):
+            state_l, sliding_l = xs
+            return run_layer(h, state_l, sliding_l, mask_info, None)[0], None
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-
-        kv = None if cache is None else (cache.k, cache.v, cache.valid)
-        layer_ids = jnp.arange(cfg.num_layers)
+        sliding = jnp.asarray(sliding)
         if cfg.scan_layers:
-            (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, sliding, layer_ids))
+            x, _ = jax.lax.scan(body, x, (layer_state, sliding))
         else:
             for i in range(cfg.num_layers):
-                xs = (jax.tree.map(lambda a: a[i], layer_state), sliding[i], i)
-                (x, kv), _ = body((x, kv), xs)
-        x = self.norm(x)
-        if cache is not None:
-            cache = KVCache(kv[0], kv[1], kv[2])
-        return x, cache
+                x, _ = body(x, (jax.tree.map(lambda a, i=i: a[i], layer_state), sliding[i]))
+        return self.norm(x), None
 
     def output_kernel(self) -> jax.Array:
         """The LM head as a [D, V] matrix (the embedding transposed when tied)."""
@@ -183,16 +191,17 @@ class Transformer(nnx.Module):
         if self.lm_head is not None and self.lm_head.lora_a is not None:
             out = self.lm_head(h).astype(jnp.float32)
         else:
-            out = jnp.einsum("btd,dv->btv", h.astype(cd), self.output_kernel().astype(cd),
-                             preferred_element_type=jnp.float32)
+            out = contract(h.astype(cd), self.output_kernel().astype(cd), 1, jnp.float32)
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             out = jnp.tanh(out / cap) * cap
         return out
 
-    def __call__(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None):
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
+                 layer_states=None):
         h, new_cache = self.hidden_states(
-            input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids, cache=cache
+            input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids, cache=cache,
+            layer_states=layer_states,
         )
         logits = self.logits(h)
         return logits if cache is None else (logits, new_cache)

@@ -1,6 +1,6 @@
 """The generation engine: `Sampler.generate` turns prompts into `Completion`s with continuous batching.
 
-Cache design. The KV cache is *slot-indexed*: k, v [layers, slots, max_len, kv_heads, head_dim] plus a
+Cache design. The KV cache is *slot-indexed*: per layer, k and v [slots, kv_heads, max_len, head_dim], plus a
 `valid` mask [slots, max_len] (`posttrain.models.KVCache`). A slot holds one sequence; token p of slot b
 lives at [b, p]. It is allocated once per (slots, max_len) configuration, lives in the sampler between
 calls and is donated to every compiled call, so the sampler updates it in place and never copies it.
@@ -90,17 +90,23 @@ class DecodeState:
 
 
 def _state_shardings(mesh, cache_shape, key_shape) -> DecodeState | None:
-    """Slots over the batch mesh axes (data, fsdp); the cache's kv heads over `tensor` when it divides them."""
+    """Slots over the batch mesh axes (data, fsdp); the cache's kv heads over `tensor` when it divides them.
+
+    cache_shape: (layers, slots, kv_heads, max_len, head_dim), one layer's array behind the first number."""
     if mesh is None:
         return None
-    slots, max_len = cache_shape[1], cache_shape[2]
-    kv = NamedSharding(mesh, distributed.logical_to_spec(
-        ("layers", "batch", "seq", "kv_heads", "head_dim"), cache_shape, mesh))
+    layers, slots, max_len = cache_shape[0], cache_shape[1], cache_shape[3]
+    kv = NamedSharding(mesh, distributed.logical_to_spec(KVCache.LAYER_AXES, cache_shape[1:], mesh))
     valid = NamedSharding(mesh, distributed.logical_to_spec(("batch", "seq"), (slots, max_len), mesh))
     per_slot = NamedSharding(mesh, distributed.logical_to_spec(("batch",), (slots,), mesh))
     key = NamedSharding(mesh, distributed.logical_to_spec(("batch",) + (None,) * len(key_shape),
                                                           (slots, *key_shape), mesh))
-    return DecodeState(KVCache(kv, kv, valid), per_slot, per_slot, per_slot, per_slot, per_slot, key)
+    return DecodeState(KVCache((kv,) * layers, (kv,) * layers, valid), per_slot, per_slot, per_slot, per_slot,
+                       per_slot, key)
+
+
+def _cache_shape(cache: KVCache) -> tuple[int, ...]:
+    return (len(cache.k), *cache.k[0].shape)
 
 
 def _pin(ds: DecodeState, shardings: DecodeState | None) -> DecodeState:
@@ -125,11 +131,11 @@ def _step_keys(key_data, n_generated):
 
 def _init_state(cache_shape, cache_dtype, key_shape, mesh):
     TRACE_COUNTS["init"] += 1
-    layers, slots, max_len, kv_heads, head_dim = cache_shape
+    layers, slots, kv_heads, max_len, head_dim = cache_shape
     z = jnp.zeros((slots,), jnp.int32)
+    zeros = lambda: tuple(jnp.zeros(cache_shape[1:], cache_dtype) for _ in range(layers))  # noqa: E731
     ds = DecodeState(
-        cache=KVCache(jnp.zeros(cache_shape, cache_dtype), jnp.zeros(cache_shape, cache_dtype),
-                      jnp.zeros((slots, max_len), bool)),
+        cache=KVCache(zeros(), zeros(), jnp.zeros((slots, max_len), bool)),
         last_token=z, position=z, active=jnp.zeros((slots,), bool), n_generated=z, max_new=z,
         key=jnp.zeros((slots, *key_shape), jnp.uint32),
     )
@@ -150,7 +156,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     cache = ds.cache
     n_rows, lb = ids.shape
     slots, max_len = cache.valid.shape
-    tmp = KVCache.create(cfg, n_rows, lb, dtype=cache.k.dtype)
+    tmp = KVCache.create(cfg, n_rows, lb, dtype=cache.k[0].dtype)
     pos = jnp.broadcast_to(jnp.arange(lb, dtype=jnp.int32), (n_rows, lb))
     mask = pos < lens[:, None]
     h, tmp = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp)
@@ -162,8 +168,8 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p)
     done = _is_stop(tok, stop_ids) | (max_new <= 1)
 
-    k = cache.k.at[:, asg_slot, :lb].set(tmp.k[:, asg_row], mode="drop")
-    v = cache.v.at[:, asg_slot, :lb].set(tmp.v[:, asg_row], mode="drop")
+    k = tuple(c.at[asg_slot, :, :lb].set(t[asg_row], mode="drop") for c, t in zip(cache.k, tmp.k))
+    v = tuple(c.at[asg_slot, :, :lb].set(t[asg_row], mode="drop") for c, t in zip(cache.v, tmp.v))
     rows = tmp.valid[asg_row]
     if lb < max_len:
         rows = jnp.concatenate([rows, jnp.zeros((rows.shape[0], max_len - lb), bool)], axis=1)
@@ -181,7 +187,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
         max_new=put(ds.max_new, jnp.broadcast_to(max_new, tok.shape)),
         key=put(ds.key, jax.random.key_data(keys)),
     )
-    ds = _pin(ds, _state_shardings(model.mesh, cache.k.shape, ds.key.shape[1:]))
+    ds = _pin(ds, _state_shardings(model.mesh, _cache_shape(cache), ds.key.shape[1:]))
     return ds, (tok, lp, slp)
 
 
@@ -195,7 +201,10 @@ def _decode(graphdef, state, ds: DecodeState, min_free, stop_ids, greedy, temper
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     slots = ds.active.shape[0]
-    shardings = _state_shardings(model.mesh, ds.cache.k.shape, ds.key.shape[1:])
+    shardings = _state_shardings(model.mesh, _cache_shape(ds.cache), ds.key.shape[1:])
+    # Per-layer weights sliced once per call, outside the loop (on CPU a slice inside the loop is a copy
+    # every step); elsewhere the fused dynamic slices of the stacked weights cost nothing extra.
+    layer_states = model.layer_states() if jax.default_backend() == "cpu" else None
     record = (
         jnp.zeros((budget, slots), jnp.int32),
         jnp.zeros((budget, slots), jnp.float32),
@@ -212,7 +221,7 @@ def _decode(graphdef, state, ds: DecodeState, min_free, stop_ids, greedy, temper
     def body(carry):
         ds, (r_tok, r_lp, r_slp, r_emit), step = carry
         logits, cache = model(ds.last_token[:, None], attention_mask=ones, positions=ds.position[:, None],
-                              cache=ds.cache)
+                              cache=ds.cache, layer_states=layer_states)
         keys = lambda: _step_keys(ds.key, ds.n_generated)  # noqa: E731
         tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p)
         act = ds.active
@@ -373,7 +382,7 @@ class Sampler:
         config = (slots, max_len, str(cache_dtype), key_shape, id(self.model.mesh) if self.model.mesh else None)
         if self._state is None or self._state_config != config:
             self._state = None  # free the old cache before allocating the new one
-            cache_shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+            cache_shape = (cfg.num_layers, *KVCache.layer_shape(cfg, slots, max_len))
             self._state = _init_jit(cache_shape, cache_dtype, key_shape, self.model.mesh)
             self._state_config = config
         return self._state

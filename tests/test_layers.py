@@ -1,0 +1,47 @@
+"""`contract` (the linear-layer product with a hand-written backward pass) against plain autodiff of tensordot."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.models.layers import contract
+
+
+@pytest.mark.parametrize("x_shape,w_shape,n_in", [
+    ((2, 5, 8), (8, 6), 1),          # [B, T, D] @ [D, F]
+    ((2, 5, 8), (8, 3, 4), 1),       # q/k/v projection: [D] -> [heads, head_dim]
+    ((2, 5, 3, 4), (3, 4, 8), 2),    # output projection: [heads, head_dim] -> [D]
+])
+def test_contract_matches_tensordot_values_and_gradients(x_shape, w_shape, n_in):
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, x_shape)
+    w = jax.random.normal(kw, w_shape)
+    out_shape = x_shape[: len(x_shape) - n_in] + w_shape[n_in:]
+    g = jax.random.normal(kg, out_shape)  # a random cotangent, so every gradient entry is exercised
+
+    def ours(x, w):
+        return jnp.sum(contract(x, w, n_in) * g)
+
+    def ref(x, w):
+        return jnp.sum(jnp.tensordot(x, w, axes=n_in) * g)
+
+    np.testing.assert_allclose(contract(x, w, n_in), jnp.tensordot(x, w, axes=n_in), rtol=1e-6, atol=1e-6)
+    gx, gw = jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w)
+    rx, rw = jax.grad(ref, argnums=(0, 1))(x, w)
+    assert gx.shape == x.shape and gw.shape == w.shape
+    np.testing.assert_allclose(gx, rx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw, rw, rtol=1e-5, atol=1e-5)
+
+
+def test_contract_out_dtype_accumulates_in_float32():
+    x = jnp.full((4, 64), 1.0 + 2.0**-7, jnp.bfloat16)  # 1.0078125: exact in bfloat16
+    w = jnp.ones((64, 3), jnp.bfloat16)
+    out = contract(x, w, 1, jnp.float32)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, 64 * (1.0 + 2.0**-7))  # 64.5: not representable in bfloat16 (64 or 65)
+    gx, gw = jax.grad(lambda x, w: jnp.sum(contract(x, w, 1, jnp.float32)), argnums=(0, 1))(x, w)
+    assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(gw, np.float32), 4 * (1.0 + 2.0**-7), rtol=1e-2)
