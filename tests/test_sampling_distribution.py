@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -126,3 +128,28 @@ def test_top_k_one_and_tiny_top_p_are_greedy(setup):
         out = sampler.generate([PROMPT], SamplingParams(max_new_tokens=1, n=2048, seed=3, temperature=1.3, **case))
         assert {c.token_ids[0] for c in out} == {int(np.argmax(logits))}
         assert all(abs(c.sampling_logprobs[0]) < 1e-6 for c in out)
+
+
+@pytest.mark.parametrize("vocab", [7, 64, 1000])
+def test_inverse_cdf_sampler_matches_softmax_on_a_grid(vocab):
+    """`sample_categorical` at u on a fine uniform grid hits each index in proportion to its probability
+    (exactly, up to one grid cell), never an entry at -inf, also at u just below 1 and for vocab sizes that
+    are not a multiple of its block size."""
+    from posttrain.sampling.filters import sample_categorical
+
+    rng = np.random.default_rng(vocab)
+    x = rng.normal(size=vocab).astype(np.float32) * 2
+    x[rng.permutation(vocab)[: vocab // 3]] = -np.inf  # filtered tokens
+    x[-1] = -np.inf  # the last entry too: a draw must not fall off the end onto it
+    n = 20000
+    u = (np.arange(n, dtype=np.float64) + 0.5) / n
+    u = np.concatenate([u, [0.0, 1.0 - 2.0**-24]]).astype(np.float32)
+    tok, lse = jax.jit(sample_categorical)(jnp.tile(jnp.asarray(x)[None], (len(u), 1)), jnp.asarray(u))
+    tok = np.asarray(tok)
+    assert np.all(np.isfinite(x[tok])), "a filtered (-inf) entry was drawn"
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    freq = np.bincount(tok[:n], minlength=vocab) / n
+    assert np.abs(freq - p).max() <= 2.0 / n + 1e-5
+    np.testing.assert_allclose(np.asarray(lse)[0], np.log(np.sum(np.exp(x[np.isfinite(x)] - x.max()))) + x.max(),
+                               rtol=1e-5)

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "cross_entropy",
@@ -31,11 +32,35 @@ __all__ = [
 
 
 def logprobs_from_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log softmax(logits)[target] in float32; logits [..., V], targets [...] int."""
-    logits = logits.astype(jnp.float32)
+    """log softmax(logits)[target] in float32; logits [..., V], targets [...] int.
+
+    Its gradient w.r.t. the logits is g * (onehot(target) - softmax(logits)), written as one elementwise
+    pass (`_target_logprob`'s backward) instead of autodiff's zero-filled [.., V] scatter plus a separate
+    softmax term.
+    """
+    return _target_logprob(logits.astype(jnp.float32), targets.astype(jnp.int32))
+
+
+@jax.custom_vjp
+def _target_logprob(logits: jax.Array, targets: jax.Array) -> jax.Array:
     lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return tgt - lse
+    return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
+
+
+def _target_logprob_fwd(logits, targets):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    out = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
+    return out, (logits, targets, lse)
+
+
+def _target_logprob_bwd(res, g):
+    logits, targets, lse = res
+    onehot = jnp.arange(logits.shape[-1], dtype=jnp.int32) == targets[..., None]
+    dlogits = g[..., None] * (onehot.astype(jnp.float32) - jnp.exp(logits - lse[..., None]))
+    return dlogits, np.zeros(targets.shape, jax.dtypes.float0)
+
+
+_target_logprob.defvjp(_target_logprob_fwd, _target_logprob_bwd)
 
 
 def cross_entropy(logits: jax.Array, input_ids: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:

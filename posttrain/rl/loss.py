@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.algorithms.policy import policy_loss
+from posttrain.algorithms.sft import logprobs_from_logits
 
 
 def _logp_and_entropy(model, h, targets, chunk_size: int | None):
@@ -26,10 +27,10 @@ def _logp_and_entropy(model, h, targets, chunk_size: int | None):
 
     def piece(hc, tc):
         logits = model.logits(hc[None])[0]
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        logp_all = logits - lse[:, None]
-        tgt = jnp.take_along_axis(logp_all, tc[:, None], axis=-1)[:, 0]
-        ent = -jnp.sum(jnp.exp(jax.lax.stop_gradient(logp_all)) * jax.lax.stop_gradient(logp_all), axis=-1)
+        tgt = logprobs_from_logits(logits, tc)
+        sl = jax.lax.stop_gradient(logits)
+        lse = jax.nn.logsumexp(sl, axis=-1)
+        ent = lse - jnp.sum(jnp.exp(sl - lse[:, None]) * sl, axis=-1)  # -Σ p log p, p = softmax(logits)
         return tgt, ent
 
     if not chunk_size or chunk_size >= n:
