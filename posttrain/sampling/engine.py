@@ -1,6 +1,7 @@
 """The generation engine: `Sampler.generate` turns prompts into `Completion`s with continuous batching.
 
-Cache design. The KV cache is *slot-indexed*: per layer, k and v [slots, kv_heads, max_len, head_dim], plus a
+Cache design. The KV cache is *slot-indexed*: per layer, k [slots, kv_heads, head_dim, max_len] (keys
+transposed, see `posttrain.models.attention`) and v [slots, kv_heads, max_len, head_dim], plus a
 `valid` mask [slots, max_len] (`posttrain.models.KVCache`). A slot holds one sequence; token p of slot b
 lives at [b, p]. It is allocated once per (slots, max_len) configuration, lives in the sampler between
 calls and is donated to every compiled call, so the sampler updates it in place and never copies it.
@@ -89,24 +90,27 @@ class DecodeState:
     key: jax.Array  # [S, *key_shape] uint32: the sample's PRNG key data
 
 
-def _state_shardings(mesh, cache_shape, key_shape) -> DecodeState | None:
+def _state_shardings(mesh, cache_dims, key_shape) -> DecodeState | None:
     """Slots over the batch mesh axes (data, fsdp); the cache's kv heads over `tensor` when it divides them.
 
-    cache_shape: (layers, slots, kv_heads, max_len, head_dim), one layer's array behind the first number."""
+    cache_dims: (layers, slots, kv_heads, max_len, head_dim)."""
     if mesh is None:
         return None
-    layers, slots, max_len = cache_shape[0], cache_shape[1], cache_shape[3]
-    kv = NamedSharding(mesh, distributed.logical_to_spec(KVCache.LAYER_AXES, cache_shape[1:], mesh))
+    layers, slots, kv_heads, max_len, head_dim = cache_dims
+    k_shape, v_shape = KVCache.layer_shapes(kv_heads, head_dim, slots, max_len)
+    k = NamedSharding(mesh, distributed.logical_to_spec(KVCache.K_AXES, k_shape, mesh))
+    v = NamedSharding(mesh, distributed.logical_to_spec(KVCache.V_AXES, v_shape, mesh))
     valid = NamedSharding(mesh, distributed.logical_to_spec(("batch", "seq"), (slots, max_len), mesh))
     per_slot = NamedSharding(mesh, distributed.logical_to_spec(("batch",), (slots,), mesh))
     key = NamedSharding(mesh, distributed.logical_to_spec(("batch",) + (None,) * len(key_shape),
                                                           (slots, *key_shape), mesh))
-    return DecodeState(KVCache((kv,) * layers, (kv,) * layers, valid), per_slot, per_slot, per_slot, per_slot,
+    return DecodeState(KVCache((k,) * layers, (v,) * layers, valid), per_slot, per_slot, per_slot, per_slot,
                        per_slot, key)
 
 
-def _cache_shape(cache: KVCache) -> tuple[int, ...]:
-    return (len(cache.k), *cache.k[0].shape)
+def _cache_dims(cache: KVCache) -> tuple[int, ...]:
+    """(layers, slots, kv_heads, max_len, head_dim) of a cache."""
+    return (len(cache.v), *cache.v[0].shape)
 
 
 def _pin(ds: DecodeState, shardings: DecodeState | None) -> DecodeState:
@@ -129,17 +133,19 @@ def _step_keys(key_data, n_generated):
     return jax.vmap(jax.random.fold_in)(keys, n_generated)
 
 
-def _init_state(cache_shape, cache_dtype, key_shape, mesh):
+def _init_state(cache_dims, cache_dtype, key_shape, mesh):
     TRACE_COUNTS["init"] += 1
-    layers, slots, kv_heads, max_len, head_dim = cache_shape
+    layers, slots, kv_heads, max_len, head_dim = cache_dims
     z = jnp.zeros((slots,), jnp.int32)
-    zeros = lambda: tuple(jnp.zeros(cache_shape[1:], cache_dtype) for _ in range(layers))  # noqa: E731
+    k_shape, v_shape = KVCache.layer_shapes(kv_heads, head_dim, slots, max_len)
     ds = DecodeState(
-        cache=KVCache(zeros(), zeros(), jnp.zeros((slots, max_len), bool)),
+        cache=KVCache(tuple(jnp.zeros(k_shape, cache_dtype) for _ in range(layers)),
+                      tuple(jnp.zeros(v_shape, cache_dtype) for _ in range(layers)),
+                      jnp.zeros((slots, max_len), bool)),
         last_token=z, position=z, active=jnp.zeros((slots,), bool), n_generated=z, max_new=z,
         key=jnp.zeros((slots, *key_shape), jnp.uint32),
     )
-    return _pin(ds, _state_shardings(mesh, cache_shape, key_shape))
+    return _pin(ds, _state_shardings(mesh, cache_dims, key_shape))
 
 
 def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
@@ -168,7 +174,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p)
     done = _is_stop(tok, stop_ids) | (max_new <= 1)
 
-    k = tuple(c.at[asg_slot, :, :lb].set(t[asg_row], mode="drop") for c, t in zip(cache.k, tmp.k))
+    k = tuple(c.at[asg_slot, :, :, :lb].set(t[asg_row], mode="drop") for c, t in zip(cache.k, tmp.k))
     v = tuple(c.at[asg_slot, :, :lb].set(t[asg_row], mode="drop") for c, t in zip(cache.v, tmp.v))
     rows = tmp.valid[asg_row]
     if lb < max_len:
@@ -187,7 +193,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
         max_new=put(ds.max_new, jnp.broadcast_to(max_new, tok.shape)),
         key=put(ds.key, jax.random.key_data(keys)),
     )
-    ds = _pin(ds, _state_shardings(model.mesh, _cache_shape(cache), ds.key.shape[1:]))
+    ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:]))
     return ds, (tok, lp, slp)
 
 
@@ -201,7 +207,7 @@ def _decode(graphdef, state, ds: DecodeState, min_free, stop_ids, greedy, temper
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     slots = ds.active.shape[0]
-    shardings = _state_shardings(model.mesh, _cache_shape(ds.cache), ds.key.shape[1:])
+    shardings = _state_shardings(model.mesh, _cache_dims(ds.cache), ds.key.shape[1:])
     # Per-layer weights sliced once per call, outside the loop (on CPU a slice inside the loop is a copy
     # every step); elsewhere the fused dynamic slices of the stacked weights cost nothing extra.
     layer_states = model.layer_states() if jax.default_backend() == "cpu" else None
@@ -382,8 +388,8 @@ class Sampler:
         config = (slots, max_len, str(cache_dtype), key_shape, id(self.model.mesh) if self.model.mesh else None)
         if self._state is None or self._state_config != config:
             self._state = None  # free the old cache before allocating the new one
-            cache_shape = (cfg.num_layers, *KVCache.layer_shape(cfg, slots, max_len))
-            self._state = _init_jit(cache_shape, cache_dtype, key_shape, self.model.mesh)
+            cache_dims = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+            self._state = _init_jit(cache_dims, cache_dtype, key_shape, self.model.mesh)
             self._state_config = config
         return self._state
 
