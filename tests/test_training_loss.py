@@ -171,3 +171,27 @@ def test_logprobs_from_logits_gradient_matches_autodiff_of_log_softmax():
     ours = lambda x: jnp.sum(logprobs_from_logits(x, targets) * g)  # noqa: E731
     np.testing.assert_allclose(ours(logits), ref(logits), rtol=1e-6)
     np.testing.assert_allclose(jax.jit(jax.grad(ours))(logits), jax.grad(ref)(logits), rtol=1e-5, atol=1e-6)
+
+
+def test_logprobs_and_entropy_values_and_gradient():
+    import jax
+    import jax.numpy as jnp
+
+    from posttrain.algorithms.sft import logprobs_and_entropy
+
+    logits = jax.random.normal(jax.random.key(3), (4, 13)) * 2
+    targets = jnp.array([0, 5, 12, 7])
+    lp, ent = logprobs_and_entropy(logits, targets)
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    np.testing.assert_allclose(lp, logp_all[jnp.arange(4), targets], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1), rtol=1e-5)
+    g = jnp.array([0.5, -1.0, 2.0, 0.0])
+    ours = jax.grad(lambda x: jnp.sum(logprobs_and_entropy(x, targets)[0] * g))(logits)
+    ref = jax.grad(lambda x: jnp.sum(logp_all_of(x)[jnp.arange(4), targets] * g))(logits)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def logp_all_of(x):
+    import jax
+
+    return jax.nn.log_softmax(x, axis=-1)

@@ -24,6 +24,7 @@ __all__ = [
     "cross_entropy",
     "logprobs_from_logits",
     "logprobs_from_hidden",
+    "logprobs_and_entropy",
     "token_logprobs",
     "sft_loss",
     "make_sft_loss",
@@ -61,6 +62,43 @@ def _target_logprob_bwd(res, g):
 
 
 _target_logprob.defvjp(_target_logprob_fwd, _target_logprob_bwd)
+
+
+def logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(log softmax(logits)[target], entropy of softmax(logits)) in float32 from one pass over the logits.
+
+    The entropy H = -Σ p log p = lse - Σ p x is a metric: it carries no gradient (its cotangent is
+    ignored); the log-prob's gradient is that of `logprobs_from_logits`.
+    """
+    return _logprob_entropy(logits.astype(jnp.float32), targets.astype(jnp.int32))
+
+
+def _logprob_entropy_parts(logits, targets):
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.exp(logits - m)
+    s = jnp.sum(e, axis=-1)
+    lse = jnp.log(s) + m[..., 0]
+    ent = lse - jnp.sum(e * logits, axis=-1) / s
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
+    return tgt, ent, lse
+
+
+@jax.custom_vjp
+def _logprob_entropy(logits, targets):
+    tgt, ent, _ = _logprob_entropy_parts(logits, targets)
+    return tgt, ent
+
+
+def _logprob_entropy_fwd(logits, targets):
+    tgt, ent, lse = _logprob_entropy_parts(logits, targets)
+    return (tgt, ent), (logits, targets, lse)
+
+
+def _logprob_entropy_bwd(res, cts):
+    return _target_logprob_bwd(res, cts[0])
+
+
+_logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
 
 
 def cross_entropy(logits: jax.Array, input_ids: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.algorithms.policy import policy_loss
-from posttrain.algorithms.sft import logprobs_from_logits
+from posttrain.algorithms.sft import logprobs_and_entropy
 
 
 def _logp_and_entropy(model, h, targets, chunk_size: int | None):
@@ -26,12 +26,7 @@ def _logp_and_entropy(model, h, targets, chunk_size: int | None):
     n = b * s
 
     def piece(hc, tc):
-        logits = model.logits(hc[None])[0]
-        tgt = logprobs_from_logits(logits, tc)
-        sl = jax.lax.stop_gradient(logits)
-        lse = jax.nn.logsumexp(sl, axis=-1)
-        ent = lse - jnp.sum(jnp.exp(sl - lse[:, None]) * sl, axis=-1)  # -Σ p log p, p = softmax(logits)
-        return tgt, ent
+        return logprobs_and_entropy(model.logits(hc[None])[0], tc)
 
     if not chunk_size or chunk_size >= n:
         tgt, ent = piece(h.reshape(n, d), targets.reshape(n))
