@@ -36,66 +36,41 @@ def logprobs_from_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """log softmax(logits)[target] in float32; logits [..., V], targets [...] int.
 
     Its gradient w.r.t. the logits is g * (onehot(target) - softmax(logits)), written as one elementwise
-    pass (`_target_logprob`'s backward) instead of autodiff's zero-filled [.., V] scatter plus a separate
-    softmax term.
+    pass (`_logprob_entropy`'s backward) instead of autodiff's zero-filled [.., V] scatter plus a separate
+    softmax term. (The unused entropy is dropped by XLA's dead-code elimination.)
     """
-    return _target_logprob(logits.astype(jnp.float32), targets.astype(jnp.int32))
-
-
-@jax.custom_vjp
-def _target_logprob(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
-
-
-def _target_logprob_fwd(logits, targets):
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    out = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
-    return out, (logits, targets, lse)
-
-
-def _target_logprob_bwd(res, g):
-    logits, targets, lse = res
-    onehot = jnp.arange(logits.shape[-1], dtype=jnp.int32) == targets[..., None]
-    dlogits = g[..., None] * (onehot.astype(jnp.float32) - jnp.exp(logits - lse[..., None]))
-    return dlogits, np.zeros(targets.shape, jax.dtypes.float0)
-
-
-_target_logprob.defvjp(_target_logprob_fwd, _target_logprob_bwd)
+    return logprobs_and_entropy(logits, targets)[0]
 
 
 def logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(log softmax(logits)[target], entropy of softmax(logits)) in float32 from one pass over the logits.
 
     The entropy H = -Σ p log p = lse - Σ p x is a metric: it carries no gradient (its cotangent is
-    ignored); the log-prob's gradient is that of `logprobs_from_logits`.
+    ignored); the log-prob's gradient is g * (onehot(target) - softmax(logits)).
     """
     return _logprob_entropy(logits.astype(jnp.float32), targets.astype(jnp.int32))
 
 
-def _logprob_entropy_parts(logits, targets):
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+def _logprob_entropy_fwd(logits, targets):
+    m = jnp.max(logits, axis=-1, keepdims=True)
     e = jnp.exp(logits - m)
     s = jnp.sum(e, axis=-1)
     lse = jnp.log(s) + m[..., 0]
     ent = lse - jnp.sum(e * logits, axis=-1) / s
     tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
-    return tgt, ent, lse
-
-
-@jax.custom_vjp
-def _logprob_entropy(logits, targets):
-    tgt, ent, _ = _logprob_entropy_parts(logits, targets)
-    return tgt, ent
-
-
-def _logprob_entropy_fwd(logits, targets):
-    tgt, ent, lse = _logprob_entropy_parts(logits, targets)
     return (tgt, ent), (logits, targets, lse)
 
 
 def _logprob_entropy_bwd(res, cts):
-    return _target_logprob_bwd(res, cts[0])
+    logits, targets, lse = res
+    onehot = jnp.arange(logits.shape[-1], dtype=jnp.int32) == targets[..., None]
+    dlogits = cts[0][..., None] * (onehot.astype(jnp.float32) - jnp.exp(logits - lse[..., None]))
+    return dlogits, np.zeros(targets.shape, jax.dtypes.float0)
+
+
+@jax.custom_vjp
+def _logprob_entropy(logits, targets):
+    return _logprob_entropy_fwd(logits, targets)[0]
 
 
 _logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)

@@ -100,7 +100,6 @@ class Linear(nnx.Module):
         xs = _letters(x.ndim - n_in, 0)
         ins = _letters(n_in, 10)
         outs = _letters(n_out, 16)
-        spec = f"{xs}{ins},{ins}{outs}->{xs}{outs}"
         cd = self.compute_dtype
         x = x.astype(cd)
         y = contract(x, self.base_kernel().astype(cd), n_in)

@@ -120,8 +120,7 @@ class Transformer(nnx.Module):
     def layer_states(self) -> list[nnx.State]:
         """Per-layer parameter states, sliced once from the stacked layers (the sampler's decode loop takes
         them so that no step slices the stacked weights again)."""
-        _, state = nnx.split(self.layers)
-        return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.cfg.num_layers)]
+        return _unstack(nnx.split(self.layers)[1], self.cfg.num_layers)
 
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
                       layer_states=None):
@@ -148,7 +147,7 @@ class Transformer(nnx.Module):
         if cache is not None:
             cache = cache.mark(positions, attention_mask)
             if layer_states is None:
-                layer_states = [jax.tree.map(lambda a, i=i: a[i], layer_state) for i in range(cfg.num_layers)]
+                layer_states = _unstack(layer_state, cfg.num_layers)
             ks, vs = list(cache.k), list(cache.v)
             for i in range(cfg.num_layers):
                 x, (ks[i], vs[i]) = run_layer(x, layer_states[i], jnp.asarray(sliding[i]), None,
@@ -174,8 +173,8 @@ class Transformer(nnx.Module):
         if cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, (layer_state, sliding))
         else:
-            for i in range(cfg.num_layers):
-                x, _ = body(x, (jax.tree.map(lambda a, i=i: a[i], layer_state), sliding[i]))
+            for state_l, sliding_l in zip(_unstack(layer_state, cfg.num_layers), sliding):
+                x, _ = body(x, (state_l, sliding_l))
         return self.norm(x), None
 
     def output_kernel(self) -> jax.Array:
@@ -205,6 +204,11 @@ class Transformer(nnx.Module):
         )
         logits = self.logits(h)
         return logits if cache is None else (logits, new_cache)
+
+
+def _unstack(layer_state: nnx.State, n: int) -> list[nnx.State]:
+    """The per-layer states [i] of stacked layer parameters."""
+    return [jax.tree.map(lambda a, i=i: a[i], layer_state) for i in range(n)]
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
