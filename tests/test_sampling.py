@@ -125,6 +125,37 @@ def test_continuous_batching_matches_plain_batching(llama):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
+def test_cache_growth_gives_the_same_completions(llama):
+    """A cache that grows with the sequences (here in steps of 8 positions, so several times per call, also
+    while continuous batching admits new prompts) gives what a full-length cache gives."""
+    assert engine.cache_capacities(32, 8) == [8, 16, 24, 32] and engine.cache_capacities(30, 16) == [16, 30]
+    assert Sampler(llama).capacities(192) == [48, 96, 144, 192] and Sampler(llama).capacities(32) == [32]
+    assert Sampler(llama, cache_step=0).capacities(192) == [192]
+    prompts = _prompts(lengths=(3, 16, 7, 11, 4, 15, 9, 2, 13, 6), seed=1)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
+    full = Sampler(llama, max_slots=16, cache_step=0)
+    ref = full.generate(prompts, params)
+    assert full.last_stats.get("cache_resizes", 0) == 0 and full.last_stats["cache_len"] == 32
+    stops = [ref[0].token_ids[2], ref[3].token_ids[6], ref[7].token_ids[9]]
+    for slots in (16, 3):
+        for sp in (params, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=stops),
+                   SamplingParams(max_new_tokens=NEW, temperature=1.0, stop_token_ids=stops, seed=3)):
+            grown = Sampler(llama, max_slots=slots, cache_step=8)
+            out = grown.generate(prompts, sp)
+            assert grown.last_stats["cache_resizes"] >= 1 and grown.last_stats["cache_len"] == 32
+            expect = full.generate(prompts, sp)
+            for a, b in zip(out, expect):
+                assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # a call starts again from the smallest capacity holding its prompt bucket (16) + 1 (the last cache is replaced)
+    short = Sampler(llama, max_slots=4, max_len=32, cache_step=8)
+    short.generate(prompts[:2], params)
+    short.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0, stop_token_ids=[]))
+    assert short.last_stats["cache_len"] == 24 and short.last_stats.get("cache_resizes", 0) == 0
+    with pytest.raises(ValueError, match="cache_step"):
+        Sampler(llama, cache_step=-1)
+
+
 def test_n_samples_share_prefill_and_come_in_a_row(llama):
     prompts = _prompts(lengths=(6, 14), seed=2)
     sampler = Sampler(llama, max_slots=8)

@@ -23,6 +23,8 @@ SCRIPT = textwrap.dedent("""
     prompts = [rng.integers(3, 96, size=n).tolist() for n in (5, 9, 3, 12, 7)]
     params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[])
     ref = Sampler(from_pretrained(path), max_slots=4).generate(prompts, params)
+    long_params = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[])
+    long_ref = Sampler(from_pretrained(path), max_slots=4, cache_step=0).generate(prompts, long_params)
     out = {}
     for name, sizes in {"fsdp_tensor": dict(data=1, fsdp=2, tensor=2)}.items():
         mesh = distributed.make_mesh(**sizes)
@@ -31,6 +33,8 @@ SCRIPT = textwrap.dedent("""
         sampler = Sampler(model, max_slots=3)  # rounded up to a multiple of data x fsdp
         got = sampler.generate(prompts, params)
         sampled = sampler.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3))
+        grown = Sampler(model, max_slots=3, cache_step=8)  # the cache grows 24 -> 32 positions on the mesh
+        long_got = grown.generate(prompts, long_params)
         out[name] = dict(
             same=[a.token_ids for a in got] == [b.token_ids for b in ref],
             logprob_diff=max(float(np.abs(np.subtract(a.logprobs, b.logprobs)).max()) for a, b in zip(got, ref)),
@@ -39,6 +43,9 @@ SCRIPT = textwrap.dedent("""
             weights_sharding=str(model.layers.mlp.up_proj.kernel[...].sharding.spec),
             weights_same_object=model.layers.mlp.up_proj.kernel[...] is weights_before,
             n_sampled=len(sampled),
+            grown_same=[a.token_ids for a in long_got] == [b.token_ids for b in long_ref],
+            grown_resizes=grown.last_stats.get("cache_resizes", 0),
+            grown_cache_spec=str(grown._state.cache.k[0].sharding.spec),
         )
     print("RESULT" + json.dumps(out))
 """)
@@ -63,3 +70,5 @@ def test_generate_on_a_mesh(hf_checkpoint, tmp_path):
     assert "tensor" in r["weights_sharding"]  # weights keep the training layout...
     assert r["weights_same_object"]  # ...and are not copied or moved
     assert r["n_sampled"] == 5
+    assert r["grown_same"] and r["grown_resizes"] >= 1, res  # a growing cache keeps its sharding and results
+    assert r["grown_cache_spec"] == r["cache_spec"]
