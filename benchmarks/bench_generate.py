@@ -96,6 +96,46 @@ def best_times(runners: dict, repeats: int):
     return best, results
 
 
+def matmul_floor(model, rows: int = 16, steps: int = 64) -> tuple[float, float]:
+    """Seconds per step of the decode step's matrix products alone (q, k, v, o, gate, up, down per layer and
+    the LM head, `rows` rows, the model's own weights, in a compiled loop), and the megabytes of weights one
+    step reads: the floor that the rest of a decode step (attention, norms, sampling) adds to."""
+    import jax
+    import jax.numpy as jnp
+
+    lay, d = model.layers, model.cfg.hidden_size
+    into = [lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj]  # [L, D, ...] kernels
+    out = [lay.self_attn.o_proj]  # [L, ..., D]
+    kernels = [[lin.kernel[...][i].reshape(d, -1) for lin in into] + [out[0].kernel[...][i].reshape(-1, d)]
+               + [lay.mlp.gate_proj.kernel[...][i], lay.mlp.up_proj.kernel[...][i], lay.mlp.down_proj.kernel[...][i]]
+               for i in range(model.cfg.num_layers)]
+    head = model.output_kernel()
+
+    @jax.jit
+    def loop(x, kernels, head):
+        def body(_, x):
+            for q, k, v, o, g, u, dn in kernels:
+                a = x @ q
+                a = a + jnp.tile(x @ k, a.shape[1] // k.shape[1]) + jnp.tile(x @ v, a.shape[1] // v.shape[1])
+                x = x + (a @ o) * 0.1
+                x = x + ((x @ g) * (x @ u)) @ dn * 0.01
+            logits = x @ head
+            return x + jnp.max(logits, axis=-1, keepdims=True) * 1e-6
+        return jax.lax.fori_loop(0, steps, body, x)
+
+    x = jnp.ones((rows, d), jnp.float32)
+    jax.block_until_ready(loop(x, kernels, head))
+    best = min(_timed(lambda: jax.block_until_ready(loop(x, kernels, head))) for _ in range(5))
+    mb = (sum(k.size for ks in kernels for k in ks) + head.size) * 4 / 1e6
+    return best / steps, mb
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def pick_stop_ids(seqs: list[list[int]], rng, target: float = 0.5) -> list[int]:
     """Stop ids that end about `target` of the sequences, each around the middle of its completion.
 
@@ -163,6 +203,7 @@ def main(argv=None) -> int:
             sampler.generate(plist, params)
             prof = sampler.last_stats
             sampler.profile = False
+            floor, floor_mb = matmul_floor(model)
 
         # ---------------------------------------------------------------- case 2: continuous vs static batches
         prompts2 = rng.integers(3, VOCAB, size=(64, PROMPT_LEN)).tolist()
@@ -195,8 +236,11 @@ def main(argv=None) -> int:
     console.print(f"identical greedy sequences (ours vs transformers): {same}/16; "
                   f"ours: {stats1.get('prefill_calls')} prefill call(s), {stats1.get('decode_steps')} decode steps")
     if args.profile:
+        steps = max(int(prof.get("decode_steps", 1)), 1)
         console.print(f"profile (blocking after prefill): prefill {prof.get('prefill_seconds', 0):.3f}s, "
-                      f"decode {prof.get('decode_seconds', 0):.3f}s, total {prof.get('seconds', 0):.3f}s")
+                      f"decode {prof.get('decode_seconds', 0):.3f}s ({prof.get('decode_seconds', 0) / steps * 1e3:.2f} "
+                      f"ms/step), total {prof.get('seconds', 0):.3f}s; the decode step's matmuls alone: "
+                      f"{floor * 1e3:.2f} ms/step ({floor_mb:.1f} MB of float32 weights per step)")
 
     t2 = Table(title=f"Case 2: 64 prompts of {PROMPT_LEN} tokens through 16 slots, up to {NEW} new tokens, greedy, "
                      "stop ids picked from the completions")

@@ -11,8 +11,8 @@ Two modes share one module:
   with different lengths, and each slot advances independently (continuous batching). Per-layer arrays
   (not one stacked array) let each layer update its cache in place and read it whole, with no per-step
   slice copies. The layouts serve the decode step: q.k sums over head_dim with positions contiguous,
-  p.v sums over positions with head_dim contiguous, so both reductions run along vectors (on CPU, about
-  twice as fast as summing q.k along the contiguous head_dim).
+  p.v sums over positions with head_dim contiguous, so both products stream the cache along rows (on
+  CPU, about twice as fast as summing q.k along the contiguous head_dim).
 
 Attention itself goes through `jax.nn.dot_product_attention` (a fused cuDNN kernel on GPU where it
 applies); Gemma 2's attention-logit soft-capping needs the logits, so that case uses an explicit einsum path.
@@ -73,18 +73,19 @@ class KVCache:
 
 
 def _attend_one(q, k_t, v, mask, cfg: ModelConfig):
-    """Attention of one query per row (decode) over a cache in its layouts (k_t [B,K,H,S], v [B,K,S,H]) as
-    multiply-and-reduce along contiguous vectors (see the module docstring). q [B,1,N,H], mask [B,1,1,S]."""
+    """Attention of one query per row (decode) over a cache in its layouts (k_t [B,K,H,S], v [B,K,S,H]):
+    per (slot, kv head) a [G,H] x [H,S] and a [G,S] x [S,H] product, each reading the cache along
+    contiguous rows (see the module docstring), accumulated in float32. q [B,1,N,H], mask [B,1,1,S]."""
     b, _, n, h = q.shape
     kvh = k_t.shape[1]
-    qg = q.reshape(b, kvh, n // kvh, h, 1).astype(jnp.float32)  # [B,K,G,H,1]
-    logits = jnp.sum(qg * k_t[:, :, None].astype(jnp.float32), axis=3) * cfg.attn_scale  # [B,K,G,S]
+    qg = q.reshape(b, kvh, n // kvh, h)  # [B,K,G,H]
+    logits = jnp.einsum("bkgh,bkhs->bkgs", qg, k_t, preferred_element_type=jnp.float32) * cfg.attn_scale
     if cfg.attn_logit_softcap is not None:
         cap = cfg.attn_logit_softcap
         logits = jnp.tanh(logits / cap) * cap
     logits = jnp.where(mask[:, :, 0, None, :], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.sum(probs[..., None] * v[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,H]
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=jnp.float32)  # [B,K,G,H]
     return out.reshape(b, 1, n, h).astype(q.dtype)
 
 
