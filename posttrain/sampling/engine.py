@@ -15,7 +15,7 @@ Cache growth. Attention reads the whole cache row each step (masked), so its cos
 length, not the tokens written so far. The cache therefore grows with the sequences: its length is one of
 a few capacities (multiples of `cache_step` up to `max_len`); a call starts at the smallest capacity that
 holds its prompts' length bucket plus one token, a decode segment stops when the leading active slot
-reaches the capacity, and the host pads the cache to the next one (one copy, donated) before going on.
+reaches the capacity, and the host pads the cache to the next one (one copy of the cache) before going on.
 For 64-token prompts and 128 new tokens this attends to ~150 positions per step on average instead of 192.
 Each capacity is one more compiled decode program (the capacity a call meets depends only on its length
 buckets and max_new_tokens, so repeated calls compile nothing new).
@@ -39,11 +39,10 @@ segments, so a few long completions do not hold the other slots idle: a finished
 prompt. Prompts are admitted in order; a prompt's samples are admitted together (up to the slot count).
 
 Compilation. What is static: slots, the cache capacity, the prefill (rows, bucket) shape, top_k and
-segment_steps.
-Greedy-or-not, temperature, top_p, min_p, seed, max_new_tokens and the stop ids are traced values, so a
-sampler compiles one decode program and one prefill program per (rows, bucket) it meets; the programs
-are shared by every sampler of a model of the same structure, and the weights are read from the model
-at every call (RL updates them in place between calls).
+segment_steps. Greedy-or-not, temperature, top_p, min_p, seed, max_new_tokens and the stop ids are traced
+values, so a sampler compiles one decode program per cache capacity and one prefill program per (rows,
+bucket, capacity) it meets; the programs are shared by every sampler of a model of the same structure,
+and the weights are read from the model at every call (RL updates them in place between calls).
 
 Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only, so the
 same seed gives the same completions whatever the slot count or scheduling.
