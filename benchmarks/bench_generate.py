@@ -15,6 +15,7 @@ Run: `python benchmarks/bench_generate.py [--repeats N] [--profile]`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -103,11 +104,10 @@ def matmul_floor(model, rows: int = 16, steps: int = 64) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    lay, d = model.layers, model.cfg.hidden_size
-    into = [lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj]  # [L, D, ...] kernels
-    out = [lay.self_attn.o_proj]  # [L, ..., D]
-    kernels = [[lin.kernel[...][i].reshape(d, -1) for lin in into] + [out[0].kernel[...][i].reshape(-1, d)]
-               + [lay.mlp.gate_proj.kernel[...][i], lay.mlp.up_proj.kernel[...][i], lay.mlp.down_proj.kernel[...][i]]
+    att, mlp, d = model.layers.self_attn, model.layers.mlp, model.cfg.hidden_size
+    # stacked [L, *in, *out] kernels as 2-D [in, out] matrices per layer, in the order the loop uses them
+    linears = [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    kernels = [[lin.kernel[...][i].reshape(math.prod(lin.in_shape), -1) for lin in linears]
                for i in range(model.cfg.num_layers)]
     head = model.output_kernel()
 

@@ -72,6 +72,15 @@ class KVCache:
         return dataclasses.replace(self, valid=self.valid.at[b, pos].set(token_mask.astype(bool)))
 
 
+def _probs(logits, mask, cfg: ModelConfig):
+    """softmax over keys of float32 q.k logits: scaled, soft-capped (Gemma 2) when configured, masked."""
+    logits = logits * cfg.attn_scale
+    if cfg.attn_logit_softcap is not None:
+        cap = cfg.attn_logit_softcap
+        logits = jnp.tanh(logits / cap) * cap
+    return jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)
+
+
 def _attend_one(q, k_t, v, mask, cfg: ModelConfig):
     """Attention of one query per row (decode) over a cache in its layouts (k_t [B,K,H,S], v [B,K,S,H]):
     per (slot, kv head) a [G,H] x [H,S] and a [G,S] x [S,H] product, each reading the cache along
@@ -79,12 +88,8 @@ def _attend_one(q, k_t, v, mask, cfg: ModelConfig):
     b, _, n, h = q.shape
     kvh = k_t.shape[1]
     qg = q.reshape(b, kvh, n // kvh, h)  # [B,K,G,H]
-    logits = jnp.einsum("bkgh,bkhs->bkgs", qg, k_t, preferred_element_type=jnp.float32) * cfg.attn_scale
-    if cfg.attn_logit_softcap is not None:
-        cap = cfg.attn_logit_softcap
-        logits = jnp.tanh(logits / cap) * cap
-    logits = jnp.where(mask[:, :, 0, None, :], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    logits = jnp.einsum("bkgh,bkhs->bkgs", qg, k_t, preferred_element_type=jnp.float32)
+    probs = _probs(logits, mask[:, :, 0, None, :], cfg).astype(v.dtype)
     out = jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=jnp.float32)  # [B,K,G,H]
     return out.reshape(b, 1, n, h).astype(q.dtype)
 
@@ -102,11 +107,8 @@ def _attend(q, k, v, mask, cfg: ModelConfig):
     b, t, n, h = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, n // kvh, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * cfg.attn_scale
-    cap = cfg.attn_logit_softcap
-    logits = jnp.tanh(logits / cap) * cap
-    logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    probs = _probs(logits, mask[:, :, None], cfg).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, n, h)
 

@@ -422,17 +422,21 @@ class Sampler:
             step = max(32, -(-max_len // 4 // 16) * 16)
         return cache_capacities(max_len, step) if step else [max_len]
 
+    def _state_config_for(self, slots: int, cache_len: int) -> tuple:
+        """What identifies a decode state's shapes and placement (a state is reused when this matches)."""
+        key_shape = tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
+        mesh = id(self.model.mesh) if self.model.mesh else None
+        return (slots, cache_len, str(jnp.dtype(self.cfg.compute_dtype)), key_shape, mesh)
+
     def _ensure_state(self, slots: int, cache_len: int) -> DecodeState:
         """A state with a cache of `cache_len` positions (the previous call's state when it has that shape;
         every slot is free at the start of a call, so its contents do not matter)."""
         cfg = self.cfg
-        cache_dtype = jnp.dtype(cfg.compute_dtype)
-        key_shape = tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
-        config = (slots, cache_len, str(cache_dtype), key_shape, id(self.model.mesh) if self.model.mesh else None)
+        config = self._state_config_for(slots, cache_len)
         if self._state is None or self._state_config != config:
             self._state = None  # free the old cache before allocating the new one
             cache_dims = (cfg.num_layers, slots, cfg.num_kv_heads, cache_len, cfg.head_dim)
-            self._state = _init_jit(cache_dims, cache_dtype, key_shape, self.model.mesh)
+            self._state = _init_jit(cache_dims, jnp.dtype(cfg.compute_dtype), config[3], self.model.mesh)
             self._state_config = config
         return self._state
 
@@ -476,7 +480,6 @@ class Sampler:
 
         cache_len = capacity_for(length_bucket(longest, max_len) + 1)
         ds = self._ensure_state(slots, cache_len)
-        state_config = self._state_config
         self._state = None  # donated below; restored when the call completes
 
         waiting = collections.deque([i, 0] for i in range(len(prompts)))  # [prompt index, next sample]
@@ -568,7 +571,7 @@ class Sampler:
             if bar is not None:
                 bar.close()
         self._state = ds
-        self._state_config = state_config[:1] + (cache_len,) + state_config[2:]
+        self._state_config = self._state_config_for(slots, cache_len)  # the cache may have grown
         stats["generated_tokens"] = generated
         stats["seconds"] = time.perf_counter() - t0
         stats["slots"] = slots

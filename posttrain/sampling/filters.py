@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from posttrain.algorithms.sft import logprobs_from_logits
+
 
 def filter_logits(x: jax.Array, top_k: int, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Applies top-k (static k, 0 = off), then top-p, then min-p to (temperature-scaled) logits x [R, V].
@@ -46,13 +48,6 @@ def first_argmax(x: jax.Array, x_max: jax.Array | None = None) -> jax.Array:
     m = jnp.max(x, axis=-1) if x_max is None else x_max
     idx = jnp.where(x == m[:, None], jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1])
     return jnp.minimum(jnp.min(idx, axis=-1), x.shape[-1] - 1).astype(jnp.int32)
-
-
-def _logprob_of(x: jax.Array, tok: jax.Array, x_max: jax.Array) -> jax.Array:
-    """log_softmax(x)[tok] per row, from the row maxima x_max [R] (finite rows), without materialising the
-    log-softmax: x[tok] - x_max - log(sum(exp(x - x_max)))."""
-    lse = jnp.log(jnp.sum(jnp.exp(x - x_max[:, None]), axis=-1))
-    return jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - x_max - lse
 
 
 def _first_true(cond: jax.Array, fallback: jax.Array) -> jax.Array:
@@ -105,7 +100,7 @@ def choose_tokens(logits: jax.Array, keys, top_k: int, greedy, temperature, top_
     0 when greedy).
     """
     logits = logits.astype(jnp.float32)
-    x_max = jnp.max(logits, axis=-1)  # shared by the greedy choice and the log-probs
+    x_max = jnp.max(logits, axis=-1)  # the greedy choice's; XLA merges it with the log-prob's own max
 
     def sample(_):
         x = filter_logits(logits / temperature, top_k, top_p, min_p)
@@ -118,4 +113,4 @@ def choose_tokens(logits: jax.Array, keys, top_k: int, greedy, temperature, top_
         return tok, jnp.zeros(tok.shape, jnp.float32)
 
     tok, slp = jax.lax.cond(greedy, argmax, sample, None)
-    return tok, _logprob_of(logits, tok, x_max), slp
+    return tok, logprobs_from_logits(logits, tok), slp
