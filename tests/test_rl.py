@@ -10,7 +10,8 @@ import pytest
 from posttrain.config import ConfigError
 from posttrain.rl.batch import build_rl_batch, bucket_length
 from posttrain.rl.evaluate import pass_at_k
-from posttrain.rl.loop import PromptStream, load_rl_config, run_rl
+from posttrain.rl.dispatcher import PromptStream
+from posttrain.rl.loop import load_rl_config, run_rl
 from posttrain.rl.rollout import Rollouts
 
 REWARD = '''
@@ -112,10 +113,12 @@ def test_unknown_config_key_lists_valid_ones():
 
 def test_prompt_stream_is_deterministic_and_covers_epochs():
     a = PromptStream(10, seed=3, shuffle=True)
-    first = a.take(10)
-    assert sorted(first) == list(range(10))
-    b = PromptStream(10, seed=3, shuffle=True, cursor=4)
-    assert b.take(8) == (first + a.take(10))[4:12]
+    first = [a.record(u) for u in range(10)]
+    second = [a.record(u) for u in range(10, 20)]
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+    b = PromptStream(10, seed=3, shuffle=True)  # a fresh stream (a resumed run) gives the same records
+    assert [b.record(u) for u in range(4, 12)] == (first + second)[4:12]
+    assert [PromptStream(10, seed=3, shuffle=False).record(u) for u in range(12)] == list(range(10)) + [0, 1]
 
 
 def test_build_rl_batch_alignment():

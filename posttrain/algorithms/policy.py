@@ -20,6 +20,7 @@ __all__ = [
     "AGGREGATION_MODES",
     "aggregate",
     "policy_loss",
+    "truncated_is_weights",
     "entropy_from_logits",
 ]
 
@@ -98,6 +99,47 @@ def _masked_mean(x, m):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def truncated_is_weights(old_logp, behaviour_logp, mask, *, level: str = "token", cap: float = 2.0):
+    """Truncated importance weights that correct for sampling with a behaviour policy mu that differs from
+    the proximal policy pi_old (a stale or asynchronous sampler, or bf16 sampling vs float32 training).
+
+    Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization"; Fu et al. 2025,
+    AReaL) keeps the clip around pi_old and multiplies each token's loss by a stop-gradient weight; truncation
+    at C (TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training";
+    IMPALA's truncated rho, Espeholt et al. 2018) bounds its variance::
+
+        token:     w_t = min(pi_old(y_t) / mu(y_t), C)
+        sequence:  w_i = min(prod_t pi_old(y_t) / mu(y_t), C)         (on every token of sequence i)
+
+    Returns ``(w [N, T], metrics)``: ``is_weight_mean``, ``is_truncated_frac`` (weights cut at C),
+    ``is_ess`` (effective sample size fraction ``(sum w)^2 / (n sum w^2)`` over tokens or sequences) and
+    ``mismatch_kl`` (k3 estimate of KL(mu || pi_old) per token: ``r - 1 - log r``, r = pi_old / mu).
+    """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown importance-sampling level {level!r}; accepted: ['sequence', 'token']")
+    m = _f32(mask)
+    valid = m > 0
+    log_r = jnp.where(valid, _f32(old_logp) - _f32(behaviour_logp), 0.0)
+    r = jnp.exp(jnp.clip(log_r, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    mismatch_kl = _masked_mean(r - 1.0 - log_r, m)
+    if level == "token":
+        raw, unit = r, m  # statistics over tokens
+    else:
+        raw = jnp.exp(jnp.clip(jnp.sum(log_r * m, axis=-1), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [N]
+        unit = (jnp.sum(m, axis=-1) > 0).astype(jnp.float32)  # statistics over sequences
+    w = jnp.minimum(raw, cap)
+    ess = jnp.sum(w * unit) ** 2 / jnp.maximum(jnp.sum(unit) * jnp.sum(w * w * unit), 1e-12)
+    metrics = {
+        "is_weight_mean": _masked_mean(w, unit),
+        "is_truncated_frac": _masked_mean((raw > cap).astype(jnp.float32), unit),
+        "is_ess": ess,
+        "mismatch_kl": mismatch_kl,
+    }
+    if level == "sequence":
+        w = jnp.broadcast_to(w[:, None], m.shape)
+    return jax.lax.stop_gradient((w, metrics))
+
+
 def policy_loss(
     logp,
     old_logp,
@@ -112,6 +154,9 @@ def policy_loss(
     beta: float = 0.0,
     kl_estimator: str = "k3",
     max_tokens=None,
+    behaviour_logp=None,
+    is_level: str = "token",
+    is_cap: float = 2.0,
 ):
     """Clipped surrogate policy loss (to be minimised) and metrics.
 
@@ -129,6 +174,12 @@ def policy_loss(
 
     in its GSPO-token form ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))`` (value ``s_i``, gradient
     ``s_i * grad logp_t``), and ``l_t = -min(s_it * A_i, clip(s_it, 1-eps_low, 1+eps_high) * A_i)``.
+
+    If ``behaviour_logp`` (the sampler's log-probs) is given, ``old_logp`` is the proximal policy (the
+    trainer's log-probs of the weights that sampled, or recomputed when the policy moved since) and each
+    token's surrogate is multiplied by the truncated importance weight of ``truncated_is_weights``
+    (``is_level``, cap ``is_cap``); its metrics join the loss's. With ``behaviour_logp == old_logp`` the
+    weights are exactly 1 and the loss is unchanged.
 
     If ``beta > 0`` a per-token KL penalty ``beta * kl_penalty(logp, ref_logp, kl_estimator)``
     is added to ``l_t`` (GRPO). The per-token losses are reduced with
@@ -195,6 +246,10 @@ def policy_loss(
     surr_unclipped = ratio * adv_t
     surr_clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv_t
     per_token = -jnp.minimum(surr_unclipped, surr_clipped)
+    is_metrics = {}
+    if behaviour_logp is not None:
+        is_w, is_metrics = truncated_is_weights(old_logp, behaviour_logp, m, level=is_level, cap=is_cap)
+        per_token = per_token * is_w
     pg_loss = aggregate(per_token, m, aggregation, max_tokens=max_tokens)
 
     metrics = {
@@ -203,6 +258,7 @@ def policy_loss(
         "clip_frac_high": clip_frac_high,
         "clip_fraction": clip_frac_low + clip_frac_high,
         "ratio_mean": ratio_mean,
+        **is_metrics,
     }
     loss = pg_loss
     if ref_logp is not None:

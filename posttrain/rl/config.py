@@ -64,6 +64,11 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     minibatches: int = 1  # optimizer steps per rollout batch and epoch
     old_logprobs: Literal["sampler", "recompute"] = "sampler"
+    # Off-policy correction (see `posttrain.algorithms.policy.truncated_is_weights`): the loss's proximal
+    # log-probs are the trainer's (recomputed whenever the policy moved since sampling, or always with
+    # old_logprobs=recompute), and each token is weighted by min(pi_old / pi_sampler, is_cap).
+    is_level: Literal["token", "sequence", "none"] = "token"
+    is_cap: float = 2.0
 
     def resolved(self) -> dict[str, Any]:
         from posttrain.algorithms.registry import get_preset
@@ -71,7 +76,8 @@ class AlgorithmConfig:
         overrides = {
             k: v
             for k, v in dataclasses.asdict(self).items()
-            if v is not None and k not in ("preset", "max_resample_rounds", "ppo_epochs", "minibatches", "old_logprobs")
+            if v is not None and k not in ("preset", "max_resample_rounds", "ppo_epochs", "minibatches", "old_logprobs",
+                                           "is_level", "is_cap")
         }
         return get_preset(self.preset, **overrides)
 
@@ -105,6 +111,64 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class CurationConfig:
+    """Skip prompts that no longer teach anything (RLAX): a prompt whose last `window` trained groups were all
+    solved (or all unsolved) is not sampled again. window 0 = off."""
+
+    window: int = 0
+    skip_always_solved: bool = True
+    skip_never_solved: bool = True
+
+    def __post_init__(self):
+        if self.window < 0:
+            raise ValueError(f"curation.window must be >= 0 (0 = off), found {self.window}")
+
+
+@dataclasses.dataclass
+class FleetConfig:
+    """The asynchronous rollout fleet on Ray (`posttrain.rl.fleet`). `workers` unset = sample in-process.
+
+    max_staleness: versions a trained group may lag the weights it updates (0 = synchronous RL).
+    publish_every: trainer steps between weight publications (at most max_staleness + 1).
+    lease_groups: prompt groups per worker request (0 = batch_prompts / workers, rounded up).
+    transfer_dtype: "bfloat16" halves the published weights (floating arrays) on the wire.
+    ray_address: None starts a local Ray; "auto" or HOST:PORT joins a running cluster (`ray start`).
+    worker_resources: Ray resources each worker asks for besides its CPUs/GPUs (e.g. {"rollout": 1}).
+    stall_timeout_s: no result from any worker for this long stops the run (after a checkpoint).
+    """
+
+    workers: int | None = None
+    max_staleness: int = 1
+    publish_every: int = 1
+    keep_versions: int = 2
+    lease_groups: int = 0
+    lease_timeout_s: float = 600.0
+    stall_timeout_s: float = 300.0
+    max_restarts: int = 5
+    worker_cpus: float = 1.0
+    worker_gpus: float = 0.0
+    worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    transfer_dtype: Literal["native", "bfloat16"] = "native"
+    ray_address: str | None = None
+    connect_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"fleet.workers must be >= 1 (leave it unset to sample in-process), found {self.workers}")
+        if self.max_staleness < 0:
+            raise ValueError(f"fleet.max_staleness must be >= 0 (0 = synchronous), found {self.max_staleness}")
+        if not 1 <= self.publish_every <= self.max_staleness + 1:
+            raise ValueError(f"fleet.publish_every must be in [1, fleet.max_staleness + 1 = {self.max_staleness + 1}], "
+                             f"found {self.publish_every}")
+        if self.keep_versions < 1 or self.lease_groups < 0 or self.max_restarts < -1:
+            raise ValueError("fleet.keep_versions must be >= 1, fleet.lease_groups >= 0, fleet.max_restarts >= -1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.workers is not None
+
+
+@dataclasses.dataclass
 class RLConfig:
     """A GRPO-family RL run: everything `posttrain rl CONFIG.yaml` needs."""
 
@@ -119,5 +183,7 @@ class RLConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    curation: CurationConfig = dataclasses.field(default_factory=CurationConfig)
+    fleet: FleetConfig = dataclasses.field(default_factory=FleetConfig)
     export_hf: bool = True
     export_dtype: Literal["float32", "bfloat16", "float16"] | None = None

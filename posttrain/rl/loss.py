@@ -55,8 +55,8 @@ def rl_loss(model, batch, *, loss_kwargs: dict, chunk_size: int | None = None):
     c = mask.shape[1]  # completions fill the last C columns; column P-1+j predicts completion token j
     h, _ = model.hidden_states(ids, attention_mask=batch["attention_mask"], positions=batch["positions"])
     logp, ent = _logp_and_entropy(model, h[:, -c - 1:-1], ids[:, -c:], chunk_size)
-    loss, metrics = policy_loss(logp, batch["old_logp"], batch["advantages"], mask,
-                                ref_logp=batch.get("ref_logp"), **loss_kwargs)
+    loss, metrics = policy_loss(logp, batch["old_logp"], batch["advantages"], mask, ref_logp=batch.get("ref_logp"),
+                                behaviour_logp=batch.get("behaviour_logp"), **loss_kwargs)
     w = normaliser(mask, loss_kwargs.get("aggregation", "token_mean"))
     tokens = jnp.maximum(jnp.sum(mask), 1.0)
     # (numerator, denominator) pairs: the trainer reports Σ num / Σ den over micro-batches

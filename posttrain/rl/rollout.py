@@ -1,13 +1,16 @@
 """Rollouts: prompts -> G sampled completions each (current weights, in place) -> scored rewards, as plain data.
 
-`Rollouts` holds only Python lists and numpy arrays, so the asynchronous fleet can later ship it between
-processes unchanged: prompt and completion token ids, the sampler's per-token log-probs (the behaviour
-policy's), finish reasons, texts, the reward total and each reward's value.
+`Rollouts` holds only Python lists and numpy arrays, so the fleet ships it between processes unchanged
+(and `to_json` puts it in a checkpoint): prompt and completion token ids, the sampler's per-token
+log-probs (the behaviour policy's), finish reasons, texts, the reward total and each reward's value, and
+per sample the group's uid (its position in the prompt stream) and the first and last policy version of
+the weights that generated it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +33,12 @@ class Rollouts:
     rewards: np.ndarray  # [N] weighted total
     per_reward: dict[str, np.ndarray]  # name -> [N]
     reward_stats: dict[str, float]
+    uid: list[int] = dataclasses.field(default_factory=list)  # [N] the group's uid (prompt stream position)
+    version_first: list[int] = dataclasses.field(default_factory=list)  # [N] policy version at the first token
+    version_last: list[int] = dataclasses.field(default_factory=list)  # [N] ... and at the last token
+
+    _PER_SAMPLE = ("record_index", "prompt_ids", "completion_ids", "logprobs", "finish_reasons", "texts",
+                   "prompts_text", "uid", "version_first", "version_last")
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -41,41 +50,50 @@ class Rollouts:
     def completion_lengths(self) -> np.ndarray:
         return np.array([len(c) for c in self.completion_ids], np.int32)
 
+    def version_first_min(self) -> int:
+        return int(min(self.version_first))
+
+    def _pick(self, idx: list[int], reward_stats: dict[str, float]) -> "Rollouts":
+        lists = {k: [getattr(self, k)[i] for i in idx] if getattr(self, k) else [] for k in self._PER_SAMPLE}
+        return Rollouts(group_size=self.group_size, rewards=self.rewards[idx],
+                        per_reward={k: v[idx] for k, v in self.per_reward.items()}, reward_stats=reward_stats, **lists)
+
     def select_groups(self, keep: np.ndarray) -> "Rollouts":
-        """Only the groups where `keep` [num_groups] is True."""
-        idx = [i for i in range(len(self)) if keep[i // self.group_size]]
-        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        return Rollouts(
-            group_size=self.group_size,
-            record_index=pick(self.record_index),
-            prompt_ids=pick(self.prompt_ids),
-            completion_ids=pick(self.completion_ids),
-            logprobs=pick(self.logprobs),
-            finish_reasons=pick(self.finish_reasons),
-            texts=pick(self.texts),
-            prompts_text=pick(self.prompts_text),
-            rewards=self.rewards[idx],
-            per_reward={k: v[idx] for k, v in self.per_reward.items()},
-            reward_stats=self.reward_stats,
-        )
+        """Only the groups where `keep` [num_groups] is True (the reward statistics stay those of the whole)."""
+        return self._pick([i for i in range(len(self)) if keep[i // self.group_size]], self.reward_stats)
+
+    def groups(self) -> list["Rollouts"]:
+        """One `Rollouts` per group; the first carries the reward statistics (so `concat` adds them up)."""
+        g = self.group_size
+        zero = {k: 0.0 for k in self.reward_stats}
+        return [self._pick(list(range(j * g, (j + 1) * g)), self.reward_stats if j == 0 else zero)
+                for j in range(self.num_groups)]
 
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
+        """The parts one after the other; failure and timeout counts are summed over the parts."""
         first = parts[0]
-        cat = lambda name: [x for p in parts for x in getattr(p, name)]  # noqa: E731
-        return Rollouts(
-            group_size=first.group_size,
-            record_index=cat("record_index"),
-            prompt_ids=cat("prompt_ids"),
-            completion_ids=cat("completion_ids"),
-            logprobs=cat("logprobs"),
-            finish_reasons=cat("finish_reasons"),
-            texts=cat("texts"),
-            prompts_text=cat("prompts_text"),
-            rewards=np.concatenate([p.rewards for p in parts]),
-            per_reward={k: np.concatenate([p.per_reward[k] for p in parts]) for k in first.per_reward},
-            reward_stats=first.reward_stats,
-        )
+        stats: dict[str, float] = {}
+        for p in parts:
+            for k, v in p.reward_stats.items():
+                stats[k] = stats.get(k, 0.0) + float(v)
+        lists = {k: [x for p in parts for x in getattr(p, k)] for k in Rollouts._PER_SAMPLE}
+        return Rollouts(group_size=first.group_size, rewards=np.concatenate([p.rewards for p in parts]),
+                        per_reward={k: np.concatenate([p.per_reward[k] for p in parts]) for k in first.per_reward},
+                        reward_stats=stats, **lists)
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in self._PER_SAMPLE}
+        out.update(group_size=self.group_size, rewards=self.rewards.tolist(),
+                   per_reward={k: v.tolist() for k, v in self.per_reward.items()}, reward_stats=dict(self.reward_stats))
+        return out
+
+    @staticmethod
+    def from_json(d: dict) -> "Rollouts":
+        lists = {k: list(d.get(k, [])) for k in Rollouts._PER_SAMPLE}
+        return Rollouts(group_size=int(d["group_size"]), rewards=np.asarray(d["rewards"], np.float32),
+                        per_reward={k: np.asarray(v, np.float32) for k, v in d["per_reward"].items()},
+                        reward_stats=dict(d["reward_stats"]), **lists)
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool, system_prompt: str | None = None) -> list[int]:
@@ -96,14 +114,21 @@ def prompt_text(prompt: str | list[dict]) -> str:
 
 def generate_rollouts(
     sampler: Sampler,
-    records: list[dict[str, Any]],
+    records: Sequence[dict[str, Any]] | Mapping[int, dict[str, Any]],
     record_indices: list[int],
     prompt_ids: list[list[int]],
     params: SamplingParams,
     reward_runner,
+    *,
+    uids: list[int] | None = None,
 ) -> Rollouts:
-    """Samples `params.n` completions per prompt and scores them with `reward_runner` (a `RewardRunner`)."""
-    completions = sampler.generate(prompt_ids, params)
+    """Samples `params.n` completions per prompt and scores them with `reward_runner` (a `RewardRunner`).
+
+    `records[i]` for i in `record_indices` (a list, or a dict holding only those records). With `uids`
+    (one per prompt: the groups' stream positions), a group's samples are drawn from keys of (seed, uid),
+    so they do not depend on which other groups share the call, and each sample is stamped with the
+    sampler's weights version."""
+    completions = sampler.generate(prompt_ids, params, key_ids=uids)
     g = params.n
     n = len(completions)
     rec_idx = [record_indices[c.prompt_index] for c in completions]
@@ -128,4 +153,7 @@ def generate_rollouts(
         rewards=np.asarray(total, np.float32),
         per_reward={k: np.asarray(v, np.float32) for k, v in per_reward.items()},
         reward_stats=dict(stats),
+        uid=[uids[c.prompt_index] for c in completions] if uids is not None else [],
+        version_first=[int(sampler.version or 0)] * n,
+        version_last=[int(sampler.version or 0)] * n,
     )

@@ -371,6 +371,7 @@ class Sampler:
         self._state: DecodeState | None = None
         self._state_config: tuple | None = None
         self.last_stats: dict = {}
+        self.version: int | None = None  # the policy version of the loaded weights (see `load_weights`)
         self.profile = False  # block after each compiled call to time prefill and decode separately
 
     # ------------------------------------------------------------------ configuration
@@ -440,16 +441,39 @@ class Sampler:
             self._state_config = config
         return self._state
 
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights, version: int | None = None) -> None:
+        """Copies `weights` into the sampler's model and records their policy `version`.
+
+        weights: a flat `{path: array}` dict (`posttrain.models.weights.flat_weights`, numpy or device
+        arrays) or an `nnx.State` of some of the model's variables (e.g. a trainer's trained parameters, or
+        only its LoRA adapters). The values are copied, so the caller may donate or overwrite its own
+        buffers afterwards; the swap happens between calls, never inside one.
+        """
+        from posttrain.models.weights import flat_weights, load_flat_weights
+
+        flat = weights if isinstance(weights, dict) else flat_weights(weights)
+        load_flat_weights(self.model, flat)
+        self.version = version
+
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams | None = None, *,
-                 progress: bool | Callable[[int, int, int, float], None] = False) -> list[Completion]:
+                 progress: bool | Callable[[int, int, int, float], None] = False,
+                 key_ids: Sequence[int] | None = None) -> list[Completion]:
         """One `Completion` per prompt and sample: prompt order, the `n` samples of a prompt in a row.
 
         progress: True for a rich progress bar, or a callable(done, total, generated_tokens, seconds).
+        key_ids: one integer per prompt that replaces its position in the sampling keys: sample i of prompt p
+          draws from keys of (seed, key_ids[p], i), so a prompt's samples do not depend on which other
+          prompts share the call (RL gives each prompt group a unique id).
         """
         params = params or SamplingParams()
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         self._validate(prompts, params)
+        if key_ids is not None:
+            key_ids = [int(k) for k in key_ids]
+            if len(key_ids) != len(prompts) or any(not 0 <= k < 2**31 for k in key_ids):
+                raise ValueError(f"key_ids must hold one integer in [0, 2**31) per prompt ({len(prompts)})")
         if not prompts:
             return []
         n = params.n
@@ -529,7 +553,7 @@ class Sampler:
                             waiting[0][1] = nxt + chunk
                     grow_to(length_bucket(max(len(prompts[p]) for p in rows), max_len) + 1)
                     ds, pending = self._run_prefill(prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new,
-                                                    params.seed, stop_arr, scalars, top_k, stats)
+                                                    params.seed, stop_arr, scalars, top_k, stats, key_ids)
                     pending = (asg, pending)
                 min_free = target() if waiting else slots + 1
                 t_dec = time.perf_counter()
@@ -581,7 +605,7 @@ class Sampler:
         return [finished[(p, i)] for p in range(len(prompts)) for i in range(n)]
 
     def _run_prefill(self, prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new, seed, stop_arr,
-                     scalars, top_k, stats):
+                     scalars, top_k, stats, key_ids=None):
         n_rows = min(_pow2(len(rows)), slots)
         lb = length_bucket(max(len(prompts[p]) for p in rows), max_len)
         ids = np.zeros((n_rows, lb), np.int32)
@@ -594,7 +618,7 @@ class Sampler:
         a_prompt = np.zeros((slots,), np.int32)
         a_sample = np.zeros((slots,), np.int32)
         for a, (r, s, p, i) in enumerate(asg):
-            a_row[a], a_slot[a], a_prompt[a], a_sample[a] = r, s, p, i
+            a_row[a], a_slot[a], a_prompt[a], a_sample[a] = r, s, (p if key_ids is None else key_ids[p]), i
         t = time.perf_counter()
         ds, first = prefill_fn(state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, np.uint32(seed),
                                  np.int32(max_new), stop_arr, **scalars, top_k=top_k)

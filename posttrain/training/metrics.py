@@ -105,3 +105,21 @@ class MetricsLogger:
             self.writer = None
         if not self.jsonl.closed:
             self.jsonl.close()
+
+
+def drop_records_after(path: str | Path, step: int) -> None:
+    """Removes the JSONL records of steps after `step` (written by a run that then crashed, and run again after
+    it resumed from the checkpoint of `step`), and any line cut short by the crash."""
+    import json
+
+    path = Path(path)
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue
+    path.write_text("".join(x + "\n" for x in keep))

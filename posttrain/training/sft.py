@@ -70,22 +70,6 @@ def build_model(cfg, mesh=None):
     return model, folder
 
 
-def _drop_records_after(path: Path, step: int) -> None:
-    """Removes metrics.jsonl records of steps after `step` (logged by a run that then crashed)."""
-    import json
-
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except json.JSONDecodeError:  # a line cut short by the crash
-            continue
-    path.write_text("".join(x + "\n" for x in keep))
-
-
 def _eval_batches(cfg, tok):
     from posttrain.data import build_sft_dataset
 
@@ -120,7 +104,7 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
     from posttrain.models.hf_io import save_pretrained
     from posttrain.models.tiny import resolve_model_path
     from posttrain.training.checkpoint import Checkpointer
-    from posttrain.training.metrics import MetricsLogger, Throughput
+    from posttrain.training.metrics import MetricsLogger, Throughput, drop_records_after
     from posttrain.training.optim import make_optimizer
     from posttrain.training.trainer import Trainer, flops_per_token
 
@@ -171,7 +155,7 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
         if meta.get("data_state") is not None:
             it.set_state(meta["data_state"])
         start = trainer.step_count
-        _drop_records_after(out / "metrics.jsonl", start)  # steps after the checkpoint are run again
+        drop_records_after(out / "metrics.jsonl", start)  # steps after the checkpoint are run again
 
     logger = MetricsLogger(out, total_steps=tc.max_steps, start_step=start, progress=tc.progress)
     say = log or logger.message

@@ -1,0 +1,70 @@
+"""The learner: a prepared RL batch -> proximal and reference log-probs -> `ppo_epochs` x `minibatches` updates.
+
+Old (proximal) log-probs: the sampler's own (behaviour) log-probs stand in for them while the policy has
+not moved since sampling; they are recomputed with the training forward when it has (a stale group from
+the fleet) and the off-policy correction is on, or always with `old_logprobs=recompute`. Reference
+log-probs (beta > 0) come from a `FrozenScorer`: the LoRA base with adapters off, or a frozen copy of
+the initial weights held without optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from posttrain.rl.batch import completion_logprobs
+
+__all__ = ["Learner", "FrozenScorer"]
+
+
+class FrozenScorer:
+    """Per-token log-probs [B, T-1] of a frozen model (no gradients, no optimizer state), on the trainer's mesh."""
+
+    def __init__(self, model, trainer, chunk_size: int | None = None):
+        from posttrain import distributed
+        from posttrain.algorithms.sft import token_logprobs
+
+        if trainer.mesh is not None:
+            distributed.shard_model(model, trainer.mesh)
+        graphdef, self.state = nnx.split(model)
+        self.put_batch = trainer.put_batch
+
+        def lp(state, input_ids, attention_mask, positions):
+            return token_logprobs(nnx.merge(graphdef, state), input_ids, attention_mask=attention_mask,
+                                  positions=positions, chunk_size=chunk_size)
+
+        self._fn = jax.jit(lp)
+
+    def __call__(self, batch) -> np.ndarray:
+        dev = self.put_batch({k: batch[k] for k in ("input_ids", "attention_mask", "positions")})
+        return np.asarray(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"]))
+
+
+class Learner:
+    """Applies one RL step's updates to a `Trainer` (see the module docstring)."""
+
+    def __init__(self, trainer, loss_fn, *, ppo_epochs: int, minibatches: int, seed: int, recompute_old: bool,
+                 correct_off_policy: bool, ref_fn: Callable[[dict], np.ndarray] | None = None):
+        self.trainer, self.loss_fn = trainer, loss_fn
+        self.ppo_epochs, self.minibatches, self.seed = ppo_epochs, minibatches, seed
+        self.recompute_old, self.correct_off_policy, self.ref_fn = recompute_old, correct_off_policy, ref_fn
+
+    def update(self, batch: dict[str, np.ndarray], step: int, *, policy_moved: bool) -> dict[str, float]:
+        """Updates the policy on `batch` (built by `posttrain.rl.batch.build_rl_batch`); returns mean metrics."""
+        n, mb, accum = len(batch["advantages"]), self.minibatches, self.trainer.grad_accum
+        if n % mb or (n // mb) % accum:
+            raise ValueError(f"{n} rollouts do not split into algorithm.minibatches={mb} x trainer.grad_accum={accum}")
+        if self.recompute_old or (policy_moved and self.correct_off_policy):
+            batch["old_logp"] = completion_logprobs(self.trainer.token_logprobs(batch), batch)
+        if self.ref_fn is not None:
+            batch["ref_logp"] = completion_logprobs(self.ref_fn(batch), batch)
+        rng = np.random.default_rng([self.seed, step])
+        metrics: list[dict[str, float]] = []
+        for _ in range(self.ppo_epochs):
+            order = rng.permutation(n) if mb > 1 else np.arange(n)
+            for part in np.split(order, mb):
+                metrics.append(self.trainer.step({k: v[part] for k, v in batch.items()}, self.loss_fn))
+        return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}

@@ -1,0 +1,332 @@
+"""What an RL run holds besides its loop: data, rewards, model, trainer, learner, dispatcher, checkpoints, logs.
+
+`RLRun.create(cfg)` does every set-up step once (rewards are checked against the data before any model
+loads); the loop (`posttrain.rl.loop`) then only calls named steps on it: `resume`, `prepare`,
+`after_step` (logs, held-out evaluation, checkpoint), `finish` (final evaluation, checkpoint, HF export).
+
+Files in `output_dir`: `config.yaml`, `metrics.jsonl`, `tensorboard/`, `samples.jsonl`, `trained.jsonl`
+(per step: the uids and records of the trained groups, their policy versions and staleness: the ledger
+from which "every prompt trained exactly once" is checked), `checkpoints/<step>/` (trainer state +
+the dispatcher's state with its buffered rollouts), `hf/`. On resume, records after the restored step
+are dropped from the JSONL files: those steps run again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from posttrain.rl.config import RLConfig
+from posttrain.rl.rollout import Rollouts
+
+__all__ = ["RLRun", "RLResult"]
+
+
+@dataclasses.dataclass
+class RLResult:
+    output_dir: Path
+    steps: int
+    history: list[dict[str, float]]
+    evals: list[dict[str, Any]]
+    hf_dir: Path | None
+
+
+def _reward_runner(cfg: RLConfig, preset: dict):
+    from posttrain.rewards.length import overlong_penalty
+    from posttrain.rewards.runner import RewardRunner, RewardSpec
+
+    specs = [dataclasses.replace(RewardSpec.coerce(r.name), weight=r.weight, kwargs=dict(r.kwargs))
+             for r in cfg.rewards.functions]
+    if preset.get("overlong_penalty") and not any(r.name == "overlong_penalty" for r in cfg.rewards.functions):
+        budget = cfg.rollout.max_new_tokens
+        cache = max(1, int(round(preset.get("overlong_cache_fraction", 0.2) * budget)))
+        specs.append(RewardSpec(name="overlong_penalty", fn=overlong_penalty(budget, cache), weight=1.0))
+    return RewardRunner(specs, timeout_s=cfg.rewards.timeout_s, failure_value=cfg.rewards.failure_value,
+                        num_workers=cfg.rewards.num_workers)
+
+
+def _encode_all(tok, records, cfg: RLConfig, where: str) -> list[list[int]]:
+    from posttrain.rl.rollout import encode_prompt
+
+    out = []
+    for i, r in enumerate(records):
+        ids = encode_prompt(tok, r["prompt"], chat=cfg.data.chat, system_prompt=cfg.data.system_prompt)
+        if not ids:
+            raise ValueError(f"{where}: record {i} has an empty prompt")
+        if len(ids) > cfg.data.max_prompt_tokens:
+            raise ValueError(f"{where}: record {i} prompt has {len(ids)} tokens, more than "
+                             f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+        out.append(ids)
+    return out
+
+
+def _mesh(cfg: RLConfig):
+    import jax
+
+    from posttrain import distributed
+
+    if len(jax.devices()) == 1:
+        return None
+    m = cfg.mesh
+    return distributed.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
+
+
+def policy_loss_kwargs(cfg: RLConfig, preset: dict) -> dict:
+    from posttrain.algorithms.registry import loss_kwargs
+
+    kw = loss_kwargs(preset)
+    if kw.get("max_tokens") is None:
+        kw["max_tokens"] = cfg.rollout.max_new_tokens
+    kw["beta"] = float(kw.get("beta") or 0.0)
+    if kw["beta"] == 0.0:
+        kw.pop("kl_estimator", None)
+    if cfg.algorithm.is_level != "none":
+        kw.update(is_level=cfg.algorithm.is_level, is_cap=cfg.algorithm.is_cap)
+    return kw
+
+
+class RLRun:
+    """The set-up of one RL run and the named steps the loop calls (see the module docstring)."""
+
+    def __init__(self, cfg: RLConfig):
+        from posttrain import tokenizer as tok_lib
+        from posttrain.algorithms.registry import ADVANTAGES, get
+        from posttrain.config import ConfigError, save_config
+        from posttrain.data import read_prompts
+        from posttrain.rl.dispatcher import Dispatcher
+        from posttrain.rl.learner import FrozenScorer, Learner
+        from posttrain.rl.loss import make_rl_loss
+        from posttrain.sampling import SamplingParams
+        from posttrain.training.checkpoint import Checkpointer
+        from posttrain.training.optim import make_optimizer
+        from posttrain.training.sft import build_model
+        from posttrain.training.trainer import Trainer
+
+        if not cfg.data.train:
+            raise ConfigError("data.train: no prompt set given (set data.train=FILE)")
+        self.cfg = cfg
+        self.out = out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+        self.preset = preset = cfg.algorithm.resolved()
+        g, b = cfg.rollout.group_size, cfg.rollout.batch_prompts
+        self.advantage_fn = get(ADVANTAGES, preset["advantage"])
+        if preset["advantage"] == "rloo" and g < 2:
+            raise ValueError("rollout.group_size must be >= 2 for RLOO")
+        self.dynamic_sampling = bool(preset.get("dynamic_sampling"))
+        self.max_drops_per_step = cfg.algorithm.max_resample_rounds * b
+        kw = policy_loss_kwargs(cfg, preset)
+
+        # rewards first: a data set without a field a reward needs fails before any model is loaded
+        self.runner = _reward_runner(cfg, preset)
+        self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
+        self.runner.check_fields(set(self.records[0]) | {"completion_lengths"})
+        self.eval_records = None
+        if cfg.data.eval:
+            self.eval_records = read_prompts(cfg.data.eval, prompt_field=cfg.data.prompt_field)
+            if cfg.data.eval_limit:
+                self.eval_records = self.eval_records[: cfg.data.eval_limit]
+
+        mesh = _mesh(cfg)
+        model, folder = build_model(cfg, mesh)
+        self.tok = tok_lib.load(folder)
+        self.prompt_ids = _encode_all(self.tok, self.records, cfg, cfg.data.train)
+        self.eval_ids = _encode_all(self.tok, self.eval_records, cfg, cfg.data.eval) if self.eval_records else None
+
+        chunk = cfg.trainer.loss_chunk_size or None
+        updates_per_step = cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
+        tx, schedule = make_optimizer(cfg.optim, cfg.trainer.max_steps * updates_per_step)
+        self.trainer = trainer = Trainer(model, tx, grad_accum=cfg.trainer.grad_accum, mesh=mesh, schedule=schedule,
+                                         seed=cfg.trainer.seed, logprob_chunk_size=chunk)
+        ref_fn = None
+        if kw["beta"] > 0:
+            if trainer.has_lora:  # the base model with adapters off: no second copy of the weights
+                ref_fn = lambda batch: np.asarray(trainer.token_logprobs(batch, adapters=False))  # noqa: E731
+            else:
+                ref_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
+                ref_fn = FrozenScorer(build_model(ref_cfg, mesh)[0], trainer, chunk)
+        self.learner = Learner(trainer, make_rl_loss(kw, chunk_size=chunk), ppo_epochs=cfg.algorithm.ppo_epochs,
+                               minibatches=cfg.algorithm.minibatches, seed=cfg.trainer.seed,
+                               recompute_old=cfg.algorithm.old_logprobs == "recompute",
+                               correct_off_policy=cfg.algorithm.is_level != "none", ref_fn=ref_fn)
+        fc, cc = cfg.fleet, cfg.curation
+        self.dispatcher = Dispatcher(len(self.records), seed=cfg.data.seed, shuffle=cfg.data.shuffle, batch_groups=b,
+                                     max_staleness=fc.max_staleness if fc.enabled else 0,
+                                     lease_timeout_s=fc.lease_timeout_s, curation_window=cc.window,
+                                     skip_always_solved=cc.skip_always_solved, skip_never_solved=cc.skip_never_solved)
+        self.sampling_params = SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k, n=g, stop_token_ids=cfg.rollout.stop_token_ids, seed=cfg.trainer.seed % 2**32)
+        self.ckpt = Checkpointer(out / "checkpoints", keep=cfg.trainer.keep_checkpoints,
+                                 async_save=cfg.trainer.async_checkpointing)
+        self._sampler = None
+        self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.logger = self.samples_file = self.trained_file = None
+
+    @classmethod
+    def create(cls, cfg: RLConfig) -> "RLRun":
+        return cls(cfg)
+
+    # ------------------------------------------------------------------ pieces the sources use
+    def local_sampler(self):
+        """The sampler on the trainer's devices (in-process rollouts and held-out evaluation), built once over
+        its own copy of the trained weights (`Sampler.load_weights` refreshes them)."""
+        if self._sampler is None:
+            import jax
+            from flax import nnx
+
+            from posttrain.sampling import Sampler
+
+            t = self.trainer
+            model = nnx.merge(t.graphdef, jax.tree.map(lambda x: x.copy(), t.params), t.rest)
+            b, g = self.cfg.rollout.batch_prompts, self.cfg.rollout.group_size
+            self._sampler = Sampler(model, self.tok, max_slots=self.cfg.rollout.max_slots or b * g)
+        return self._sampler
+
+    def lease_items(self, lease) -> tuple[dict[int, dict], list[int], list[list[int]]]:
+        """(records, record indices, prompt token ids) of a lease: what `generate_rollouts` takes."""
+        return ({r: self.records[r] for r in lease.records}, list(lease.records),
+                [self.prompt_ids[r] for r in lease.records])
+
+    def pass_rates(self, ro: Rollouts) -> dict[int, float]:
+        """uid -> fraction of the group's samples that are correct (for curation)."""
+        c = self._correct(ro)
+        g = ro.group_size
+        return {int(ro.uid[j * g]): float(c[j * g:(j + 1) * g].mean()) for j in range(ro.num_groups)}
+
+    def _correct(self, ro: Rollouts) -> np.ndarray:
+        name = self.cfg.rewards.correctness
+        if name in ro.per_reward:
+            return (ro.per_reward[name] >= 1.0).astype(np.float64)
+        return (ro.rewards > 0).astype(np.float64)
+
+    # ------------------------------------------------------------------ the loop's named steps
+    def resume(self) -> int:
+        """Restores the latest checkpoint (trainer, dispatcher) when resuming; opens the logs; returns the step."""
+        from posttrain.training.metrics import MetricsLogger, drop_records_after
+
+        cfg, start = self.cfg, 0
+        if cfg.trainer.resume and self.ckpt.latest_step() is not None:
+            meta = self.ckpt.restore(self.trainer)
+            self.dispatcher.load_state_dict(meta["data_state"]["dispatcher"])
+            start = int(meta["metadata"]["rl_step"])
+        for name in ("metrics.jsonl", "samples.jsonl", "trained.jsonl"):
+            drop_records_after(self.out / name, start)  # steps after the checkpoint run again
+        self.logger = MetricsLogger(self.out, total_steps=cfg.trainer.max_steps, start_step=start,
+                                    progress=cfg.trainer.progress, description="rl")
+        self.samples_file = open(self.out / "samples.jsonl", "a", encoding="utf-8")
+        self.trained_file = open(self.out / "trained.jsonl", "a", encoding="utf-8")
+        return start
+
+    def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:
+        """The training batch of a step's rollouts: group advantages, completion masks (DAPO overlong
+        filtering), the sampler's log-probs as behaviour (and, until recomputed, proximal) log-probs."""
+        from posttrain.algorithms import dapo
+        from posttrain.rl.batch import build_rl_batch
+
+        adv = np.asarray(self.advantage_fn(ro.rewards, ro.group_size))
+        weights = dapo.overlong_mask(ro.finish_reasons) if self.preset.get("overlong_filtering") else None
+        batch = build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0)
+        if self.cfg.algorithm.is_level != "none":
+            batch["behaviour_logp"] = batch["old_logp"].copy()
+        return batch
+
+    def rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
+        lengths = ro.completion_lengths()
+        m = {
+            "reward/mean": float(ro.rewards.mean()),
+            "reward/std": float(ro.rewards.std()),
+            "completion/length_mean": float(lengths.mean()),
+            "completion/length_max": float(lengths.max()),
+            "completion/truncated_fraction": float(np.mean([f == "length" for f in ro.finish_reasons])),
+            "groups/kept": float(ro.num_groups),
+        }
+        for name, vals in ro.per_reward.items():
+            m[f"reward/{name}"] = float(vals.mean())
+        if self.cfg.rewards.correctness in ro.per_reward:
+            m["accuracy"] = float(self._correct(ro).mean())
+        for k, v in ro.reward_stats.items():
+            if k.endswith(("failures", "timeouts")):
+                m[k] = float(v)
+        return m
+
+    def save(self, step: int) -> None:
+        if self.ckpt.latest_step() != self.trainer.step_count:
+            self.ckpt.save(self.trainer, data_state={"dispatcher": self.dispatcher.state_dict()},
+                           metadata={"rl_step": step})
+
+    def evaluate(self, step: int) -> None:
+        """Held-out greedy accuracy (and pass@k) with the trainer's current weights."""
+        from posttrain.rl.evaluate import evaluate
+
+        if self.eval_records is None:
+            return
+        cfg = self.cfg
+        sampler = self.local_sampler()
+        if sampler.version != step:
+            sampler.load_weights(self.trainer.params, step)
+        t0 = time.perf_counter()
+        e = evaluate(sampler, self.eval_records, self.eval_ids, self.runner, correctness=cfg.rewards.correctness,
+                     max_new_tokens=cfg.rollout.max_new_tokens, k=cfg.eval.k, n_samples=cfg.eval.n_samples,
+                     temperature=cfg.eval.temperature, seed=cfg.trainer.seed + 7919 * step)
+        greedy = e.pop("_greedy")
+        e["eval/seconds"] = time.perf_counter() - t0
+        self.logger.log(step, e)
+        self.evals.append({"step": step, **e})
+        for i in range(min(cfg.eval.log_samples, len(greedy))):
+            self.samples_file.write(json.dumps({"step": step, "kind": "eval", "prompt": greedy.prompts_text[i],
+                                                "completion": greedy.texts[i], "reward": float(greedy.rewards[i])}) + "\n")
+        self.samples_file.flush()
+        self.logger.message(f"step {step}: held-out accuracy {e['eval/accuracy']:.3f}, reward {e['eval/reward_mean']:.3f}")
+
+    def after_step(self, step: int, m: dict[str, float], ro: Rollouts, trained_uids: list[int]) -> None:
+        """Ledger, metrics, samples, periodic evaluation and checkpoint of a finished step."""
+        cfg = self.cfg
+        if not np.isfinite(m["loss"]):
+            raise FloatingPointError(f"step {step}: loss is {m['loss']}; stopping (last checkpoint kept)")
+        versions = np.asarray(ro.version_first)
+        self.trained_file.write(json.dumps({
+            "step": step, "uids": trained_uids, "records": [int(ro.record_index[j * ro.group_size])
+                                                           for j in range(ro.num_groups)],
+            "version_min": int(versions.min()), "version_max": int(np.max(ro.version_last)),
+            "staleness_max": int((step - 1) - versions.min())}) + "\n")
+        self.trained_file.flush()
+        self.history.append({"step": step, **m})
+        if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
+            self.logger.log(step, m)
+            self.samples_file.write(json.dumps({"step": step, "kind": "train", "prompt": ro.prompts_text[0],
+                                                "completion": ro.texts[0], "reward": float(ro.rewards[0])}) + "\n")
+        self.logger.advance(step)
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.max_steps:
+            self.evaluate(step)
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
+            self.save(step)
+
+    def finish(self, step: int) -> Path | None:
+        """Final evaluation and checkpoint; the HF export (LoRA merged)."""
+        from posttrain.models import lora as lora_lib
+        from posttrain.models.hf_io import save_pretrained
+
+        self.evaluate(step)
+        self.save(step)
+        self.ckpt.wait()
+        if not self.cfg.export_hf:
+            return None
+        final = self.trainer.model()
+        if self.trainer.has_lora:
+            final = lora_lib.merge(final)
+        return save_pretrained(final, self.out / "hf", tokenizer=self.tok, dtype=self.cfg.export_dtype)
+
+    def close(self) -> None:
+        self.ckpt.wait()
+        for f in (self.logger, self.samples_file, self.trained_file):
+            if f is not None:
+                f.close()
+        self.runner.close()
+        self.ckpt.close()
