@@ -240,3 +240,36 @@ def test_presets_match_papers_and_run():
         registry.get(registry.ADVANTAGES, preset["advantage"])
         loss, _ = policy_loss(LOGP, OLD, ADV, MASK, ref_logp=ref, **registry.loss_kwargs(preset))
         assert np.isfinite(float(loss)), name
+
+
+def test_truncated_importance_weights_hand_computed():
+    from posttrain.algorithms.policy import truncated_is_weights
+
+    old = jnp.array([[-1.0, -2.0, 0.0]])
+    behaviour = jnp.array([[-1.5, -1.0, 5.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0]])  # the third token is padding
+    r = np.exp([0.5, -1.0])
+    w, m = truncated_is_weights(old, behaviour, mask, level="token", cap=1.5)
+    np.testing.assert_allclose(np.asarray(w)[0, :2], [1.5, r[1]], rtol=1e-6)
+    np.testing.assert_allclose(float(m["is_truncated_frac"]), 0.5)
+    np.testing.assert_allclose(float(m["mismatch_kl"]), np.mean(r - 1 - np.log(r)), rtol=1e-6)
+    np.testing.assert_allclose(float(m["is_ess"]), (1.5 + r[1]) ** 2 / (2 * (1.5**2 + r[1] ** 2)), rtol=1e-6)
+    ws, ms = truncated_is_weights(old, behaviour, mask, level="sequence", cap=2.0)
+    np.testing.assert_allclose(np.asarray(ws)[0, :2], [np.exp(-0.5)] * 2, rtol=1e-6)
+    np.testing.assert_allclose(float(ms["is_ess"]), 1.0, rtol=1e-6)  # one sequence
+
+
+def test_policy_loss_off_policy_correction():
+    logp = jnp.array([[-1.0, -2.0], [-0.5, -0.7]])
+    adv = jnp.array([1.0, -2.0])
+    mask = jnp.ones((2, 2))
+    plain, _ = policy_loss(logp, logp, adv, mask)
+    same, m = policy_loss(logp, logp, adv, mask, behaviour_logp=logp)  # sampler == trainer: weights exactly 1
+    assert float(same) == float(plain) and float(m["is_weight_mean"]) == 1.0 and float(m["mismatch_kl"]) == 0.0
+    behaviour = logp - jnp.array([[0.1, -0.2], [0.3, 0.0]])  # log(pi_old / mu) = [[0.1, -0.2], [0.3, 0]]
+    corrected, m = policy_loss(logp, logp, adv, mask, behaviour_logp=behaviour, is_cap=1.2)
+    w = np.minimum(np.exp([[0.1, -0.2], [0.3, 0.0]]), 1.2)
+    expected = np.mean(-np.asarray(adv)[:, None] * w)  # ratio pi / pi_old = 1: the surrogate is -A, weighted
+    np.testing.assert_allclose(float(corrected), expected, rtol=1e-6)
+    g = jax.grad(lambda lp: policy_loss(lp, logp, adv, mask, behaviour_logp=behaviour, is_cap=1.2)[0])(logp)
+    np.testing.assert_allclose(np.asarray(g), -np.asarray(adv)[:, None] * w / 4, rtol=1e-5)  # w is a constant

@@ -18,12 +18,14 @@ def run(args) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]
+    from posttrain.rl.fleet.cluster import FleetError
+
     try:
         from posttrain.rl.loop import load_rl_config, run_rl
 
         cfg = load_rl_config(config, overrides)
         result = run_rl(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, FleetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     last = result.evals[-1] if result.evals else {}

@@ -1,0 +1,82 @@
+"""Connecting to Ray: a local instance started for the run, or a running cluster (`ray start`), with clear errors.
+
+A local instance (no `fleet.ray_address`) belongs to the run: `ray.shutdown()` stops it at the end, and a
+small reaper process removes what Ray leaves behind when the trainer is killed outright (SIGKILL: Ray's
+raylet follows its driver, but its per-node agents do not). A cluster address is checked with a plain TCP
+connection first, so an unreachable head is an error within `fleet.connect_timeout_s`, not a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+__all__ = ["FleetError", "require_ray", "connect", "disconnect"]
+
+
+class FleetError(RuntimeError):
+    """The fleet cannot run (Ray missing or unreachable, every worker dead): one clear line for the user."""
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise FleetError("fleet.workers needs Ray, which is not installed: pip install 'ray==2.60.0' "
+                         "(or reinstall posttrain: pip install -e .)") from None
+    return ray
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise FleetError(f"fleet.ray_address={address!r}: expected 'auto' or HOST:PORT (the head's GCS port, 6379 by default)")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise FleetError(f"fleet.ray_address={address}: no Ray cluster answers there within {timeout_s:g} s ({e}); "
+                         f"start one with `ray start --head --port={port}` on that host") from None
+
+
+def connect(fleet, *, num_cpus_needed: float) -> bool:
+    """Starts (no address) or joins (`auto`, HOST:PORT) Ray; returns True when the run started it."""
+    ray = require_ray()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback/private clusters; see the README for others
+    env = {"env_vars": {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "XLA_FLAGS", "JAX_PLATFORMS")}}
+    if ray.is_initialized():
+        return False
+    if fleet.ray_address is None:
+        cpus = max(float(os.cpu_count() or 1), num_cpus_needed)
+        ray.init(address="local", num_cpus=int(-(-cpus // 1)), include_dashboard=False, log_to_driver=True,
+                 runtime_env=env)
+        _start_reaper()
+        return True
+    if fleet.ray_address != "auto":
+        _check_reachable(fleet.ray_address, fleet.connect_timeout_s)
+    try:
+        ray.init(address=fleet.ray_address, runtime_env=env, log_to_driver=True)
+    except (ConnectionError, RuntimeError) as e:
+        raise FleetError(f"fleet.ray_address={fleet.ray_address}: cannot join the Ray cluster ({e})") from None
+    return False
+
+
+def disconnect(started: bool) -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _start_reaper() -> None:
+    """A watcher in its own session that, once this process is gone, ends what it had started (Ray included)."""
+    import warnings
+
+    with warnings.catch_warnings():  # fork + immediate exec: the child never runs JAX
+        warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+        subprocess.Popen([sys.executable, "-m", "posttrain.rl.fleet.reaper", str(os.getpid())],
+                         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, close_fds=True)

@@ -1,0 +1,79 @@
+"""A rollout worker: a Ray actor with its own devices, model, `Sampler` and reward process pool.
+
+Each `rollout` call is one lease: pull the newest weights from the parameter server if they are newer
+than the ones loaded (staged into the sampler's model between calls, never during one), generate the
+leased groups (a group's samples depend only on (seed, uid, weights)), score them with the reward runner
+(time limits, failures counted), and return the scored groups stamped with the weights' version and the
+sampler's per-token log-probs. The actor keeps no state the run needs: Ray restarts a dead one
+(`max_restarts`) and the dispatcher re-queues whatever it held. `heartbeat` answers from a second
+thread while a rollout runs (what the worker is doing, since when, and its busy seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+__all__ = ["RolloutWorker"]
+
+
+class RolloutWorker:
+    def __init__(self, cfg, name: str, param_server):
+        from posttrain import tokenizer as tok_lib
+        from posttrain.rl.setup import _reward_runner
+        from posttrain.sampling import Sampler, SamplingParams
+        from posttrain.training.sft import build_model
+
+        self.name, self.ps = name, param_server
+        self._state, self._since, self.busy_s = "starting", time.time(), 0.0
+        model, folder = build_model(cfg)  # the trainer's structure (LoRA included), on this process's devices
+        b, g = cfg.rollout.batch_prompts, cfg.rollout.group_size
+        self.sampler = Sampler(model, tok_lib.load(folder), max_slots=cfg.rollout.max_slots or b * g)
+        self.runner = _reward_runner(cfg, cfg.algorithm.resolved())
+        r = cfg.rollout
+        self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                     top_k=r.top_k, n=g, stop_token_ids=r.stop_token_ids, seed=cfg.trainer.seed % 2**32)
+        self.version = -1
+        self._set("idle")
+
+    def _set(self, state: str) -> None:
+        self._state, self._since = state, time.time()
+
+    def ready(self) -> dict:
+        import ray
+
+        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
+                "node": ray.get_runtime_context().get_node_id(), "version": self.version}
+
+    def heartbeat(self) -> dict:
+        return {"state": self._state, "since": self._since, "version": self.version, "busy_s": self.busy_s}
+
+    def _pull(self) -> float:
+        import ray
+
+        t0 = time.perf_counter()
+        self._set("pulling")
+        version, refs = ray.get(self.ps.latest.remote())
+        if version > self.version:
+            self.sampler.load_weights(ray.get(refs[0]), version)
+            self.version = version
+            return time.perf_counter() - t0
+        return 0.0
+
+    def rollout(self, lease_id: int, uids: list[int], records: dict, record_indices: list[int],
+                prompt_ids: list[list[int]]) -> dict:
+        from posttrain.rl.rollout import generate_rollouts
+
+        t0 = time.perf_counter()
+        pull_s = self._pull()
+        self._set("generating")
+        ro = generate_rollouts(self.sampler, records, record_indices, prompt_ids, self.params, self.runner, uids=uids)
+        self._set("idle")
+        seconds = time.perf_counter() - t0
+        self.busy_s += seconds
+        return {"lease": lease_id, "rollouts": ro, "worker": self.name, "pull_s": pull_s, "seconds": seconds,
+                "tokens": int(ro.completion_lengths().sum())}
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,228 @@
+"""The Ray fleet end to end on a tiny model: equivalence with the synchronous loop, preemption (chaos),
+a two-node cluster on loopback, and faults (bad config, unreachable cluster, dead workers, hanging rewards)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from posttrain.config import ConfigError
+from posttrain.rl.loop import load_rl_config, run_rl
+
+REWARD = '''
+import time
+
+def count_a(prompts, completions, **fields):
+    """1/8 per letter 'a' among the first 8 characters."""
+    return [sum(c == "a" for c in text[:8]) / 8 for text in completions]
+
+def hangs(prompts, completions, **fields):
+    time.sleep(60)
+    return [0.0 for _ in completions]
+'''
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+       "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+@pytest.fixture
+def toy(tmp_path):
+    (tmp_path / "reward.py").write_text(REWARD)
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": "x" * (1 + i % 4), "answer": "a"}) + "\n")
+
+    def args(name: str, *overrides: str) -> list[str]:
+        return [f"output_dir={tmp_path / name}", "model.path=tiny:llama", f"data.train={tmp_path / 'prompts.jsonl'}",
+                "rollout.batch_prompts=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
+                f"rewards.functions=[{{name: '{tmp_path / 'reward.py'}:count_a'}}]", "rewards.correctness=null",
+                "rewards.num_workers=0", "optim.lr=3e-3", "optim.decay=constant", "trainer.log_every=1",
+                "trainer.save_every=0", "trainer.progress=false", "eval.at_start=false", "export_hf=false", *overrides]
+
+    args.dir = tmp_path
+    return args
+
+
+def ledger(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "trained.jsonl").read_text().splitlines()]
+
+
+def metric_rows(out: Path) -> dict[int, dict]:
+    rows = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            rows[r["step"]] = r
+    return rows
+
+
+def test_one_worker_at_staleness_zero_reproduces_the_synchronous_loop(toy):
+    steps = 3
+    sync = run_rl(load_rl_config(None, toy("sync", f"trainer.max_steps={steps}")))
+    fleet = run_rl(load_rl_config(None, toy("fleet", f"trainer.max_steps={steps}", "fleet.workers=1",
+                                            "fleet.max_staleness=0")))
+    assert len(sync.history) == len(fleet.history) == steps
+    for a, b in zip(sync.history, fleet.history):
+        np.testing.assert_allclose(b["reward/mean"], a["reward/mean"], atol=1e-5)
+        np.testing.assert_allclose(b["loss"], a["loss"], atol=1e-5)
+        np.testing.assert_allclose(b["pg_loss"], a["pg_loss"], atol=1e-5)
+        assert b["fleet/staleness_max"] == 0 and b["fleet/publish_mb"] > 0
+    assert any(a["reward/mean"] > 0 for a in sync.history)  # the comparison is not of zeros
+    assert ledger(toy.dir / "sync") == ledger(toy.dir / "fleet")
+
+
+def test_fleet_config_errors_name_the_key(toy):
+    for override, key in (("fleet.workers=0", "fleet.workers"), ("fleet.max_staleness=-1", "fleet.max_staleness"),
+                          ("fleet.publish_every=3", "fleet.publish_every")):
+        with pytest.raises(ConfigError, match=key):
+            load_rl_config(None, toy("bad", override))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_cluster_is_a_clear_error_within_30s(toy):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "rl", *toy(
+        "unreachable", "fleet.workers=1", f"fleet.ray_address=127.0.0.1:{_free_port()}", "fleet.connect_timeout_s=5")],
+        env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 30 + 20  # the run's own set-up comes on top
+    assert "fleet.ray_address=127.0.0.1" in proc.stderr and "ray start --head" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "rl", *args], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _ray_pids(title: str) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if f.read().startswith(title.encode()):
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = cond()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended while waiting for {what}:\n{proc.stdout.read()}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _steps_done(out: Path) -> int:
+    p = out / "trained.jsonl"
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+@pytest.mark.slow
+def test_chaos_workers_and_trainer_killed_nothing_lost_nothing_twice(toy):
+    """SIGKILL rollout workers 3 times and the trainer twice (once mid-checkpoint); rerun as a user would."""
+    out = toy.dir / "chaos"
+    bound = 1
+    args = toy("chaos", "trainer.max_steps=12", "trainer.save_every=2", "fleet.workers=2",
+               f"fleet.max_staleness={bound}", "fleet.lease_groups=1", "fleet.max_restarts=-1",
+               "fleet.stall_timeout_s=120")
+    killed_workers = 0
+    proc = _start(args)
+    # worker kills: one right after the workers come up (idle or first lease), two while steps run
+    for at_step in (0, 2, 4):
+        _wait_for(lambda: _steps_done(out) >= at_step and _ray_pids("ray::RolloutWorker"), 240, f"step {at_step}", proc)
+        os.kill(_ray_pids("ray::RolloutWorker")[0], signal.SIGKILL)
+        killed_workers += 1
+    # trainer kill 1: while a checkpoint is being written (an Orbax temporary folder exists)
+    ckpts = out / "checkpoints"
+    _wait_for(lambda: ckpts.exists() and any(".orbax-checkpoint-tmp" in p.name for p in ckpts.iterdir())
+              and _steps_done(out) >= 6, 240, "a checkpoint in progress", proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc = _start(args)
+    _wait_for(lambda: _steps_done(out) >= 8 and _ray_pids("ray::RolloutWorker"), 240, "step 8 after resume", proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # trainer kill 2: between checkpoints
+    proc.wait()
+    proc = _start(args)
+    log = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, log
+    rows = ledger(out)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    uids = [u for r in rows for u in r["uids"]]
+    assert sorted(uids) == list(range(48)), "every prompt group trained exactly once"
+    records = [r for row in rows for r in row["records"]]
+    for epoch in range(3):  # 16 prompts per epoch, 4 per step: each epoch is a permutation of the records
+        assert sorted(records[16 * epoch: 16 * (epoch + 1)]) == list(range(16))
+    assert max(r["staleness_max"] for r in rows) <= bound
+    mins = [r["version_min"] for r in rows]
+    assert mins == sorted(mins), "versions never go backwards"
+    m = metric_rows(out)
+    assert max(r.get("fleet/requeued/worker_died", 0) for r in m.values()) >= 1  # a kill hit a lease in flight
+    workers = [json.loads(x) for x in (out / "fleet_workers.jsonl").read_text().splitlines()]
+    assert len(workers) >= 2 * 3 + killed_workers - 2  # every (re)start of a worker, over three trainer runs
+    time.sleep(5)
+    assert not _ray_pids("ray::RolloutWorker"), "no worker outlives the run"
+
+
+@pytest.mark.slow
+def test_two_node_cluster_on_loopback_runs_a_worker_on_each(toy, tmp_path):
+    port = _free_port()
+    env = {**ENV, "RAY_TMPDIR": str(tmp_path / "ray")}
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    try:
+        subprocess.run(["ray", "start", "--head", f"--port={port}", "--include-dashboard=false", *common,
+                        "--resources={\"rollout\": 1}"], env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run(["ray", "start", f"--address=127.0.0.1:{port}", *common, "--resources={\"rollout\": 1}"],
+                       env=env, check=True, capture_output=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "rl", *toy(
+            "two_nodes", "trainer.max_steps=3", "fleet.workers=2", f"fleet.ray_address=127.0.0.1:{port}",
+            "fleet.worker_cpus=0", "fleet.worker_resources={rollout: 1}")],
+            env=env, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+    workers = [json.loads(x) for x in (toy.dir / "two_nodes" / "fleet_workers.jsonl").read_text().splitlines()]
+    assert len({w["node"] for w in workers}) == 2 and len(ledger(toy.dir / "two_nodes")) == 3
+
+
+@pytest.mark.slow
+def test_all_workers_dead_stops_with_a_checkpoint_and_names_them(toy):
+    out = toy.dir / "dead"
+    proc = _start(toy("dead", "trainer.max_steps=50", "fleet.workers=1", "fleet.max_restarts=0",
+                      "fleet.stall_timeout_s=8"))
+    _wait_for(lambda: _steps_done(out) >= 2, 240, "two steps", proc)
+    for pid in _ray_pids("ray::RolloutWorker"):
+        os.kill(pid, signal.SIGKILL)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and "workers down: worker-0" in log and "Traceback" not in log, log
+    assert any(p.name.isdigit() for p in (out / "checkpoints").iterdir())
+
+
+def test_a_hanging_reward_in_a_worker_is_timed_out_and_counted(toy):
+    out = toy.dir / "hang"
+    res = run_rl(load_rl_config(None, toy(
+        "hang", "trainer.max_steps=2", "fleet.workers=1", "rewards.timeout_s=1", "rewards.num_workers=1",
+        f"rewards.functions=[{{name: '{toy.dir / 'reward.py'}:hangs'}}]")))
+    assert res.steps == 2
+    timeouts = [r.get("reward/hangs/timeouts", 0) for r in metric_rows(out).values()]
+    assert sum(timeouts) > 0
