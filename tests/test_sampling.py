@@ -265,3 +265,40 @@ def test_progress_callback(llama):
         progress=lambda done, total, tokens, secs: seen.append((done, total, tokens)))
     assert seen[-1] == (4, 4, 4 * NEW) and len(out) == 4 and len(seen) >= 2
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_key_ids_make_a_prompts_samples_independent_of_its_batch(llama):
+    s = Sampler(llama, max_slots=8)
+    p = SamplingParams(max_new_tokens=NEW, temperature=1.0, n=3, seed=5)
+    a, b = _prompts((6, 11), seed=3)
+    together = s.generate([a, b], p, key_ids=[70, 91])
+    alone = s.generate([b], p, key_ids=[91])
+    assert [c.token_ids for c in together[3:]] == [c.token_ids for c in alone]
+    by_position = s.generate([b], p)  # without key_ids, the keys follow the prompt's position in the call
+    assert [c.token_ids for c in by_position] != [c.token_ids for c in alone]
+    with pytest.raises(ValueError, match="key_ids"):
+        s.generate([a, b], p, key_ids=[1])
+
+
+def test_load_weights_copies_and_switches_the_policy(hf_checkpoint):
+    import jax
+    from flax import nnx
+
+    from posttrain.models.weights import flat_weights
+
+    path = hf_checkpoint("llama")
+    s = Sampler(from_pretrained(path), max_slots=4)
+    greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0)
+    prompts = _prompts((7, 10))
+    before = [c.token_ids for c in s.generate(prompts, greedy)]
+    other = from_pretrained(path)
+    state = nnx.state(other, nnx.Param)
+    flat = {k: v * 1.5 for k, v in flat_weights(state).items()}  # a different policy
+    s.load_weights(flat, version=3)
+    after = [c.token_ids for c in s.generate(prompts, greedy)]
+    assert s.version == 3 and after != before
+    for x in flat.values():  # the caller's buffers may go (a trainer donates its own): the sampler copied them
+        x.delete()
+    assert [c.token_ids for c in s.generate(prompts, greedy)] == after
+    with pytest.raises(ValueError, match="not in the model"):
+        s.load_weights({"layers/nope": jax.numpy.zeros(3)})

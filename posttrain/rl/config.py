@@ -134,7 +134,10 @@ class FleetConfig:
     transfer_dtype: "bfloat16" halves the published weights (floating arrays) on the wire.
     ray_address: None starts a local Ray; "auto" or HOST:PORT joins a running cluster (`ray start`).
     worker_resources: Ray resources each worker asks for besides its CPUs/GPUs (e.g. {"rollout": 1}).
-    stall_timeout_s: no result from any worker for this long stops the run (after a checkpoint).
+    stall_timeout_s: no result from any worker for this long stops the run (after a checkpoint);
+      start_timeout_s applies instead until the first result arrives (model loads and compiles).
+    heartbeat_timeout_s: a worker that answers no heartbeat for this long (or pulls weights that long) is
+      restarted and its leases re-queued.
     """
 
     workers: int | None = None
@@ -143,7 +146,9 @@ class FleetConfig:
     keep_versions: int = 2
     lease_groups: int = 0
     lease_timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 120.0
     stall_timeout_s: float = 300.0
+    start_timeout_s: float = 900.0
     max_restarts: int = 5
     worker_cpus: float = 1.0
     worker_gpus: float = 0.0

@@ -60,12 +60,11 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
             moved = min(rollouts.version_first) < step - 1
             metrics = run.learner.update(batch, step, policy_moved=moved)  # ppo_epochs x minibatches
             trained = source.commit(rollouts)  # the groups are trained: acknowledged
-            if step % cfg.fleet.publish_every == 0 or not cfg.fleet.enabled:
-                source.publish(run.trainer.params, step)
+            source.publish(run.trainer.params, step)  # the fleet's every publish_every steps
             t2 = time.perf_counter()
-            metrics.update(**run.rollout_metrics(rollouts), **source.metrics(step, rollouts))
-            metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
-                            "throughput/tokens_per_s": float(rollouts.completion_lengths().sum()) / max(t2 - t0, 1e-9)})
+            metrics |= run.rollout_metrics(rollouts) | source.metrics(step, rollouts) | {
+                "time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
+                "throughput/tokens_per_s": float(rollouts.completion_lengths().sum()) / max(t2 - t0, 1e-9)}
             run.after_step(step, metrics, rollouts, trained)  # ledger, logs, held-out eval, checkpoint
         finished = step >= cfg.trainer.max_steps
         if finished:

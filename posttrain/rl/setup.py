@@ -295,7 +295,7 @@ class RLRun:
             "step": step, "uids": trained_uids, "records": [int(ro.record_index[j * ro.group_size])
                                                            for j in range(ro.num_groups)],
             "version_min": int(versions.min()), "version_max": int(np.max(ro.version_last)),
-            "staleness_max": int((step - 1) - versions.min())}) + "\n")
+            "staleness_max": int((step - 1) - versions.min()), "time": time.time()}) + "\n")
         self.trained_file.flush()
         self.history.append({"step": step, **m})
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 __all__ = ["FleetError", "require_ray", "connect", "disconnect"]
 
@@ -51,14 +52,16 @@ def connect(fleet, *, num_cpus_needed: float) -> bool:
         return False
     if fleet.ray_address is None:
         cpus = max(float(os.cpu_count() or 1), num_cpus_needed)
-        ray.init(address="local", num_cpus=int(-(-cpus // 1)), include_dashboard=False, log_to_driver=True,
-                 runtime_env=env)
+        with warnings.catch_warnings():  # Ray starts its processes by fork + exec; none of them runs JAX
+            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+            ray.init(address="local", num_cpus=int(-(-cpus // 1)), include_dashboard=False, log_to_driver=False,
+                     runtime_env=env)
         _start_reaper()
         return True
     if fleet.ray_address != "auto":
         _check_reachable(fleet.ray_address, fleet.connect_timeout_s)
     try:
-        ray.init(address=fleet.ray_address, runtime_env=env, log_to_driver=True)
+        ray.init(address=fleet.ray_address, runtime_env=env, log_to_driver=False)
     except (ConnectionError, RuntimeError) as e:
         raise FleetError(f"fleet.ray_address={fleet.ray_address}: cannot join the Ray cluster ({e})") from None
     return False
@@ -73,8 +76,6 @@ def disconnect(started: bool) -> None:
 
 def _start_reaper() -> None:
     """A watcher in its own session that, once this process is gone, ends what it had started (Ray included)."""
-    import warnings
-
     with warnings.catch_warnings():  # fork + immediate exec: the child never runs JAX
         warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
         subprocess.Popen([sys.executable, "-m", "posttrain.rl.fleet.reaper", str(os.getpid())],

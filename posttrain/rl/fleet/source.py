@@ -11,8 +11,11 @@ Each worker holds at most two leases (one generating, one queued behind it), so 
 trainer while the staleness bound allows more work; the dispatcher's admission keeps what is leased
 within `fleet.max_staleness` versions of the published weights. A worker that dies (its calls fail
 with `RayActorError`) gets its leases re-queued and is probed until Ray has restarted it; a lease past
-its deadline is re-queued and its worker killed (Ray restarts it). If no worker delivers anything for
-`fleet.stall_timeout_s`, the run saves a checkpoint and stops with an error naming the workers that are
+its deadline is re-queued and its worker killed (Ray restarts it), and so is a worker that answers no
+heartbeat (sent every few seconds, answered from a second thread even mid-generation) within
+`fleet.heartbeat_timeout_s`, or stays that long pulling weights. If no worker delivers anything for
+`fleet.stall_timeout_s` (`fleet.start_timeout_s` until the first result: model loads and compiles; a
+worker coming up counts as progress), the run saves a checkpoint and stops with an error naming the workers that are
 down. Each worker that comes up (again) is recorded in `fleet_workers.jsonl` (name, pid, host, Ray node).
 Worker results carry timings, from which the step's metrics come (pull seconds, busy fraction,
 samples/s); the trainer side measures publish seconds and bytes.
@@ -34,6 +37,7 @@ __all__ = ["FleetSource"]
 
 PIPELINE = 2  # leases in flight per worker
 PROBE_RETRY_S = 2.0
+HEARTBEAT_S = 5.0  # between heartbeats to each serving worker
 MAX_TASK_ERRORS = 3  # failed rollout calls (not deaths) in a row before the run stops with the error
 
 
@@ -53,8 +57,11 @@ class FleetSource(RolloutSource):
         self.probe_due: dict[str, float] = {}  # worker -> when to probe again after a failed probe
         self.last_error: dict[str, str] = {}
         self.inflight: dict = {}  # ref -> (lease id, worker name)
+        self.heartbeats: dict = {}  # ref -> (worker name, sent at)
+        self.next_heartbeat = time.monotonic() + HEARTBEAT_S
         self.lease_groups = fc.lease_groups or math.ceil(run.cfg.rollout.batch_prompts / fc.workers)
         self.last_result = time.monotonic()
+        self.delivered = False  # until the first result, start_timeout_s applies (model load, compiles)
         self.task_errors = 0
         self.restarts = collections.Counter()
         self._window = collections.Counter()  # per-step sums: samples, tokens, busy_s, pull_s, results
@@ -63,10 +70,13 @@ class FleetSource(RolloutSource):
 
     # ------------------------------------------------------------------ weights
     def publish(self, params, version: int) -> None:
+        """Every `fleet.publish_every` versions, and always the first (a fresh or resumed run's weights)."""
         import ml_dtypes
 
         from posttrain.models.weights import flat_weights, nbytes, to_host
 
+        if self.version is not None and version % self.fc.publish_every:
+            return
         t0 = time.perf_counter()
         flat = to_host(flat_weights(params), dtype=ml_dtypes.bfloat16 if self.fc.transfer_dtype == "bfloat16" else None)
         self.ray.get(self.ps.publish.remote(version, flat))
@@ -110,6 +120,7 @@ class FleetSource(RolloutSource):
                 raise FleetError(f"rollouts keep failing on the workers; the last error ({name}):\n{e}") from None
             return
         self.task_errors = 0
+        self.delivered = True
         self._complete(res["lease"], res["rollouts"])
         self.last_result = time.monotonic()
         w = self._window
@@ -119,11 +130,46 @@ class FleetSource(RolloutSource):
         w["pull_s"] += res["pull_s"]
         w["results"] += 1
 
+    def _restart(self, name: str, why: str) -> None:
+        """A stuck worker: its leases go back to the queue and Ray restarts it."""
+        self.ray.kill(self.workers[name], no_restart=False)
+        for ref, (lease_id, owner) in list(self.inflight.items()):
+            if owner == name:
+                del self.inflight[ref]
+                self.dispatcher.fail(lease_id, "worker_stuck")
+        self._worker_down(name, why)
+
+    def _check_health(self) -> None:
+        """Heartbeats (answered from the worker's second thread, so also mid-generation) and their deadlines:
+        no answer within fleet.heartbeat_timeout_s, or pulling weights for longer than that, is a stuck worker."""
+        now, limit = time.monotonic(), self.fc.heartbeat_timeout_s
+        for ref, (name, sent) in list(self.heartbeats.items()):
+            if now - sent > limit:
+                del self.heartbeats[ref]
+                self._restart(name, f"no heartbeat for {limit:g} s")
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + HEARTBEAT_S
+            waiting = {n for n, _ in self.heartbeats.values()}
+            for name in self.up:
+                if name not in waiting:
+                    ref = self.workers[name].heartbeat.options(concurrency_group="health").remote()
+                    self.heartbeats[ref] = (name, now)
+
+    def _on_heartbeat(self, ref) -> None:
+        name, _ = self.heartbeats.pop(ref)
+        try:
+            beat = self.ray.get(ref)
+        except self.ray.exceptions.RayError:
+            return  # the worker died; its calls fail and say so
+        if beat["state"] == "pulling" and time.time() - beat["since"] > self.fc.heartbeat_timeout_s:
+            self._restart(name, "stuck pulling weights")
+
     def _on_probe(self, ref) -> None:
         name = self.probes.pop(ref)
         try:
             self.up[name] = info = self.ray.get(ref)
             self.last_error.pop(name, None)
+            self.last_result = time.monotonic()  # a worker (re)joining is progress too
             with open(self.run.out / "fleet_workers.jsonl", "a", encoding="utf-8") as f:  # who ran where
                 f.write(json.dumps({"time": time.time(), "restarts": self.restarts[name], **info}) + "\n")
         except self.ray.exceptions.RayError as e:
@@ -132,32 +178,36 @@ class FleetSource(RolloutSource):
 
     def _produce(self, step: int) -> None:
         ray, d = self.ray, self.dispatcher
-        for lease in d.expire():  # a stuck worker: its groups are re-queued, the worker restarted
-            ray.kill(self.workers[lease.worker], no_restart=False)
-            for ref, (lid, _) in list(self.inflight.items()):
-                if lid == lease.id:
-                    del self.inflight[ref]
-            self._worker_down(lease.worker, "lease expired")
+        for lease in d.expire():  # past its deadline: the groups are re-queued, the worker restarted
+            self._restart(lease.worker, "lease expired")
+        self._check_health()
         now = time.monotonic()
         for name, due in list(self.probe_due.items()):
             if due <= now:
                 del self.probe_due[name]
                 self.probes[self.workers[name].ready.remote()] = name
         self._hand_out(step)
-        refs = list(self.inflight) + list(self.probes)
+        refs = [*self.inflight, *self.probes, *self.heartbeats]
         done, _ = ray.wait(refs, num_returns=1, timeout=1.0) if refs else ([], [])
         if not refs:
             time.sleep(0.2)
         for ref in done:
-            (self._on_result if ref in self.inflight else self._on_probe)(ref)
-        if time.monotonic() - self.last_result > self.fc.stall_timeout_s:
+            if ref in self.inflight:
+                self._on_result(ref)
+            elif ref in self.probes:
+                self._on_probe(ref)
+            else:
+                self._on_heartbeat(ref)
+        fc = self.fc
+        limit = fc.stall_timeout_s if self.delivered else max(fc.stall_timeout_s, fc.start_timeout_s)
+        if time.monotonic() - self.last_result > limit:
             self.run.save(step - 1)
             self.run.ckpt.wait()
             down = sorted(n for n in self.workers if n not in self.up)
             detail = ", ".join(f"{n}: {self.last_error.get(n, 'no result')}" for n in down) or "none down"
-            raise FleetError(f"no rollout worker delivered anything for {self.fc.stall_timeout_s:g} s "
-                             f"(fleet.stall_timeout_s); workers down: {detail}. A checkpoint of step {step - 1} "
-                             f"was saved: rerun the command to resume.")
+            key = "stall_timeout_s" if self.delivered else "start_timeout_s"
+            raise FleetError(f"no rollout worker delivered anything for {limit:g} s (fleet.{key}); workers down: "
+                             f"{detail}. A checkpoint of step {step - 1} was saved: rerun the command to resume.")
 
     # ------------------------------------------------------------------ metrics and shutdown
     def metrics(self, step: int, rollouts) -> dict[str, float]:
