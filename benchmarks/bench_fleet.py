@@ -129,6 +129,8 @@ def transfer_costs(sizes_mb=(4, 32, 128)) -> dict:
 
     ps = ray.remote(num_cpus=0)(ParameterServer).remote(2)
     puller = Puller.remote(ps)
+    ray.get(ps.publish.remote(-1, {"w": np.ones(4, np.float32)}))  # both actors up before timing
+    ray.get(puller.pull.remote())
     out = {}
     for v, mb in enumerate(sizes_mb):
         weights = {f"w{i}": np.ones((mb * 2**20 // 4 // 8,), np.float32) for i in range(8)}
@@ -150,16 +152,16 @@ def dispatcher_cost(groups: int = 20000, batch: int = 64) -> float:
 
     d = Dispatcher(1000, batch_groups=batch, max_staleness=1)
 
-    def group(uid):
+    def group(uid, version):
         return Rollouts(group_size=1, record_index=[0], prompt_ids=[[1]], completion_ids=[[2]], logprobs=[[0.0]],
                         finish_reasons=["stop"], texts=[""], prompts_text=[""], rewards=np.zeros(1, np.float32),
-                        per_reward={}, reward_stats={}, uid=[uid], version_first=[0], version_last=[0])
+                        per_reward={}, reward_stats={}, uid=[uid], version_first=[version], version_last=[version])
 
     t0 = time.perf_counter()
     step = 1
     while d.counts["trained"] < groups:
-        lease = d.lease("w", 8)
-        d.complete(lease.id, [group(u) for u in lease.uids])
+        lease = d.lease("w", min(8, max(1, d.admissible(step - 1, step - 1))))
+        d.complete(lease.id, [group(u, step - 1) for u in lease.uids])
         if d.take(step) is not None:
             d.commit()
             step += 1
@@ -199,17 +201,22 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default="/tmp/bench_fleet")
-    ap.add_argument("--modes", nargs="*", default=list(MODES))
+    ap.add_argument("--modes", nargs="*", default=list(MODES), help="RL modes to run (none: reuse the last results)")
     args = ap.parse_args()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
     rl_yaml, _ = prepare(work, args.seed)
     results = []
-    for name in args.modes:
-        r = run_mode(name, rl_yaml, work, args.steps, args.warmup)
-        results.append(r)
-        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    saved = work / "results.json"
+    if args.modes:
+        for name in args.modes:
+            r = run_mode(name, rl_yaml, work, args.steps, args.warmup)
+            results.append(r)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+        saved.write_text(json.dumps(results))
+    else:  # `--modes` alone: the transfer, dispatcher and scaling parts on the last run's measurements
+        results = json.loads(saved.read_text())
     sync = next((r for r in results if r["mode"] == "sync"), results[0])
     print("\nmode         s/step  samples/s  x sync  staleness  busy  pull_s  publish_s  held-out acc")
     for r in results:

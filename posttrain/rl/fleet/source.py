@@ -67,6 +67,7 @@ class FleetSource(RolloutSource):
         self._window = collections.Counter()  # per-step sums: samples, tokens, busy_s, pull_s, results
         self._t_window = time.monotonic()
         self._publish = (0.0, 0)  # seconds and bytes of the last publish
+        self._busy_total, self._t_start = 0.0, time.monotonic()
 
     # ------------------------------------------------------------------ weights
     def publish(self, params, version: int) -> None:
@@ -126,7 +127,7 @@ class FleetSource(RolloutSource):
         w = self._window
         w["samples"] += len(res["rollouts"])
         w["tokens"] += res["tokens"]
-        w["busy_s"] += res["seconds"]
+        self._busy_total += res["seconds"]
         w["pull_s"] += res["pull_s"]
         w["results"] += 1
 
@@ -218,7 +219,8 @@ class FleetSource(RolloutSource):
             "fleet/publish_s": self._publish[0],
             "fleet/publish_mb": self._publish[1] / 2**20,
             "fleet/pull_s": w["pull_s"] / max(w["results"], 1),
-            "fleet/busy_fraction": w["busy_s"] / (wall * len(self.workers)),
+            # since the start: a result's seconds may predate a step's window (workers run ahead)
+            "fleet/busy_fraction": self._busy_total / ((now - self._t_start) * len(self.workers)),
             "fleet/samples_per_s": w["samples"] / wall,
             "fleet/workers_up": float(len(self.up)),
             "fleet/worker_restarts": float(sum(self.restarts.values())),
