@@ -81,8 +81,14 @@ def test_qlora_sft_exports_merged_model(tiny_llama, tmp_path):
                "lora.block_size=32", "optim.lr=1e-2", "trainer.eval_every=0", "trainer.save_every=6")
     res = run_sft(cfg)
     losses = [x for _, x in res.losses]
-    assert all(math.isfinite(x) for x in losses) and np.mean(losses[-3:]) < np.mean(losses[:3])
+    first, last = float(np.mean(losses[:3])), float(np.mean(losses[-3:]))
+    print(f"\nQLoRA SFT: loss {first:.3f} (first 3 steps) -> {last:.3f} (last 3)")  # seen: 4.58 -> 2.31
+    # a real drop: with lr=0 (adapters never move) the two means differ by ~0.002
+    assert all(math.isfinite(x) for x in losses) and last < 0.75 * first
     assert res.trainer.has_lora
+    # lora_b starts at zero and was trained away from it
+    lora_b = np.asarray(res.trainer.params["layers"]["self_attn"]["q_proj"]["lora_b"][...])
+    assert np.abs(lora_b).max() > 1e-3
     # Checkpoints hold only the adapters and the optimizer state.
     from posttrain.training.checkpoint import tree_to_nested
 
@@ -90,7 +96,11 @@ def test_qlora_sft_exports_merged_model(tiny_llama, tmp_path):
     assert set(saved["layers"]["self_attn"]["q_proj"]) == {"lora_a", "lora_b"}
     ids = np.asarray([[1, 5, 20, 33, 40, 2, 6, 17]], np.int32)
     with_adapters = np.asarray(res.trainer.model()(ids))  # NF4 base (dequantised) + adapters
-    np.testing.assert_allclose(_hf_logits(res.hf_dir, ids), with_adapters, atol=1e-4)
+    exported = _hf_logits(res.hf_dir, ids)
+    np.testing.assert_allclose(exported, with_adapters, atol=1e-4)
+    # the merged export is not the NF4 base: the adapters' change is in it
+    base = np.asarray(res.trainer.model(adapters=False)(ids))
+    assert np.abs(exported - base).max() > 0.1
 
 
 @pytest.mark.slow
