@@ -47,6 +47,8 @@ def test_reduced_demo_plumbing(tmp_path, capsys):
     assert [r["step"] for r in evals] == [*range(s.rl_eval_every, s.rl_steps, s.rl_eval_every), s.rl_steps]
     assert all(r["eval/num_prompts"] == s.n_eval for r in evals)
     rl_stage = summary["stages"][2]
+    print("\ndemo stages:", [(st["name"], st["accuracy"], st["mean_reward"]) for st in summary["stages"]],
+          "eval rows:", [(r["step"], r["eval/accuracy"]) for r in evals])
     assert rl_stage["accuracy"] == pytest.approx(evals[-1]["eval/accuracy"], abs=1e-9)
     assert rl_stage["mean_reward"] == pytest.approx(evals[-1]["eval/reward_mean"], abs=1e-6)
 
