@@ -1,0 +1,75 @@
+"""RL options through the public API (`run_rl`, `load_rl_config`, `posttrain rl`): recomputed old log-probs,
+gradient accumulation, DAPO dynamic sampling (resample rounds, the all-equal fallback), chat prompts, QLoRA
+resume, pass@k."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_rl import toy  # noqa: F401 - the toy task fixture (reward: letters 'a' in the completion)
+
+from posttrain.rl.evaluate import evaluate, pass_at_k
+from posttrain.rl.loop import load_rl_config, run_rl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache(compile_cache):
+    return compile_cache
+
+
+def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
+    """`old_logprobs=recompute` re-scores the rollouts with the training forward: with the sampler's log-probs
+    made wrong (as a stale or lower-precision behaviour policy would be), the ratios stay exactly 1 and the run
+    equals an ordinary one; that run with `grad_accum=2` equals the same with `grad_accum=1`."""
+    from posttrain.sampling import Sampler
+
+    steps = ("trainer.max_steps=2", "export_hf=false", "algorithm.beta=0")
+    ref = run_rl(toy("ref", *steps))
+    generate, calls = Sampler.generate, []
+
+    def off_policy(self, prompts, params, **kw):
+        calls.append(1)
+        return [dataclasses.replace(c, logprobs=[x - 1.0 for x in c.logprobs])
+                for c in generate(self, prompts, params, **kw)]
+
+    monkeypatch.setattr(Sampler, "generate", off_policy)
+    got = run_rl(toy("recompute", *steps, "algorithm.old_logprobs=recompute", "trainer.grad_accum=2"))
+    assert len(calls) == 2
+    for a, b in zip(ref.history, got.history):
+        assert abs(b["ratio_mean"] - 1.0) < 1e-6 and b["clip_fraction"] == 0.0
+        assert b["reward/mean"] == a["reward/mean"]
+        np.testing.assert_allclose([b["loss"], b["grad_norm"]], [a["loss"], a["grad_norm"]], rtol=1e-4, atol=1e-6)
+    assert got.history[-1]["loss"] != 0.0  # (step 1's loss is 0: zero-mean advantages at ratio 1)
+
+
+MODE_REWARD = '''
+def by_mode(prompts, completions, mode, **fields):
+    """-1 for every completion of a "flat" prompt (no signal in its group); varied values in [0, 1) otherwise."""
+    return [-1.0 if m == "flat" else (sum(map(ord, t)) % 5) / 5 for t, m in zip(completions, mode)]
+'''
+
+
+def test_dynamic_sampling_resamples_and_falls_back(toy, tmp_path):  # noqa: F811
+    """Prompts in file order (no shuffle), 4 per round, one extra round at most. Step 1: prompts 0-3 hold one
+    group with signal, prompts 4-7 two: 3 groups kept of 8 sampled. Step 2: prompts 8-15 are all flat, so no
+    group has signal: the step falls back to the first round's 4 groups, whose advantages are all 0."""
+    (tmp_path / "mode.py").write_text(MODE_REWARD)
+    with open(tmp_path / "modes.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": "x" * (1 + i % 4), "mode": "vary" if i in (2, 5, 6) else "flat"}) + "\n")
+    res = run_rl(toy("dyn", "trainer.max_steps=2", "export_hf=false", f"data.train={tmp_path / 'modes.jsonl'}",
+                     "data.shuffle=false", f"rewards.functions=[{{name: '{tmp_path / 'mode.py'}:by_mode'}}]",
+                     "algorithm.dynamic_sampling=true", "algorithm.max_resample_rounds=1", "algorithm.beta=0"))
+    first, second = res.history
+    assert (first["groups/kept"], first["groups/sampled"]) == (3, 8)
+    assert first["reward/mean"] >= 0 and first["reward/std"] > 0 and first["grad_norm"] > 0  # only "vary" groups
+    assert (second["groups/kept"], second["groups/sampled"]) == (4, 8)
+    assert second["reward/mean"] == -1.0 and second["loss"] == 0.0 and second["grad_norm"] == 0.0
