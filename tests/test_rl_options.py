@@ -73,3 +73,60 @@ def test_dynamic_sampling_resamples_and_falls_back(toy, tmp_path):  # noqa: F811
     assert first["reward/mean"] >= 0 and first["reward/std"] > 0 and first["grad_norm"] > 0  # only "vary" groups
     assert (second["groups/kept"], second["groups/sampled"]) == (4, 8)
     assert second["reward/mean"] == -1.0 and second["loss"] == 0.0 and second["grad_norm"] == 0.0
+
+
+# ---------------------------------------------------------------------- pass@k
+def enumerated_pass_at_k(n: int, c: int, k: int) -> float:
+    """The fraction of all k-subsets of n samples (the first c correct) holding at least one correct sample."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_enumeration_of_subsets():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(enumerated_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+class ScriptedSampler:
+    """A stand-in for `Sampler`: greedy calls return GREEDY[prompt], sampled calls SAMPLED[prompt][:n]."""
+
+    GREEDY = ["so \\boxed{1}", "so \\boxed{5}", "so \\boxed{5}"]
+    SAMPLED = [["\\boxed{1}", "\\boxed{7}", "\\boxed{8}", "\\boxed{9}"],  # answer 1: 1 of 4 correct
+               ["\\boxed{0}"] * 4,  # answer 2: none correct
+               ["\\boxed{3}", "\\boxed{3}", "\\boxed{4}", "\\boxed{3}"]]  # answer 3: 3 of 4 correct
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt_ids, params, **kw):
+        from posttrain.sampling import Completion
+
+        self.calls.append(params)
+        out = []
+        for p in range(len(prompt_ids)):
+            texts = [self.GREEDY[p]] if params.temperature == 0 else self.SAMPLED[p][: params.n]
+            out += [Completion(prompt_index=p, sample_index=i, token_ids=[3] * len(t), logprobs=[0.0] * len(t),
+                               sampling_logprobs=None, finish_reason="stop", text=t) for i, t in enumerate(texts)]
+        return out
+
+
+def test_evaluate_greedy_accuracy_and_pass_at_k():
+    from posttrain.rewards.runner import RewardRunner, RewardSpec
+
+    records = [{"prompt": f"q{i}", "answer": str(i + 1)} for i in range(3)]
+    sampler = ScriptedSampler()
+    with RewardRunner([RewardSpec("math_answer")], num_workers=0) as runner:
+        e = evaluate(sampler, records, [[5, 6]] * 3, runner, correctness="math_answer", max_new_tokens=8, k=2,
+                     n_samples=4, temperature=0.7, seed=5)
+    greedy, sampled = sampler.calls
+    assert greedy.temperature == 0 and (sampled.n, sampled.temperature, sampled.seed) == (4, 0.7, 5)
+    assert e["eval/accuracy"] == pytest.approx(1 / 3) and e["eval/num_prompts"] == 3
+    assert e["eval/pass@2"] == pytest.approx(np.mean([enumerated_pass_at_k(4, c, 2) for c in (1, 0, 3)]))
+    assert e["eval/pass@2"] == pytest.approx(0.5) and e["eval/pass@1_sampled"] == pytest.approx(1 / 3)
+    # k > n_samples: k samples are drawn
+    with RewardRunner([RewardSpec("math_answer")], num_workers=0) as runner:
+        e = evaluate(sampler, records, [[5, 6]] * 3, runner, correctness="math_answer", max_new_tokens=8, k=3)
+    assert sampler.calls[-1].n == 3
+    assert e["eval/pass@3"] == pytest.approx(np.mean([enumerated_pass_at_k(3, c, 3) for c in (1, 0, 2)]))
