@@ -130,3 +130,59 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
         e = evaluate(sampler, records, [[5, 6]] * 3, runner, correctness="math_answer", max_new_tokens=8, k=3)
     assert sampler.calls[-1].n == 3
     assert e["eval/pass@3"] == pytest.approx(np.mean([enumerated_pass_at_k(3, c, 3) for c in (1, 0, 2)]))
+
+
+# ---------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_cli_rl_chat_prompts_and_qlora_resume(tmp_path, monkeypatch, capsys):
+    """`posttrain rl configs/rl_smoke.yaml` with QLoRA on string prompts rendered with the chat template and a
+    system prompt, held-out pass@2 at the end; the same run stopped after step 1 and resumed through `run_rl`
+    logs the same step 2 (loss, rewards, evaluation), and metrics.jsonl holds the values the run returned."""
+    from posttrain import tokenizer as tok_lib
+    from posttrain.cli.main import main
+    from posttrain.models.tiny import resolve_model_path
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    with open(tmp_path / "prompts.jsonl", "w") as f:  # the smoke prompts as plain strings
+        for line in open(ROOT / "tests" / "data" / "rl_prompts_tiny.jsonl"):
+            r = json.loads(line)
+            f.write(json.dumps({"prompt": r["prompt"][0]["content"], "answer": r["answer"]}) + "\n")
+    system = "Answer with a number."
+    args = [str(ROOT / "configs" / "rl_smoke.yaml"), "model.path=tiny:llama", f"data.train={tmp_path / 'prompts.jsonl'}",
+            f"data.eval={tmp_path / 'prompts.jsonl'}", f"data.system_prompt={system}", "trainer.max_steps=2",
+            "trainer.save_every=1", "trainer.keep_checkpoints=1", "trainer.progress=false", "eval.at_start=false",
+            "data.eval_limit=6", "rewards.num_workers=0", "lora.enabled=true", "lora.quantize=nf4", "lora.block_size=32"]
+
+    # chat=true renders "Q" as system + user turns with the generation prompt: too long for a limit one short
+    tok = tok_lib.load(resolve_model_path("tiny:llama"))
+    prompts = [json.loads(x)["prompt"] for x in open(tmp_path / "prompts.jsonl")]
+    lengths = [len(tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": p}],
+                                           add_generation_prompt=True)) for p in prompts]
+    assert all(n > len(tok.encode(p)) + 2 for n, p in zip(lengths, prompts))
+    longest = int(np.argmax(lengths))
+    assert main(["rl", *args, f"output_dir={tmp_path / 'short'}", f"data.max_prompt_tokens={lengths[longest] - 1}"]) == 2
+    assert f"record {longest} prompt has {lengths[longest]} tokens" in capsys.readouterr().err
+
+    assert main(["rl", *args, f"output_dir={tmp_path / 'cli'}"]) == 0
+    assert "done: 2 steps, held-out accuracy" in capsys.readouterr().out
+    rows = [json.loads(x) for x in open(tmp_path / "cli" / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    (final_eval,) = [r for r in rows if "eval/pass@2" in r]
+    assert final_eval["step"] == 2 and final_eval["eval/num_prompts"] == 6
+    assert 0 <= final_eval["eval/pass@1_sampled"] <= final_eval["eval/pass@2"] <= 1
+    assert sorted(p.name for p in (tmp_path / "cli" / "checkpoints").iterdir()) == ["2"]  # keep_checkpoints=1
+    assert (tmp_path / "cli" / "hf" / "model.safetensors").exists()
+
+    cfg = load_rl_config(args[0], [*args[1:], f"output_dir={tmp_path / 'resumed'}", "export_hf=false"])
+    assert run_rl(cfg, stop_after=1).steps == 1
+    second = run_rl(cfg)
+    (h,) = second.history
+    (logged,) = [r for r in rows if r["step"] == 2 and "loss" in r]
+    np.testing.assert_allclose([h["loss"], h["grad_norm"]], [logged["loss"], logged["grad_norm"]], atol=1e-6)
+    assert h["reward/mean"] == logged["reward/mean"]
+    assert second.evals[-1]["eval/pass@2"] == final_eval["eval/pass@2"]
+    # metrics.jsonl of the resumed run: the step it ran, with the values run_rl returned
+    resumed_rows = [json.loads(x) for x in open(tmp_path / "resumed" / "metrics.jsonl")]
+    (row2,) = [r for r in resumed_rows if r["step"] == 2 and "loss" in r]
+    assert all(row2[k] == h[k] for k in ("loss", "grad_norm", "reward/mean", "entropy", "clip_fraction"))
+    assert math.isfinite(row2["loss"])
