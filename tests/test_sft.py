@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import torch
 
 from posttrain.config import ConfigError
 from posttrain.data import DataError
@@ -147,6 +148,36 @@ def test_resume_gives_the_same_run(tiny_llama, tmp_path):
         for step, ids in seen.items():
             np.testing.assert_array_equal(ids, seen_full[step])
     assert sorted(seen_a) == list(range(1, 11)) and sorted(seen_b) == list(range(4, 11))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_adapter_resume_and_bf16_export(kind, tiny_llama, tmp_path):
+    """LoRA / QLoRA runs stopped after step 2 and resumed equal the uninterrupted run (losses, exported
+    weights); `export_dtype=bfloat16` writes a bf16 checkpoint that `transformers` loads; keep_checkpoints=1
+    leaves one checkpoint; metrics.jsonl logs the losses the trainer returned."""
+    from safetensors.torch import load_file
+
+    common = ("trainer.max_steps=4", "trainer.save_every=1", "trainer.keep_checkpoints=1", "trainer.log_every=1",
+              "trainer.eval_every=0", "lora.enabled=true", "optim.lr=1e-2", "export_dtype=bfloat16",
+              *(("lora.quantize=nf4", "lora.block_size=32") if kind == "qlora" else ()))
+    full = run_sft(_cfg(tiny_llama, tmp_path / "full", *common))
+    assert run_sft(_cfg(tiny_llama, tmp_path / "part", *common), stop_after=2).final_step == 2
+    resumed = run_sft(_cfg(tiny_llama, tmp_path / "part", *common))
+    assert resumed.start_step == 2 and full.trainer.has_lora
+    np.testing.assert_allclose([x for _, x in resumed.losses], [x for s, x in full.losses if s > 2], atol=1e-6)
+
+    records = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == full.losses  # logged == returned, every step
+    assert [p.name for p in (tmp_path / "full" / "checkpoints").iterdir() if p.name.isdigit()] == ["4"]
+
+    a, b = load_file(full.hf_dir / "model.safetensors"), load_file(resumed.hf_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(v.dtype == torch.bfloat16 for v in a.values())
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the resumed run exports the same weights
+    ids = np.asarray([[1, 5, 20, 33, 40, 2, 6, 17]], np.int32)
+    ours = np.asarray(full.trainer.model()(ids))
+    theirs = _hf_logits(full.hf_dir, ids)  # bf16 weights, computed in float32
+    assert 0 < np.abs(theirs - ours).max() < 0.05
 
 
 def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(tiny_llama, tmp_path):
