@@ -151,7 +151,8 @@ def test_cli_rl_chat_prompts_and_qlora_resume(tmp_path, monkeypatch, capsys):
     args = [str(ROOT / "configs" / "rl_smoke.yaml"), "model.path=tiny:llama", f"data.train={tmp_path / 'prompts.jsonl'}",
             f"data.eval={tmp_path / 'prompts.jsonl'}", f"data.system_prompt={system}", "trainer.max_steps=2",
             "trainer.save_every=1", "trainer.keep_checkpoints=1", "trainer.progress=false", "eval.at_start=false",
-            "data.eval_limit=6", "rewards.num_workers=0", "lora.enabled=true", "lora.quantize=nf4", "lora.block_size=32"]
+            "data.eval_limit=6", "rewards.num_workers=0", "lora.enabled=true", "lora.quantize=nf4", "lora.block_size=32",
+            "optim.lr=1e-2", "algorithm.minibatches=2"]  # adapters that move: step 2 depends on step 1's update
 
     # chat=true renders "Q" as system + user turns with the generation prompt: too long for a limit one short
     tok = tok_lib.load(resolve_model_path("tiny:llama"))
@@ -170,10 +171,11 @@ def test_cli_rl_chat_prompts_and_qlora_resume(tmp_path, monkeypatch, capsys):
     (final_eval,) = [r for r in rows if "eval/pass@2" in r]
     assert final_eval["step"] == 2 and final_eval["eval/num_prompts"] == 6
     assert 0 <= final_eval["eval/pass@1_sampled"] <= final_eval["eval/pass@2"] <= 1
-    assert sorted(p.name for p in (tmp_path / "cli" / "checkpoints").iterdir()) == ["2"]  # keep_checkpoints=1
+    # keep_checkpoints=1: only the last one (named by optimizer updates: 2 steps x 2 minibatches)
+    assert sorted(p.name for p in (tmp_path / "cli" / "checkpoints").iterdir()) == ["4"]
     assert (tmp_path / "cli" / "hf" / "model.safetensors").exists()
 
-    cfg = load_rl_config(args[0], [*args[1:], f"output_dir={tmp_path / 'resumed'}", "export_hf=false"])
+    cfg = load_rl_config(args[0], [*args[1:], f"output_dir={tmp_path / 'resumed'}"])
     assert run_rl(cfg, stop_after=1).steps == 1
     second = run_rl(cfg)
     (h,) = second.history
@@ -181,6 +183,10 @@ def test_cli_rl_chat_prompts_and_qlora_resume(tmp_path, monkeypatch, capsys):
     np.testing.assert_allclose([h["loss"], h["grad_norm"]], [logged["loss"], logged["grad_norm"]], atol=1e-6)
     assert h["reward/mean"] == logged["reward/mean"]
     assert second.evals[-1]["eval/pass@2"] == final_eval["eval/pass@2"]
+    from safetensors.numpy import load_file
+
+    a, b = load_file(tmp_path / "cli" / "hf" / "model.safetensors"), load_file(second.hf_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(np.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)  # same weights
     # metrics.jsonl of the resumed run: the step it ran, with the values run_rl returned
     resumed_rows = [json.loads(x) for x in open(tmp_path / "resumed" / "metrics.jsonl")]
     (row2,) = [r for r in resumed_rows if r["step"] == 2 and "loss" in r]
