@@ -25,6 +25,7 @@ def _compile_cache(compile_cache):
     return compile_cache
 
 
+@pytest.mark.slow
 def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
     """`old_logprobs=recompute` re-scores the rollouts with the training forward: with the sampler's log-probs
     made wrong (as a stale or lower-precision behaviour policy would be), the ratios stay exactly 1 and the run
@@ -57,6 +58,7 @@ def by_mode(prompts, completions, mode, **fields):
 '''
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_resamples_and_falls_back(toy, tmp_path):  # noqa: F811
     """Prompts in file order (no shuffle), 4 per round, one extra round at most. Step 1: prompts 0-3 hold one
     group with signal, prompts 4-7 two: 3 groups kept of 8 sampled. Step 2: prompts 8-15 are all flat, so no
