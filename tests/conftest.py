@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
+
+#: GSM8K's JSONL splits, outside the repository: `../shared/data/gsm8k` from its root.
+GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+
+
+def require_data(folder: Path, name: str) -> Path:
+    """`folder` if it holds `name`; else skip the test, or fail it when the environment variable `CI` is set."""
+    if not (folder / name).is_file():
+        message = f"{name} not found in {folder}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set: the data is required)")
+        pytest.skip(message)
+    return folder
+
+
+@pytest.fixture
+def gsm8k():
+    """The GSM8K folder (train.jsonl, test.jsonl); see `require_data` for when it is missing."""
+    return require_data(GSM8K_DIR, "test.jsonl")
 
 
 @pytest.fixture(scope="module")

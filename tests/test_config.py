@@ -193,3 +193,42 @@ def test_post_init_errors_become_config_errors():
 
     with pytest.raises(ConfigError, match="inner.*n must be >= 0"):
         load_config(Outer, None, ["inner.n=-1"])
+
+
+# ---------------------------------------------------------------------- the shipped configs
+SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl"}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_config_parses_and_validates(name, tmp_path):
+    """Each configs/*.yaml loads into its typed config, round-trips, and passes the checks a run makes first:
+    a valid model numerics section, batch splits, local data files present, rewards resolvable with the
+    data's fields."""
+    from pathlib import Path
+
+    from posttrain.models.config import llama_like
+    from posttrain.rewards.runner import RewardRunner, RewardSpec
+    from posttrain.rl.loop import load_rl_config
+    from posttrain.training.sft import load_sft_config
+
+    root = Path(__file__).resolve().parents[1]
+    assert sorted(p.name for p in (root / "configs").glob("*.yaml")) == sorted(SHIPPED)  # new ones get a kind
+    load = load_sft_config if SHIPPED[name] == "sft" else load_rl_config
+    cfg = load(root / "configs" / name)
+    save_config(cfg, tmp_path / name)
+    assert load(tmp_path / name) == cfg
+    m = cfg.model
+    llama_like(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, remat=m.remat)
+    for f in (cfg.data.train, cfg.data.eval):
+        if f and f.endswith(".jsonl"):  # local files, relative to the repository root (GSM8K: ../shared)
+            assert (root / f).is_file() or f.startswith("../shared/"), f
+    if SHIPPED[name] == "sft":
+        assert cfg.data.batch_size % cfg.trainer.grad_accum == 0
+        return
+    n = cfg.rollout.batch_prompts * cfg.rollout.group_size  # the rollouts of one step
+    assert n % cfg.algorithm.minibatches == 0 and (n // cfg.algorithm.minibatches) % cfg.trainer.grad_accum == 0
+    assert cfg.algorithm.resolved()["advantage"] in ("grpo", "dr_grpo", "rloo")
+    runner = RewardRunner([RewardSpec.coerce(r.name) for r in cfg.rewards.functions], num_workers=0)
+    runner.check_fields({"prompt", "answer", "completion_lengths"})
+    assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions]
+    runner.close()

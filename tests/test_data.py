@@ -276,3 +276,17 @@ def test_fixture_is_learnable_chat(tok):
     ex = encode_record(recs[13], tok)
     assert tok.decode(ex.input_ids) == "What is 1 plus 5?6"
     assert tok.decode(ex.input_ids[ex.loss_mask > 0], skip_special_tokens=False) == "6<eos>"
+
+
+def test_missing_shared_data_skips_or_fails_under_ci(tmp_path, monkeypatch):
+    """The GSM8K tests' `gsm8k` fixture: missing data skips locally and fails when `CI` is set."""
+    from conftest import require_data
+
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="test.jsonl not found"):
+        require_data(tmp_path, "test.jsonl")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI is set"):
+        require_data(tmp_path, "test.jsonl")
+    (tmp_path / "test.jsonl").write_text("{}\n")
+    assert require_data(tmp_path, "test.jsonl") == tmp_path

@@ -1,5 +1,5 @@
-"""A reduced `posttrain demo`: every file is written, numbers are finite, and the final checkpoint loads in
-`transformers` with the same greedy answers as ours on 20 held-out problems."""
+"""A reduced `posttrain demo` through the CLI: every file is written, summary.json agrees with the metrics logs,
+and the final checkpoint loads in `transformers` with the same greedy answers as ours on 20 held-out problems."""
 
 from __future__ import annotations
 
@@ -9,27 +9,48 @@ import math
 import numpy as np
 import pytest
 
-from posttrain.demo.run import DemoSettings, run_demo
+from posttrain.demo.run import DemoSettings
 
 
 @pytest.mark.slow
-def test_reduced_demo_plumbing(tmp_path):
+def test_reduced_demo_plumbing(tmp_path, capsys):
     import torch
     import transformers
 
+    from posttrain.cli.main import main
+
     out = tmp_path / "demo"
-    summary = run_demo(out, seed=1, settings=DemoSettings.reduced())
-    assert [s["name"] for s in summary["stages"]] == ["init", "sft", "rl"]
-    for s in summary["stages"]:
-        assert math.isfinite(s["accuracy"]) and 0 <= s["accuracy"] <= 1
-        assert math.isfinite(s["mean_reward"]) and math.isfinite(s["seconds"])
-    assert json.loads((out / "summary.json").read_text())["seed"] == 1
+    assert main(["demo", "--output-dir", str(out), "--seed", "1", "--reduced"]) == 0  # `posttrain demo`
+    assert "held-out accuracy" in capsys.readouterr().out
+    s = DemoSettings.reduced()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seed"] == 1 and summary["final_checkpoint"] == str(out / "rl" / "hf")
+    assert [st["name"] for st in summary["stages"]] == ["init", "sft", "rl"]
+    for st in summary["stages"]:
+        assert math.isfinite(st["accuracy"]) and 0 <= st["accuracy"] <= 1
+        assert math.isfinite(st["mean_reward"]) and math.isfinite(st["seconds"])
     for f in ("sft.yaml", "rl.yaml", "demo.png", "sft/metrics.jsonl", "rl/metrics.jsonl", "rl/samples.jsonl",
               "sft/config.yaml", "rl/config.yaml", "rl/hf/config.json", "rl/hf/model.safetensors"):
         assert (out / f).exists(), f
     assert list((out / "sft" / "tensorboard").iterdir()) and list((out / "rl" / "tensorboard").iterdir())
-    for line in open(out / "rl" / "metrics.jsonl"):
-        assert all(not isinstance(v, float) or math.isfinite(v) for v in json.loads(line).values())
+    rows = [json.loads(line) for line in open(out / "rl" / "metrics.jsonl")]
+    for r in rows:
+        assert all(not isinstance(v, float) or math.isfinite(v) for v in r.values())
+    sft_rows = [json.loads(line) for line in open(out / "sft" / "metrics.jsonl")]
+    assert sft_rows[-1]["step"] == s.sft_steps and all(math.isfinite(r["loss"]) for r in sft_rows)
+
+    # metrics.jsonl agrees with the summary: one training row per RL step, held-out rows every
+    # rl_eval_every steps and at the end, and the last of these (greedy, the final weights, the same
+    # held-out problems) is what the summary reports for the RL stage's exported checkpoint.
+    assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, s.rl_steps + 1))
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [*range(s.rl_eval_every, s.rl_steps, s.rl_eval_every), s.rl_steps]
+    assert all(r["eval/num_prompts"] == s.n_eval for r in evals)
+    rl_stage = summary["stages"][2]
+    print("\ndemo stages:", [(st["name"], st["accuracy"], st["mean_reward"]) for st in summary["stages"]],
+          "eval rows:", [(r["step"], r["eval/accuracy"]) for r in evals])
+    assert rl_stage["accuracy"] == pytest.approx(evals[-1]["eval/accuracy"], abs=1e-9)
+    assert rl_stage["mean_reward"] == pytest.approx(evals[-1]["eval/reward_mean"], abs=1e-6)
 
     # the final checkpoint in transformers: same greedy answers as ours on 20 held-out problems
     from posttrain import tokenizer as tok_lib

@@ -5,14 +5,12 @@ import json
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from posttrain.rewards import RewardRunner, RewardSpec, load_reward, math_answer
 
-GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k/test.jsonl"
 
 FAULTY = textwrap.dedent(
     """
@@ -201,10 +199,8 @@ def test_math_answer_symbolic_in_a_thread():
         assert ex.submit(math_answer, ["q", "q"], completions, answers).result() == [1.0, 1.0]
 
 
-def test_gsm8k_golds_through_pool():
-    if not GSM8K_TEST.is_file():
-        pytest.skip(f"GSM8K test split not found at {GSM8K_TEST}")
-    rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
+def test_gsm8k_golds_through_pool(gsm8k):
+    rows = [json.loads(line) for line in (gsm8k / "test.jsonl").read_text().splitlines() if line.strip()]
     golds = [r["answer"] for r in rows]
     finals = [g.rsplit("####", 1)[1].strip() for g in golds]
     completions = [f"\\boxed{{{n}}}" for n in finals] + [f"\\boxed{{{int(n.replace(',', '')) + 1}}}" for n in finals]

@@ -188,11 +188,24 @@ def test_seed_repeats_and_sampling_logprobs(llama):
     c = sampler.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9, n=2,
                                                  seed=12))
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    # both log-probs against a reference from a plain forward: log_softmax(logits) of the drawn token, and
+    # its log-prob under softmax(logits / T) restricted to the top-k, then the top-p nucleus of those
     for comp in a:
         assert len(comp.sampling_logprobs) == len(comp.logprobs) == len(comp.token_ids)
-        # filtering and T < 1 sharpen the distribution: the drawn tokens are at least as likely under it
-        assert np.all(np.asarray(comp.sampling_logprobs) >= np.asarray(comp.logprobs) - 1e-5)
-        assert np.all(np.asarray(comp.sampling_logprobs) <= 0)
+        prompt = prompts[comp.prompt_index]
+        logits = np.asarray(llama(np.asarray([prompt + comp.token_ids])))[0, len(prompt) - 1:-1].astype(np.float64)
+        raw, samp = [], []
+        for row, tok in zip(logits, comp.token_ids):
+            raw.append(row[tok] - np.logaddexp.reduce(row))
+            x = row / 0.7
+            x = np.where(x >= np.sort(x)[-20], x, -np.inf)  # top-k = 20
+            srt = np.sort(x[np.isfinite(x)])[::-1]
+            p = np.exp(srt - np.logaddexp.reduce(srt))
+            keep = int(np.sum(np.cumsum(p) - p < 0.9))  # the nucleus: smallest prefix with mass >= 0.9
+            x = np.where(x >= srt[keep - 1], x, -np.inf)
+            samp.append(x[tok] - np.logaddexp.reduce(x[np.isfinite(x)]))
+        np.testing.assert_allclose(comp.logprobs, raw, atol=1e-4)
+        np.testing.assert_allclose(comp.sampling_logprobs, samp, atol=1e-4)
 
 
 def test_reads_current_weights_without_recompiling(llama, hf_checkpoint):

@@ -1,4 +1,5 @@
-"""The sampler on a 4-device (fsdp=2, tensor=2) mesh of forced CPU devices, in a subprocess: same greedy output."""
+"""The sampler on a 4-device (fsdp=2, tensor=2) mesh of forced CPU devices, in a subprocess: same greedy and
+sampled output as on one device."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ SCRIPT = textwrap.dedent("""
     ref = Sampler(from_pretrained(path), max_slots=4).generate(prompts, params)
     long_params = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[])
     long_ref = Sampler(from_pretrained(path), max_slots=4, cache_step=0).generate(prompts, long_params)
+    # sample keys depend only on (seed, prompt, sample): one device with all 5 prompts in 8 slots is the reference
+    sample_params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, n=2)
+    sampled_ref = Sampler(from_pretrained(path), max_slots=8).generate(prompts, sample_params)
     out = {}
     for name, sizes in {"fsdp_tensor": dict(data=1, fsdp=2, tensor=2)}.items():
         mesh = distributed.make_mesh(**sizes)
@@ -32,7 +36,7 @@ SCRIPT = textwrap.dedent("""
         weights_before = model.layers.mlp.up_proj.kernel[...]
         sampler = Sampler(model, max_slots=3)  # rounded up to a multiple of data x fsdp
         got = sampler.generate(prompts, params)
-        sampled = sampler.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3))
+        sampled = sampler.generate(prompts, sample_params)
         grown = Sampler(model, max_slots=3, cache_step=8)  # the cache grows 24 -> 32 positions on the mesh
         long_got = grown.generate(prompts, long_params)
         out[name] = dict(
@@ -42,7 +46,11 @@ SCRIPT = textwrap.dedent("""
             cache_spec=str(sampler._state.cache.k[0].sharding.spec),
             weights_sharding=str(model.layers.mlp.up_proj.kernel[...].sharding.spec),
             weights_same_object=model.layers.mlp.up_proj.kernel[...] is weights_before,
-            n_sampled=len(sampled),
+            sampled_same=[a.token_ids for a in sampled] == [b.token_ids for b in sampled_ref],
+            sampled_index=[(a.prompt_index, a.sample_index) for a in sampled],
+            sampled_distinct=len({tuple(a.token_ids) for a in sampled}),
+            sampled_logprob_diff=max(float(np.abs(np.subtract(a.logprobs, b.logprobs)).max())
+                                     for a, b in zip(sampled, sampled_ref)),
             grown_same=[a.token_ids for a in long_got] == [b.token_ids for b in long_ref],
             grown_resizes=grown.last_stats.get("cache_resizes", 0),
             grown_cache_spec=str(grown._state.cache.k[0].sharding.spec),
@@ -69,6 +77,8 @@ def test_generate_on_a_mesh(hf_checkpoint, tmp_path):
     assert "fsdp" in r["cache_spec"] and "tensor" in r["cache_spec"]  # slots over fsdp, kv heads over tensor
     assert "tensor" in r["weights_sharding"]  # weights keep the training layout...
     assert r["weights_same_object"]  # ...and are not copied or moved
-    assert r["n_sampled"] == 5
+    # sampled completions (4 slots on the mesh, refilled) are token for token the single-device ones
+    assert r["sampled_index"] == [[p, i] for p in range(5) for i in range(2)]
+    assert r["sampled_same"] and r["sampled_distinct"] > 5 and r["sampled_logprob_diff"] < 1e-4, res
     assert r["grown_same"] and r["grown_resizes"] >= 1, res  # a growing cache keeps its sharding and results
     assert r["grown_cache_spec"] == r["cache_spec"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -218,8 +219,16 @@ def test_checkpoint_keeps_last_n_and_ignores_unfinished(tmp_path, model_state):
     assert Checkpointer(tmp_path / "ck", keep=2).latest_step() == 3
 
 
+def _step_program(tr, batch):
+    """The trainer's step as (jaxpr text, lowered StableHLO text) for `batch`."""
+    fn = tr._build_step(tr.loss_fn)
+    args = (tr.params, tr.opt_state, tr.rest, tr.put_batch(batch), jnp.int32(0))
+    return str(jax.make_jaxpr(fn)(*args)), fn.lower(*args).as_text()
+
+
 def test_bf16_compute_with_float32_master_weights_and_remat(model_state):
-    """compute_dtype=bfloat16 keeps float32 params and optimizer state, and (with remat) follows float32 closely."""
+    """compute_dtype=bfloat16 keeps float32 params and optimizer state, multiplies in bfloat16 inside the
+    compiled step, rematerialises the layer body (remat=full), and follows float32 closely but not exactly."""
     batches = _batches(2)
     tx, sched = _tx()
     f32 = Trainer(model_state(), tx, loss_fn=make_sft_loss(), schedule=sched)
@@ -231,4 +240,40 @@ def test_bf16_compute_with_float32_master_weights_and_remat(model_state):
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(tr.params))
     assert all(x.dtype in (jnp.float32, jnp.int32) for x in jax.tree.leaves(tr.opt_state))
     assert got[-1] < got[0]
-    np.testing.assert_allclose(got, ref, rtol=2e-2)
+    rel = np.abs(np.subtract(got, ref)) / np.asarray(ref)
+    print(f"\nbf16 vs float32 loss, relative difference per step: {np.round(rel, 5).tolist()}")
+    # bf16 rounding (2^-8 relative) shows in the loss (measured ~1e-3), but stays small
+    assert rel.max() > 2e-4 and rel.max() < 2e-2
+    # The compiled programs: the weight matmuls take bf16 operands (none in the float32 program), and the
+    # layer body sits in a remat (checkpoint) with the policy of remat=full.
+    for trainer, bf16, remat in ((tr, True, True), (f32, False, False)):
+        jaxpr, hlo = _step_program(trainer, batches[0])
+        dots = re.findall(r"stablehlo\.dot_general[^\n]*", hlo)
+        n_bf16 = sum("xbf16>" in d.split("->")[0] for d in dots)
+        assert len(dots) >= 20 and (n_bf16 >= len(dots) - 2 if bf16 else n_bf16 == 0), (n_bf16, len(dots))
+        assert ("remat" in jaxpr and "nothing_saveable" in jaxpr) == remat
+
+
+def test_remat_policies_give_the_same_gradients_in_less_memory():
+    """remat=dots / dots_no_batch (as configs set `model.remat`) compute what remat=none computes, with less
+    temporary memory in the compiled forward + backward (XLA's memory analysis of the compiled program)."""
+    from flax import nnx
+
+    batch = {k: jnp.asarray(v) for k, v in _batches(1, t=64)[0].items()}
+    loss_fn = make_sft_loss()
+    temp, results = {}, {}
+    for remat in ("none", "dots", "dots_no_batch"):
+        graphdef, params = nnx.split(init_model(CFG.replace(remat=remat), seed=0))
+
+        def mean_loss(p, graphdef=graphdef):
+            loss_sum, weight, _ = loss_fn(nnx.merge(graphdef, p), batch)
+            return loss_sum / weight
+
+        compiled = jax.jit(jax.value_and_grad(mean_loss)).lower(params).compile()
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+        results[remat] = jax.tree.leaves(compiled(params))
+    print(f"\ntemporary bytes of forward + backward by remat policy: {temp}")
+    for remat in ("dots", "dots_no_batch"):
+        assert temp[remat] < 0.8 * temp["none"], temp
+        for a, b in zip(results[remat], results["none"]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Sharded training on 8 CPU devices (data=2, fsdp=2, tensor=2) follows the single-device loss curve.
+"""Sharded training on 8 CPU devices (data=2, fsdp=2, tensor=2) follows the single-device loss curve, with
+full fine-tuning and with LoRA adapters.
 
 Runs in a subprocess with `XLA_FLAGS=--xla_force_host_platform_device_count=8`, since the pytest process
 may already have initialised JAX with one device.
@@ -52,14 +53,27 @@ SCRIPT = textwrap.dedent(
 
     out = {}
     mesh = distributed.make_mesh(data=2, fsdp=2, tensor=2)
-    for use_lora in (False,):  # (True,) too checks LoRA under FSDP/TP; left out to keep the suite fast
-        _, single = run(None, use_lora)
-        tr, sharded = run(mesh, use_lora)
-        out["lora" if use_lora else "full"] = {"single": single, "sharded": sharded}
+    _, single = run(None, False)
+    tr, sharded = run(mesh, False)
+    out["full"] = {"single": single, "sharded": sharded}
     # Parameters really are sharded by their logical axes, and so are the Adam moments.
     k = tr.params["layers"]["mlp"]["up_proj"]["kernel"][...]
     mu = tr.opt_state[0].mu["layers"]["mlp"]["up_proj"]["kernel"][...]
     out["spec"] = [str(k.sharding.spec), str(mu.sharding.spec)]
+    # LoRA on the mesh: adapters (and their moments) placed by their logical axes, base weights frozen.
+    _, lora_single = run(None, True)
+    tl, lora_sharded = run(mesh, True)
+    out["lora"] = {"single": lora_single, "sharded": lora_sharded}
+    up = tl.params["layers"]["mlp"]["up_proj"]
+    out["lora_spec"] = [str(up["lora_a"][...].sharding.spec), str(up["lora_b"][...].sharding.spec),
+                        str(tl.opt_state[0].mu["layers"]["mlp"]["up_proj"]["lora_a"][...].sharding.spec)]
+    out["lora_base_kernel_spec"] = str(tl.rest["layers"]["mlp"]["up_proj"]["kernel"][...].sharding.spec)
+    out["lora_b_moved"] = float(np.abs(np.asarray(up["lora_b"][...])).max())
+    flat = lambda t: {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}  # noqa: E731
+    before, after = flat(state), flat(tl.rest)
+    out["base_compared"] = len(after.keys() & before.keys())
+    out["base_max_change"] = max(float(np.abs(np.asarray(after[n]) - np.asarray(before[n])).max())
+                                 for n in after.keys() & before.keys())
     # A checkpoint written on the mesh restores onto it and continues the same way.
     ck = Checkpointer(sys.argv[1], keep=1, async_save=False)
     ck.save(tr)
@@ -84,10 +98,14 @@ def test_sharded_loss_curve_matches_single_device(tmp_path):
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     out = json.loads(lines[0][len("RESULT"):])
-    for kind in ("full",):
+    for kind in ("full", "lora"):
         single, sharded = out[kind]["single"], out[kind]["sharded"]
         print(f"\n{kind}: single {[round(x, 6) for x in single]}\n{kind}: sharded {[round(x, 6) for x in sharded]}")
         assert single[-1] < single[0]
         assert max(abs(a - b) for a, b in zip(single, sharded)) < 1e-5
     assert out["spec"] == ["P(None, 'fsdp', 'tensor')"] * 2
+    # lora_a [layers, embed, rank] -> (None, fsdp, None); lora_b [layers, rank, mlp] -> (None, None, tensor)
+    assert out["lora_spec"] == ["P(None, 'fsdp', None)", "P(None, None, 'tensor')", "P(None, 'fsdp', None)"]
+    assert out["lora_base_kernel_spec"] == "P(None, 'fsdp', 'tensor')"
+    assert out["lora_b_moved"] > 1e-4 and out["base_compared"] >= 9 and out["base_max_change"] == 0.0
     assert max(abs(a - b) for a, b in zip(out["resume"]["ref"], out["resume"]["got"])) < 1e-6

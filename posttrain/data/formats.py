@@ -116,6 +116,33 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def _common_suffix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[len(a) - 1 - i] == b[len(b) - 1 - i]:
+        i += 1
+    return i
+
+
+def _turn_end_from_content(tokenizer, messages: Sequence[dict], j: int, full: list[int],
+                           prefix: list[int]) -> int | None:
+    """End of turn j in `full` for a template that renders turn j differently when it is the last message
+    (Qwen3 shows an answer's reasoning only after the last user turn): the end of its content in `full`
+    (where a rendering with one character appended to that content stops agreeing with `full`, counted
+    from the back) plus the turn's closing tokens (what follows the content when it is rendered last)."""
+    content = messages[j].get("content")
+    if not isinstance(content, str):
+        return None
+    mark = "~" if content.endswith("#") else "#"
+    probe = dict(messages[j], content=content + mark)
+    full_probe = tokenizer.apply_chat_template([*messages[:j], probe, *messages[j + 1:]],
+                                               add_generation_prompt=False, tokenize=True)
+    prefix_probe = tokenizer.apply_chat_template([*messages[:j], probe], add_generation_prompt=False,
+                                                 tokenize=True)
+    closing = _common_suffix_len(prefix, prefix_probe)
+    return len(full) - _common_suffix_len(full, full_probe) + closing
+
+
 def chat_assistant_mask(tokenizer, messages: Sequence[dict], *,
                         train_roles: Sequence[str] = ("assistant",),
                         trainable: Sequence[bool] | None = None) -> tuple[list[int], list[float]]:
@@ -125,17 +152,21 @@ def chat_assistant_mask(tokenizer, messages: Sequence[dict], *,
     `trainable[j]` is true). Spans are found template-agnostically: turn j covers
     the tokens between the common prefix of the full rendering with
     render(messages[:j], add_generation_prompt=True) (so the assistant header is
-    not a target) and the common prefix with render(messages[:j+1]).
+    not a target) and the common prefix with render(messages[:j+1]). Where render(messages[:j+1]) is not a
+    prefix of the full rendering (the template renders a last turn differently), a trained turn ends where
+    its content ends in the full rendering, plus its closing tokens.
     """
     full = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
     mask = [0.0] * len(full)
     prev_end = 0
     for j, msg in enumerate(messages):
-        end = _common_prefix_len(full, tokenizer.apply_chat_template(
-            messages[: j + 1], add_generation_prompt=False, tokenize=True))
+        prefix = tokenizer.apply_chat_template(messages[: j + 1], add_generation_prompt=False, tokenize=True)
+        end = _common_prefix_len(full, prefix)
+        train = msg["role"] in train_roles and (trainable is None or trainable[j])
         if j == len(messages) - 1:
             end = len(full)
-        train = msg["role"] in train_roles and (trainable is None or trainable[j])
+        elif train and end < len(prefix):
+            end = max(end, _turn_end_from_content(tokenizer, messages, j, full, prefix) or end)
         if train:
             start = prev_end
             if j > 0:
