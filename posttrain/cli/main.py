@@ -2,13 +2,26 @@
 
 Each subcommand module defines `add_arguments(parser)` and `run(args) -> int`, and keeps heavy imports
 (JAX, transformers) inside `run`, so that `posttrain --help` answers at once.
+
+Errors are handled here, in one place: the known error types (bad config, data, checkpoint, model, a
+diverged run, a failed save, a busy output folder, a disk that is full or not writable, ...) print one
+line `error: ...` and exit non-zero; anything else is a bug and keeps its traceback. `POSTTRAIN_DEBUG=1`
+shows the traceback of every error. SIGTERM (a scheduler's preemption) stops a run like Ctrl-C does: the
+run's `finally` blocks wait for checkpoint writes and stop the reward workers, and the command exits 143.
+The process never waits more than `EXIT_GRACE_S` for leftover background threads at exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import logging
+import os
+import signal
 import sys
+import threading
+import time
 
 SUBCOMMANDS = {
     "info": ("posttrain.cli.info", "print the architecture, parameter count and dtype of a checkpoint"),
@@ -17,6 +30,40 @@ SUBCOMMANDS = {
     "rl": ("posttrain.cli.rl", "reinforcement learning with verifiable rewards (GRPO family)"),
     "demo": ("posttrain.cli.demo", "SFT then RL on a tiny model and a synthetic task, on CPU, in minutes"),
 }
+
+EXIT_GRACE_S = 10.0
+# OS errors that describe the user's environment, not a bug: reported in one line.
+_ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+               errno.EISDIR, errno.EFBIG, errno.EEXIST, errno.ENAMETOOLONG}
+
+
+def known_errors() -> tuple[type[BaseException], ...]:
+    """Error types that are the user's to fix (bad input or environment); each is reported in one line."""
+    from posttrain.config import ConfigError
+    from posttrain.data.sources import DataError
+    from posttrain.models.config import UnsupportedModelError
+    from posttrain.models.hf_io import CheckpointError
+    from posttrain.rewards.checks import RewardDataError, RewardFailedError
+    from posttrain.tokenizer import TokenizerError
+    from posttrain.training.errors import CheckpointSaveError, ResumeError, TrainingDivergedError
+    from posttrain.training.runlock import RunLockError
+
+    out = [ConfigError, DataError, UnsupportedModelError, CheckpointError, TokenizerError, RewardDataError,
+           RewardFailedError, CheckpointSaveError, ResumeError, TrainingDivergedError, RunLockError]
+    generate = sys.modules.get("posttrain.cli.generate")
+    if generate is not None:
+        out.append(generate.InputError)
+    return tuple(out)
+
+
+def describe(e: BaseException) -> str | None:
+    """The one-line message for a known error, or None for an unexpected one (a bug)."""
+    if isinstance(e, known_errors()):
+        return " ".join(str(e).split("\n")[:1]) if isinstance(e, OSError) else str(e)
+    if isinstance(e, OSError) and e.errno in _ENV_ERRNOS:
+        where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
+        return f"{e.strerror or e}{where}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,18 +78,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _on_sigterm(signum, frame):
+    from posttrain.training.errors import RunInterrupted
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise RunInterrupted("terminated (SIGTERM)")
+
+
+def _exit_bounded(code: int) -> int:
+    """Returns `code`, unless non-daemon threads (e.g. a checkpoint writer stuck after a failure) would keep
+    the interpreter from exiting: then they get EXIT_GRACE_S and the process exits with `code` regardless."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for t in threading.enumerate():
+        if t is threading.current_thread() or t.daemon:
+            continue
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() and not t.daemon and t is not threading.current_thread() for t in threading.enumerate()):
+        print("posttrain: background threads did not finish; exiting anyway", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    debug = os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    if not debug:  # libraries (Orbax through absl) log failures with tracebacks; the error line below says it
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    from posttrain.training.errors import RunInterrupted
+
     module = importlib.import_module(args._module)
     try:
-        return int(module.run(args) or 0)
+        return _exit_bounded(int(module.run(args) or 0))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return _exit_bounded(130)
+    except RunInterrupted as e:
+        print(str(e), file=sys.stderr)
+        return _exit_bounded(143)
+    except Exception as e:  # noqa: BLE001 - known types become one line; others keep their traceback
+        message = None if debug else describe(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        from posttrain.config import ConfigError
+
+        return _exit_bounded(2 if isinstance(e, ConfigError) else 1)
 
 
 if __name__ == "__main__":
