@@ -267,7 +267,7 @@ def test_read_prompts(tmp_path):
     assert prompts[5] == {"prompt": [{"role": "user", "content": "What is 1 times 1?"}], "answer": "1"}
     p = read_prompts([{"question": "q", "answer": "a"}], prompt_field="question")
     assert p == [{"prompt": "q", "answer": "a"}]
-    with pytest.raises(DataError, match="record 0 has no field 'answer'"):
+    with pytest.raises(DataError, match="record 1: the record has no field 'answer'"):
         read_prompts([{"prompt": "q"}], required_fields=["answer"])
 
 
