@@ -74,8 +74,22 @@ class Rollouts:
             prompts_text=cat("prompts_text"),
             rewards=np.concatenate([p.rewards for p in parts]),
             per_reward={k: np.concatenate([p.per_reward[k] for p in parts]) for k in first.per_reward},
-            reward_stats=first.reward_stats,
+            reward_stats=Rollouts.merge_stats(parts),
         )
+
+    @staticmethod
+    def merge_stats(parts: list["Rollouts"]) -> dict[str, float]:
+        """The parts' reward statistics together: counts (failures, timeouts) summed, means weighted by size."""
+        out: dict[str, float] = {}
+        sizes = [len(p) for p in parts]
+        total = max(sum(sizes), 1)
+        for key in dict.fromkeys(k for p in parts for k in p.reward_stats):
+            vals = [(p.reward_stats[key], n) for p, n in zip(parts, sizes) if key in p.reward_stats]
+            if key.endswith(("failures", "timeouts")):
+                out[key] = float(sum(v for v, _ in vals))
+            else:
+                out[key] = float(sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1) if total else 0.0)
+        return out
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool, system_prompt: str | None = None) -> list[int]:
