@@ -77,7 +77,7 @@ def _reward_runner(cfg: RLConfig, preset: dict):
         cache = max(1, int(round(preset.get("overlong_cache_fraction", 0.2) * budget)))
         specs.append(RewardSpec(name="overlong_penalty", fn=overlong_penalty(budget, cache), weight=1.0))
     return RewardRunner(specs, timeout_s=cfg.rewards.timeout_s, failure_value=cfg.rewards.failure_value,
-                        num_workers=cfg.rewards.num_workers)
+                        num_workers=cfg.rewards.num_workers, max_failed_calls=cfg.rewards.max_failed_steps)
 
 
 def _encode_all(tok, records, cfg: RLConfig, where: str) -> list[list[int]]:
@@ -121,6 +121,7 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
     from posttrain.rl.rollout import Rollouts, generate_rollouts
     from posttrain.sampling import Sampler, SamplingParams
     from posttrain.training.checkpoint import Checkpointer
+    from posttrain.training.errors import TrainingDivergedError
     from posttrain.training.metrics import MetricsLogger
     from posttrain.training.optim import make_optimizer
     from posttrain.training.sft import build_model
@@ -149,12 +150,13 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
     # rewards first: a data set without a field a reward needs fails before any model is loaded
     runner = _reward_runner(cfg, preset)
     records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
-    runner.check_fields(set(records[0]) | {"completion_lengths"})
+    runner.check_records(records)
     eval_records = None
     if cfg.data.eval:
         eval_records = read_prompts(cfg.data.eval, prompt_field=cfg.data.prompt_field)
         if cfg.data.eval_limit:
             eval_records = eval_records[: cfg.data.eval_limit]
+        runner.check_records(eval_records)
 
     mesh = _mesh(cfg)
     model, folder = build_model(cfg, mesh)
@@ -180,8 +182,8 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
                         async_save=cfg.trainer.async_checkpointing)
     stream = PromptStream(len(records), cfg.data.seed, cfg.data.shuffle)
     start = 0
-    if cfg.trainer.resume and ckpt.latest_step() is not None:
-        meta = ckpt.restore(trainer)
+    meta = ckpt.restore_latest(trainer) if cfg.trainer.resume else None
+    if meta is not None:
         stream.cursor = int(meta["data_state"]["prompt_cursor"])
         start = int(meta["metadata"].get("rl_step", trainer.step_count // updates_per_step))
     sampler = Sampler(trainer.model(), tok, max_slots=cfg.rollout.max_slots or b * g)
@@ -291,7 +293,7 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
                 if k2.endswith(("failures", "timeouts")):
                     m[k2] = float(v)
             if not np.isfinite(m["loss"]):
-                raise FloatingPointError(f"step {step}: loss is {m['loss']}; stopping (last checkpoint kept)")
+                raise TrainingDivergedError.at(step, m["loss"], m.get("grad_norm"), ckpt)
             history.append({"step": step, **m})
             if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
                 logger.log(step, m)
@@ -307,10 +309,10 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
             run_eval(step)
             save(step)
     finally:
-        ckpt.wait()
         logger.close()
         samples_file.close()
         runner.close()
+        ckpt.wait()
     hf_dir = None
     if finished and cfg.export_hf:
         final = trainer.model()
