@@ -8,7 +8,7 @@ diverged run, a failed save, a busy output folder, a disk that is full or not wr
 line `error: ...` and exit non-zero; anything else is a bug and keeps its traceback. `POSTTRAIN_DEBUG=1`
 shows the traceback of every error. SIGTERM (a scheduler's preemption) stops a run like Ctrl-C does: the
 run's `finally` blocks wait for checkpoint writes and stop the reward workers, and the command exits 143.
-The process never waits more than `EXIT_GRACE_S` for leftover background threads at exit.
+Exiting never takes more than `EXIT_GRACE_S` (a watchdog ends the process if background threads hang).
 """
 
 from __future__ import annotations
@@ -85,23 +85,38 @@ def _on_sigterm(signum, frame):
     raise RunInterrupted("terminated (SIGTERM)")
 
 
-def _exit_bounded(code: int) -> int:
-    """Returns `code`, unless non-daemon threads (e.g. a checkpoint writer stuck after a failure) would keep
-    the interpreter from exiting: then they get EXIT_GRACE_S and the process exits with `code` regardless."""
-    deadline = time.monotonic() + EXIT_GRACE_S
-    for t in threading.enumerate():
-        if t is threading.current_thread() or t.daemon:
-            continue
-        t.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() and not t.daemon and t is not threading.current_thread() for t in threading.enumerate()):
-        print("posttrain: background threads did not finish; exiting anyway", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
+def _arm_exit_watchdog(code: int) -> int:
+    """Returns `code`, after arming a watchdog: if the interpreter's shutdown (atexit hooks, joining
+    non-daemon threads such as a checkpoint writer stuck after a failure) takes more than EXIT_GRACE_S,
+    the process exits with `code` anyway."""
+
+    def watchdog():
+        time.sleep(EXIT_GRACE_S)
+        stuck = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon]
+        print(f"posttrain: exit took over {EXIT_GRACE_S:.0f}s (waiting for {', '.join(stuck) or 'exit handlers'}); "
+              "exiting anyway", file=sys.stderr, flush=True)
         os._exit(code)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
     return code
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand. As the program (`argv` None: the `posttrain` command, `python -m
+    posttrain.cli.main`), SIGTERM stops a run cleanly and exiting cannot hang; with `argv` given (tests,
+    scripts), the caller's signal handling and threads are left alone."""
+    if argv is not None:
+        return _main(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        code = _main(None)
+    except BaseException as e:  # a bug's traceback, or argparse's SystemExit: still no hang at exit
+        _arm_exit_watchdog(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
+        raise
+    return _arm_exit_watchdog(code)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -110,19 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     if not debug:  # libraries (Orbax through absl) log failures with tracebacks; the error line below says it
         logging.getLogger("absl").setLevel(logging.CRITICAL)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
     from posttrain.training.errors import RunInterrupted
 
     module = importlib.import_module(args._module)
     try:
-        return _exit_bounded(int(module.run(args) or 0))
+        return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return _exit_bounded(130)
+        return 130
     except RunInterrupted as e:
         print(str(e), file=sys.stderr)
-        return _exit_bounded(143)
+        return 143
     except Exception as e:  # noqa: BLE001 - known types become one line; others keep their traceback
         message = None if debug else describe(e)
         if message is None:
@@ -130,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         from posttrain.config import ConfigError
 
-        return _exit_bounded(2 if isinstance(e, ConfigError) else 1)
+        return 2 if isinstance(e, ConfigError) else 1
 
 
 if __name__ == "__main__":
