@@ -264,13 +264,20 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
         shards[-1][name] = t
         size += t.nbytes
     meta = {"format": "pt"}
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def write(shard: dict, path: Path) -> None:
+        save_file(shard, str(path), metadata=meta)
+        os.chmod(path, 0o666 & ~umask)  # safetensors writes through a private temporary file (mode 0600)
+
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+        write(shards[0], out / "model.safetensors")
     else:
         weight_map = {}
         for k, shard in enumerate(shards):
             fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata=meta)
+            write(shard, out / fname)
             weight_map.update({n: fname for n in shard})
         total = sum(t.nbytes for _, t in tensors)
         (out / "model.safetensors.index.json").write_text(
