@@ -59,9 +59,9 @@ def known_errors() -> tuple[type[BaseException], ...]:
 def describe(e: BaseException) -> str | None:
     """The one-line message for a known error, or None for an unexpected one (a bug)."""
     if isinstance(e, known_errors()):
-        return " ".join(str(e).split("\n")[:1]) if isinstance(e, OSError) else str(e)
+        return str(e)
     if isinstance(e, OSError) and e.errno in _ENV_ERRNOS:
-        where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
+        where = f" ({e.filename})" if e.filename else ""
         return f"{e.strerror or e}{where}"
     return None
 
