@@ -70,7 +70,7 @@ def test_failed_checkpoint_save_exits_nonzero_quickly_in_one_line(tiny, tmp_path
     assert p.returncode == 1, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     lines = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "cannot write checkpoint step 2" in lines[0], err[-3000:]
+    assert len(lines) == 1 and "cannot write checkpoints to" in lines[0], err[-3000:]
 
 
 # ---------------------------------------------------------------------- 2. no leaked processes

@@ -101,18 +101,48 @@ def _arm_exit_watchdog(code: int) -> int:
     return code
 
 
+def _quiet_background_errors():
+    """While a command runs, an exception reported from a background thread or a native callback (e.g. the
+    checkpoint library's, after a failed write) prints one line, once per kind, instead of a traceback."""
+    seen: set[str] = set()
+
+    def one_line(exc_type, exc, tb=None):
+        text = f"{getattr(exc_type, '__name__', exc_type)}: {exc}"
+        if text not in seen:
+            seen.add(text)
+            print(f"posttrain: a background task failed ({text}); POSTTRAIN_DEBUG=1 shows details",
+                  file=sys.stderr, flush=True)
+
+    previous = sys.excepthook, threading.excepthook, sys.unraisablehook
+    sys.excepthook = one_line
+    threading.excepthook = lambda args: one_line(args.exc_type, args.exc_value)
+    sys.unraisablehook = lambda args: one_line(args.exc_type, args.exc_value)
+    return previous
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand. As the program (`argv` None: the `posttrain` command, `python -m
-    posttrain.cli.main`), SIGTERM stops a run cleanly and exiting cannot hang; with `argv` given (tests,
-    scripts), the caller's signal handling and threads are left alone."""
+    posttrain.cli.main`), SIGTERM stops a run cleanly, exiting cannot hang, and after a run that failed or was
+    stopped the process ends at once (its cleanup has run) without the libraries' teardown; with `argv`
+    given (tests, scripts), the caller's signal handling, hooks and threads are left alone."""
     if argv is not None:
         return _main(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    debug = os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    previous = None if debug else _quiet_background_errors()
     try:
         code = _main(None)
     except BaseException as e:  # a bug's traceback, or argparse's SystemExit: still no hang at exit
+        if previous is not None:
+            sys.excepthook, threading.excepthook, sys.unraisablehook = previous
         _arm_exit_watchdog(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
         raise
+    if previous is not None:
+        sys.excepthook, threading.excepthook, sys.unraisablehook = previous
+    if code not in (0, 2):  # failed or stopped: the run's `finally` blocks are done
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return _arm_exit_watchdog(code)
 
 

@@ -134,8 +134,7 @@ class Checkpointer:
 
     def _save_error(self, e: BaseException, step: int | None = None) -> CheckpointSaveError:
         self._failed = e
-        what = f"checkpoint step {step}" if step is not None else "a checkpoint"
-        return CheckpointSaveError(f"cannot write {what} to {self.directory} ({_short(e)}); the run stopped. "
+        return CheckpointSaveError(f"cannot write checkpoints to {self.directory} ({_short(e)}); the run stopped. "
                                    "Check free disk space and that the folder is writable.")
 
     def restore(self, trainer, step: int | None = None) -> dict[str, Any]:
