@@ -322,3 +322,20 @@ def test_plain_install_has_jinja2_and_rl_progress_shows_reward(tmp_path):
     finally:
         logger.close()
     assert info == "reward 0.625 acc 0.500"
+
+
+# ---------------------------------------------------------------------- 10. smaller
+def test_unreachable_hub_fails_at_once_for_a_data_name(monkeypatch):
+    import datasets
+
+    from posttrain.data import sources
+
+    def no_call(*a, **k):
+        raise AssertionError("load_dataset retries for ~30 s without a network; it must not be reached")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_call)
+    monkeypatch.setattr(sources, "_hub_reachable", lambda timeout_s=3.0: False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(sources.DataError, match="'mydata': no such local file or folder.*cannot be reached"):
+        sources.read_records("mydata")

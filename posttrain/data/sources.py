@@ -127,8 +127,28 @@ def _read_hf_dir(path: Path, split: str | None) -> list[dict]:
     return _pick_split(ds, split, str(path)).to_list()
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub's host resolves and accepts a connection (checked before `datasets` retries for ~30 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _read_hub(name: str, split: str | None) -> list[dict]:
     import datasets
+
+    offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    if not offline and not _hub_reachable():
+        raise DataError(f"data set '{name}': no such local file or folder, and the Hugging Face hub cannot be reached "
+                        "to look it up there. Check the path (data files end in .jsonl, .json or .parquet), or set "
+                        "HF_DATASETS_OFFLINE=1 to use a data set already in the local cache.")
 
     try:
         ds = datasets.load_dataset(name)
