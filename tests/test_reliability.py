@@ -108,14 +108,17 @@ def test_killed_rl_run_leaves_no_process(tmp_path, sig):
             alive = [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
             time.sleep(0.2)
         assert not alive, [(c.pid, c.cmdline()) for c in alive]
-    finally:
+    finally:  # whatever the outcome, nothing of this test stays behind
         for c in list(tree.values()):
             try:
                 c.kill()
             except psutil.Error:
                 pass
-        if p.poll() is None:
-            p.kill()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # its own session: the group holds the whole tree
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 # ---------------------------------------------------------------------- 3. damaged latest checkpoint
