@@ -100,8 +100,8 @@ def test_killed_rl_run_leaves_no_process(tmp_path, sig):
         os.kill(p.pid, sig)  # the main process only, as a scheduler's preemption does
         p.wait(timeout=30)
         if sig == signal.SIGTERM:
-            assert p.returncode == 143, p.stderr.read()[-3000:]
-            assert "Traceback" not in p.stderr.read()
+            err = p.stderr.read()
+            assert p.returncode == 143 and "Traceback" not in err, err[-3000:]
         end = time.monotonic() + 10
         alive = list(tree.values())
         while alive and time.monotonic() < end:
@@ -118,7 +118,7 @@ def test_killed_rl_run_leaves_no_process(tmp_path, sig):
             os.killpg(p.pid, signal.SIGKILL)  # its own session: the group holds the whole tree
         except ProcessLookupError:
             pass
-        p.wait()
+        p.communicate()  # reaps it and closes the pipes
 
 
 # ---------------------------------------------------------------------- 3. damaged latest checkpoint
