@@ -118,8 +118,8 @@ def test_auto_detection_and_missing_fields(tok):
     with pytest.raises(DataError) as e:
         encode_records(recs, tok, DataFormatConfig(format="text"), source="train.jsonl")
     msg = str(e.value)
-    assert "'text'" in msg and "record 2" in msg and "train.jsonl" in msg
-    with pytest.raises(DataError, match="missing field 'completion'.*record 0|record 0.*missing field 'completion'"):
+    assert "'text'" in msg and "record 3" in msg and "train.jsonl" in msg
+    with pytest.raises(DataError, match="missing field 'completion'.*record 1|record 1.*missing field 'completion'"):
         encode_records([{"prompt": "p"}], tok, DataFormatConfig(format="prompt_completion"))
     with pytest.raises(DataError, match="message 1"):
         encode_record({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, tok)
@@ -267,7 +267,7 @@ def test_read_prompts(tmp_path):
     assert prompts[5] == {"prompt": [{"role": "user", "content": "What is 1 times 1?"}], "answer": "1"}
     p = read_prompts([{"question": "q", "answer": "a"}], prompt_field="question")
     assert p == [{"prompt": "q", "answer": "a"}]
-    with pytest.raises(DataError, match="record 0 has no field 'answer'"):
+    with pytest.raises(DataError, match="record 1: the record has no field 'answer'"):
         read_prompts([{"prompt": "q"}], required_fields=["answer"])
 
 

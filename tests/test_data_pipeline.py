@@ -137,6 +137,6 @@ def test_truncation_and_errors(tok, records):
         build_sft_dataset(records, tok, seq_len=16, batch_size=2, truncation="drop")
     with pytest.raises(DataError, match="empty"):
         build_sft_dataset([], tok, seq_len=16, batch_size=2)
-    with pytest.raises(DataError, match=r"record 1.*'text'|'text'.*record 1"):
+    with pytest.raises(DataError, match=r"record 2.*'text'|'text'.*record 2"):
         build_sft_dataset([{"text": "a"}, {"txt": "b"}], tok, DataFormatConfig(format="text"),
                           seq_len=16, batch_size=2)

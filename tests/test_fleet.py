@@ -237,7 +237,7 @@ def test_a_hanging_reward_in_a_worker_is_timed_out_and_counted(toy):
     out = toy.dir / "hang"
     res = run_rl(load_rl_config(None, toy(
         "hang", "trainer.max_steps=2", "fleet.workers=1", "rewards.timeout_s=1", "rewards.num_workers=1",
-        "lora.enabled=true", f"rewards.functions=[{{name: '{toy.dir / 'reward.py'}:hangs'}}]")))
+        "lora.enabled=true", "rewards.max_failed_steps=0", f"rewards.functions=[{{name: '{toy.dir / 'reward.py'}:hangs'}}]")))
     assert res.steps == 2
     rows = metric_rows(out).values()
     assert sum(r.get("reward/hangs/timeouts", 0) for r in rows) > 0

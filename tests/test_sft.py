@@ -219,7 +219,7 @@ def test_missing_field_and_empty_data_set(tiny_llama, tmp_path):
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
                        + json.dumps({"prompt": "no messages here"}) + "\n")
-    with pytest.raises(DataError, match=r"record 1: missing field 'messages'"):
+    with pytest.raises(DataError, match=r"missing\.jsonl, line 2: missing field 'messages'"):
         run_sft(_cfg(tiny_llama, tmp_path / "o", f"data.train={missing}"))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

@@ -13,6 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from posttrain.demo.run import DemoSettings, run_demo
+    from posttrain.training.runlock import RunLock
 
-    run_demo(args.output_dir, seed=args.seed, settings=DemoSettings.reduced() if args.reduced else None)
+    with RunLock(args.output_dir):
+        run_demo(args.output_dir, seed=args.seed, settings=DemoSettings.reduced() if args.reduced else None)
     return 0

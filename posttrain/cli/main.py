@@ -2,13 +2,26 @@
 
 Each subcommand module defines `add_arguments(parser)` and `run(args) -> int`, and keeps heavy imports
 (JAX, transformers) inside `run`, so that `posttrain --help` answers at once.
+
+Errors are handled here, in one place: the known error types (bad config, data, checkpoint, model, a
+diverged run, a failed save, a busy output folder, a disk that is full or not writable, ...) print one
+line `error: ...` and exit non-zero; anything else is a bug and keeps its traceback. `POSTTRAIN_DEBUG=1`
+shows the traceback of every error. SIGTERM (a scheduler's preemption) stops a run like Ctrl-C does: the
+run's `finally` blocks wait for checkpoint writes and stop the reward workers, and the command exits 143.
+Exiting never takes more than `EXIT_GRACE_S` (a watchdog ends the process if background threads hang).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import logging
+import os
+import signal
 import sys
+import threading
+import time
 
 SUBCOMMANDS = {
     "info": ("posttrain.cli.info", "print the architecture, parameter count and dtype of a checkpoint"),
@@ -17,6 +30,41 @@ SUBCOMMANDS = {
     "rl": ("posttrain.cli.rl", "reinforcement learning with verifiable rewards (GRPO family)"),
     "demo": ("posttrain.cli.demo", "SFT then RL on a tiny model and a synthetic task, on CPU, in minutes"),
 }
+
+EXIT_GRACE_S = 10.0
+# OS errors that describe the user's environment, not a bug: reported in one line.
+_ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+               errno.EISDIR, errno.EFBIG, errno.EEXIST, errno.ENAMETOOLONG}
+
+
+def known_errors() -> tuple[type[BaseException], ...]:
+    """Error types that are the user's to fix (bad input or environment); each is reported in one line."""
+    from posttrain.config import ConfigError
+    from posttrain.data.sources import DataError
+    from posttrain.models.config import UnsupportedModelError
+    from posttrain.models.hf_io import CheckpointError
+    from posttrain.rewards.checks import RewardDataError, RewardFailedError
+    from posttrain.rl.fleet.cluster import FleetError
+    from posttrain.tokenizer import TokenizerError
+    from posttrain.training.errors import CheckpointSaveError, ResumeError, TrainingDivergedError
+    from posttrain.training.runlock import RunLockError
+
+    out = [ConfigError, DataError, UnsupportedModelError, CheckpointError, TokenizerError, RewardDataError,
+           RewardFailedError, CheckpointSaveError, ResumeError, TrainingDivergedError, RunLockError, FleetError]
+    generate = sys.modules.get("posttrain.cli.generate")
+    if generate is not None:
+        out.append(generate.InputError)
+    return tuple(out)
+
+
+def describe(e: BaseException) -> str | None:
+    """The one-line message for a known error, or None for an unexpected one (a bug)."""
+    if isinstance(e, known_errors()):
+        return str(e)
+    if isinstance(e, OSError) and e.errno in _ENV_ERRNOS:
+        where = f" ({e.filename})" if e.filename else ""
+        return f"{e.strerror or e}{where}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,18 +79,102 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _on_sigterm(signum, frame):
+    from posttrain.training.errors import RunInterrupted
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise RunInterrupted("terminated (SIGTERM)")
+
+
+def _arm_exit_watchdog(code: int) -> int:
+    """Returns `code`, after arming a watchdog: if the interpreter's shutdown (atexit hooks, joining
+    non-daemon threads such as a checkpoint writer stuck after a failure) takes more than EXIT_GRACE_S,
+    the process exits with `code` anyway."""
+
+    def watchdog():
+        time.sleep(EXIT_GRACE_S)
+        stuck = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon]
+        print(f"posttrain: exit took over {EXIT_GRACE_S:.0f}s (waiting for {', '.join(stuck) or 'exit handlers'}); "
+              "exiting anyway", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+    return code
+
+
+def _quiet_background_errors():
+    """While a command runs, an exception reported from a background thread or a native callback (e.g. the
+    checkpoint library's, after a failed write) prints one line, once per kind, instead of a traceback."""
+    seen: set[str] = set()
+
+    def one_line(exc_type, exc, tb=None):
+        text = f"{getattr(exc_type, '__name__', exc_type)}: {exc}"
+        if text not in seen:
+            seen.add(text)
+            print(f"posttrain: a background task failed ({text}); POSTTRAIN_DEBUG=1 shows details",
+                  file=sys.stderr, flush=True)
+
+    previous = sys.excepthook, threading.excepthook, sys.unraisablehook
+    sys.excepthook = one_line
+    threading.excepthook = lambda args: one_line(args.exc_type, args.exc_value)
+    sys.unraisablehook = lambda args: one_line(args.exc_type, args.exc_value)
+    return previous
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand. As the program (`argv` None: the `posttrain` command, `python -m
+    posttrain.cli.main`), SIGTERM stops a run cleanly, exiting cannot hang, and after a run that failed or was
+    stopped the process ends at once (its cleanup has run) without the libraries' teardown; with `argv`
+    given (tests, scripts), the caller's signal handling, hooks and threads are left alone."""
+    if argv is not None:
+        return _main(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    debug = os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    previous = None if debug else _quiet_background_errors()
+    try:
+        code = _main(None)
+    except BaseException as e:  # a bug's traceback, or argparse's SystemExit: still no hang at exit
+        if previous is not None:
+            sys.excepthook, threading.excepthook, sys.unraisablehook = previous
+        _arm_exit_watchdog(e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1)
+        raise
+    if previous is not None:
+        sys.excepthook, threading.excepthook, sys.unraisablehook = previous
+    if code not in (0, 2):  # failed or stopped: the run's `finally` blocks are done
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return _arm_exit_watchdog(code)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    debug = os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    if not debug:  # libraries (Orbax through absl) log failures with tracebacks; the error line below says it
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+    from posttrain.training.errors import RunInterrupted
+
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RunInterrupted as e:
+        print(str(e), file=sys.stderr)
+        return 143
+    except Exception as e:  # noqa: BLE001 - known types become one line; others keep their traceback
+        message = None if debug else describe(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        from posttrain.config import ConfigError
+
+        return 2 if isinstance(e, ConfigError) else 1
 
 
 if __name__ == "__main__":

@@ -11,23 +11,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import sys
-
-    from posttrain.config import ConfigError
+    from posttrain.rl.loop import load_rl_config, run_rl
+    from posttrain.training.runlock import RunLock
 
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]
-    from posttrain.rl.fleet.cluster import FleetError
-
-    try:
-        from posttrain.rl.loop import load_rl_config, run_rl
-
-        cfg = load_rl_config(config, overrides)
+    cfg = load_rl_config(config, overrides)
+    with RunLock(cfg.output_dir):
         result = run_rl(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, FleetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     last = result.evals[-1] if result.evals else {}
     acc = f", held-out accuracy {last['eval/accuracy']:.3f}" if "eval/accuracy" in last else ""
     print(f"done: {result.steps} steps{acc}; outputs in {result.output_dir}")

@@ -12,30 +12,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import sys
+    from posttrain.training.runlock import RunLock
+    from posttrain.training.sft import load_sft_config, run_sft
 
-    from posttrain.config import ConfigError
-
-    try:
-        from posttrain.training.sft import load_sft_config
-
-        cfg = load_sft_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    from posttrain.data.sources import DataError
-    from posttrain.models.hf_io import CheckpointError
-    from posttrain.tokenizer import TokenizerError
-    from posttrain.training.sft import ResumeError, TrainingDivergedError, run_sft
-
-    try:
+    cfg = load_sft_config(args.config, args.overrides)
+    with RunLock(cfg.output_dir):
         result = run_sft(cfg)
-    except (ConfigError, DataError, CheckpointError, TokenizerError, TrainingDivergedError, ResumeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    last = result.losses[-1][1] if result.losses else float("nan")
-    print(f"sft: done at step {result.final_step}, last loss {last:.4f}"
-          + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")
+    done = f"sft: done at step {result.final_step}"
+    if result.losses:
+        done += f", last loss {result.losses[-1][1]:.4f}"
+    elif result.final_step == result.start_step:
+        done += " (already finished: nothing to do)"
+    print(done + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")
           + f"; outputs in {result.output_dir}")
     return 0

@@ -69,7 +69,7 @@ def _where(index: int | None, source: str | None) -> str:
     if source:
         parts.append(str(source))
     if index is not None:
-        parts.append(f"record {index}")
+        parts.append(f"record {index + 1}")  # 1-based, like line numbers
     return ": ".join(parts) if parts else "record"
 
 
@@ -246,4 +246,7 @@ def encode_record(record: dict, tokenizer, cfg: DataFormatConfig | None = None, 
 def encode_records(records: Sequence[dict], tokenizer, cfg: DataFormatConfig | None = None, *,
                    source: str | None = None) -> list[Example]:
     """`encode_record` over a list (errors name the record index and `source`)."""
+    where = getattr(records, "where", None)  # records read from a file know their line
+    if where is not None and getattr(records, "lines", None) is not None:
+        return [encode_record(r, tokenizer, cfg, source=where(i)) for i, r in enumerate(records)]
     return [encode_record(r, tokenizer, cfg, index=i, source=source) for i, r in enumerate(records)]

@@ -91,7 +91,7 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
     if isinstance(records, (str, os.PathLike)):
         source = source or source_name(records, split)
         records = read_records(records, split)
-    records = list(records)
+    records = records if isinstance(records, list) else list(records)  # a RecordList keeps its line numbers
     if not records:
         raise DataError(f"data set '{source or '<records>'}' is empty")
 

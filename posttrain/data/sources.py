@@ -21,6 +21,27 @@ class DataError(ValueError):
     """A data problem: unreadable/malformed source, empty data set, missing field."""
 
 
+class RecordList(list):
+    """Records of one source, which remember where each came from (for messages that name the line)."""
+
+    def __init__(self, records=(), source: str = "<records>", lines: list[int] | None = None):
+        super().__init__(records)
+        self.source = source
+        self.lines = lines
+
+    def __getitem__(self, i):
+        got = super().__getitem__(i)
+        if isinstance(i, slice):
+            return RecordList(got, self.source, self.lines[i] if self.lines is not None else None)
+        return got
+
+    def where(self, i: int) -> str:
+        """`FILE, line N` (JSONL) or `SOURCE, record N` (1-based) for record `i`."""
+        if self.lines is not None and i < len(self.lines):
+            return f"{self.source}, line {self.lines[i]}"
+        return f"{self.source}, record {i + 1}"
+
+
 def source_name(path_or_name: str | os.PathLike, split: str | None = None) -> str:
     name = str(path_or_name)
     return f"{name} [split={split}]" if split else name
@@ -28,7 +49,7 @@ def source_name(path_or_name: str | os.PathLike, split: str | None = None) -> st
 
 def _read_jsonl(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
-    records = []
+    records, lines = [], []
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -42,7 +63,8 @@ def _read_jsonl(path: Path) -> list[dict]:
                 raise DataError(f"{path}:{lineno}: line {lineno} is a JSON {type(obj).__name__}, "
                                 "expected an object")
             records.append(obj)
-    return records
+            lines.append(lineno)
+    return RecordList(records, str(path), lines)
 
 
 def _read_json(path: Path) -> list[dict]:
@@ -105,8 +127,28 @@ def _read_hf_dir(path: Path, split: str | None) -> list[dict]:
     return _pick_split(ds, split, str(path)).to_list()
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub's host resolves and accepts a connection (checked before `datasets` retries for ~30 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _read_hub(name: str, split: str | None) -> list[dict]:
     import datasets
+
+    offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    if not offline and not _hub_reachable():
+        raise DataError(f"data set '{name}': no such local file or folder, and the Hugging Face hub cannot be reached "
+                        "to look it up there. Check the path (data files end in .jsonl, .json or .parquet), or set "
+                        "HF_DATASETS_OFFLINE=1 to use a data set already in the local cache.")
 
     try:
         ds = datasets.load_dataset(name)
@@ -153,7 +195,7 @@ def read_records(path_or_name: str | os.PathLike, split: str | None = None) -> l
         records = _read_hub(name, split)
     if not records:
         raise DataError(f"data set '{src}' is empty")
-    return records
+    return records if isinstance(records, RecordList) else RecordList(records, src)
 
 
 def read_prompts(path_or_name: str | os.PathLike | Sequence[dict], *, prompt_field: str = "prompt",
@@ -166,22 +208,20 @@ def read_prompts(path_or_name: str | os.PathLike | Sequence[dict], *, prompt_fie
     """
     if isinstance(path_or_name, (str, os.PathLike)):
         records = read_records(path_or_name, split)
-        src = source_name(path_or_name, split)
     else:
-        records = list(path_or_name)
-        src = "<records>"
+        records = RecordList(path_or_name)
         if not records:
             raise DataError("prompt set is empty")
-    out = []
+    out = RecordList((), records.source, records.lines)
     for i, rec in enumerate(records):
         for field in (prompt_field, *required_fields):
             if field not in rec:
-                raise DataError(f"{src}: record {i} has no field '{field}' "
+                raise DataError(f"{records.where(i)}: the record has no field '{field}' "
                                 f"(fields present: {sorted(rec)})")
         prompt = rec[prompt_field]
         if not (isinstance(prompt, str) or (isinstance(prompt, list)
                                            and all(isinstance(m, dict) for m in prompt))):
-            raise DataError(f"{src}: record {i} field '{prompt_field}' must be a string or a list of "
+            raise DataError(f"{records.where(i)}: field '{prompt_field}' must be a string or a list of "
                             f"messages, found {type(prompt).__name__}")
         new = dict(rec)
         if prompt_field != "prompt":

@@ -104,13 +104,22 @@ def resolve_path(path: str | os.PathLike) -> Path:
     return Path(local)
 
 
+def _safe_open(f: Path):
+    """`safetensors.safe_open(f)`; a damaged or truncated file is a CheckpointError naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(f, framework="numpy")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: re-raised naming the file
+        raise CheckpointError(f"{f}: cannot read this safetensors file, it is damaged or incomplete "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 class _TensorIndex:
     """Maps tensor names to the safetensors file holding them; opens files lazily (memory-mapped)."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        self._open = safe_open
+        self._open = lambda f, framework: _safe_open(f)
         index = folder / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -121,7 +130,7 @@ class _TensorIndex:
                 raise CheckpointError(f"{folder}: no *.safetensors files (only safetensors checkpoints are supported)")
             self.files = {}
             for f in files:
-                with safe_open(f, framework="numpy") as h:
+                with _safe_open(f) as h:
                     for name in h.keys():
                         self.files[name] = f
         # Text-model prefix: "model." normally, another one inside multimodal wrappers (e.g. Gemma 3).
@@ -154,12 +163,10 @@ class _TensorIndex:
 
 def count_checkpoint_params(path: str | os.PathLike) -> tuple[int, set[str]]:
     """Number of parameters and the tensor dtypes of a checkpoint, read from safetensors headers only."""
-    from safetensors import safe_open
-
     index = _TensorIndex(resolve_path(path))
     total, dtypes = 0, set()
     for f in sorted(set(index.files.values())):
-        with safe_open(f, framework="numpy") as h:
+        with _safe_open(f) as h:
             for name in h.keys():
                 sl = h.get_slice(name)
                 total += math.prod(sl.get_shape())
@@ -257,13 +264,20 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
         shards[-1][name] = t
         size += t.nbytes
     meta = {"format": "pt"}
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def write(shard: dict, path: Path) -> None:
+        save_file(shard, str(path), metadata=meta)
+        os.chmod(path, 0o666 & ~umask)  # safetensors writes through a private temporary file (mode 0600)
+
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+        write(shards[0], out / "model.safetensors")
     else:
         weight_map = {}
         for k, shard in enumerate(shards):
             fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata=meta)
+            write(shard, out / fname)
             weight_map.update({n: fname for n in shard})
         total = sum(t.nbytes for _, t in tensors)
         (out / "model.safetensors.index.json").write_text(

@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from posttrain.rewards.checks import FailureStreak
 from posttrain.rewards.format import format_reward
 from posttrain.rewards.length import overlong_penalty
 from posttrain.rewards.math_answer import math_answer
@@ -305,9 +306,41 @@ def _run_chunk(ref, kwargs, prompts, completions, fields, timeout_s):
     return ("ok", clean, f"{bad} value(s) were NaN/inf or not numbers" if bad else None)
 
 
-def _worker_init():
+def _process_start_time(pid: int) -> str | None:
+    """The kernel's start time of `pid` (tells a live process from a later one given the same pid)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_alive(pid: int, start_time: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return start_time is None or _process_start_time(pid) in (start_time, None)
+
+
+def _watch_owner(pid: int, start_time: str | None, interval_s: float) -> None:
+    """Ends this worker when the process that owns the pool is gone (killed with SIGKILL, say): workers are
+    children of the fork server, not of the owner, so nothing else would tell them."""
+    parent = os.getppid()
+    while True:
+        time.sleep(interval_s)
+        if os.getppid() != parent or not _owner_alive(pid, start_time):
+            os._exit(1)
+
+
+def _worker_init(owner_pid: int | None = None, owner_start: str | None = None, interval_s: float = 1.0):
     # Workers must not take Ctrl-C down mid-call; the parent owns shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if owner_pid is not None:
+        threading.Thread(target=_watch_owner, args=(owner_pid, owner_start, interval_s), daemon=True,
+                         name="owner-watch").start()
     with contextlib.suppress(Exception):
         import math_verify  # noqa: F401  (pre-import so the first math_answer call is fast)
 
@@ -342,6 +375,10 @@ class RewardRunner:
       chunk_size: completions per call, so one slow item only delays / fails its chunk.
       mp_context: ``"forkserver"`` (default where available) or ``"spawn"``.
       hard_timeout_grace_s: extra seconds after ``timeout_s`` before a silent worker is killed.
+      max_failed_calls: raise ``RewardFailedError`` once a reward has failed on every completion in
+        this many ``score`` calls in a row (0: never).
+
+    Workers exit on their own within about a second when the process that created the pool dies.
     """
 
     def __init__(
@@ -353,6 +390,7 @@ class RewardRunner:
         chunk_size: int = 8,
         mp_context: str | None = None,
         hard_timeout_grace_s: float = 5.0,
+        max_failed_calls: int = 0,
     ):
         self.specs = [RewardSpec.coerce(s) for s in specs]
         if not self.specs:
@@ -394,8 +432,15 @@ class RewardRunner:
                     ) from e
         self._pool: cf.ProcessPoolExecutor | None = None
         self.last_errors: dict[str, list[str]] = {}
+        self.failure_streak = FailureStreak([s.name for s in self.specs], max_failed_calls)
 
     # ---------------------------------------------------------------- field checks
+    def check_records(self, records, **kwargs) -> None:
+        """Every record has every field the rewards need (see `posttrain.rewards.checks.check_reward_records`)."""
+        from posttrain.rewards.checks import check_reward_records
+
+        check_reward_records(self, records, **kwargs)
+
     def check_fields(self, field_names) -> None:
         """Raise ``ValueError`` naming the field if some reward needs a field not in ``field_names``."""
         available = set(field_names)
@@ -416,7 +461,9 @@ class RewardRunner:
                 # forked ready to run (restarting after a kill then takes milliseconds).
                 # Takes effect only if this process has not started its fork server yet.
                 ctx.set_forkserver_preload(["__main__", "posttrain.rewards.runner", "math_verify"])
-            pool = cf.ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx, initializer=_worker_init)
+            owner = os.getpid()
+            pool = cf.ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx, initializer=_worker_init,
+                                          initargs=(owner, _process_start_time(owner)))
             self._pool = pool
             try:
                 warm = [pool.submit(_ping) for _ in range(self.num_workers)]
@@ -607,4 +654,5 @@ class RewardRunner:
                 )
         stats["reward/total"] = float(total.mean()) if n else 0.0
         self.last_errors = errors
+        self.failure_streak.update(stats, n, errors)
         return total, per_reward, stats

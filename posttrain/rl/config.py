@@ -98,6 +98,7 @@ class RewardsSection:
     timeout_s: float = 10.0
     failure_value: float = 0.0
     num_workers: int = 2
+    max_failed_steps: int = 3  # stop when a reward fails on every completion this many scoring calls in a row (0: never)
 
 
 @dataclasses.dataclass

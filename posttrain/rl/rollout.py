@@ -18,6 +18,9 @@ import numpy as np
 from posttrain.sampling import Sampler, SamplingParams
 
 
+COUNT_SUFFIXES = ("failures", "timeouts")  # reward statistics that are counts (summed); the others are means
+
+
 @dataclasses.dataclass
 class Rollouts:
     """N = B * G completions, group-contiguous (the G samples of one prompt in a row)."""
@@ -63,20 +66,18 @@ class Rollouts:
         return self._pick([i for i in range(len(self)) if keep[i // self.group_size]], self.reward_stats)
 
     def groups(self) -> list["Rollouts"]:
-        """One `Rollouts` per group; the first carries the reward statistics (so `concat` adds them up)."""
+        """One `Rollouts` per group: each keeps the means of the reward statistics and the first carries the
+        failure and timeout counts, so `concat` (`merge_stats`) gives back the whole's statistics."""
         g = self.group_size
-        zero = {k: 0.0 for k in self.reward_stats}
-        return [self._pick(list(range(j * g, (j + 1) * g)), self.reward_stats if j == 0 else zero)
+        rest = {k: (0.0 if k.endswith(COUNT_SUFFIXES) else v) for k, v in self.reward_stats.items()}
+        return [self._pick(list(range(j * g, (j + 1) * g)), self.reward_stats if j == 0 else rest)
                 for j in range(self.num_groups)]
 
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
-        """The parts one after the other; failure and timeout counts are summed over the parts."""
+        """The parts one after the other, with their reward statistics merged (`merge_stats`)."""
         first = parts[0]
-        stats: dict[str, float] = {}
-        for p in parts:
-            for k, v in p.reward_stats.items():
-                stats[k] = stats.get(k, 0.0) + float(v)
+        stats = Rollouts.merge_stats(parts)
         lists = {k: [x for p in parts for x in getattr(p, k)] for k in Rollouts._PER_SAMPLE}
         return Rollouts(group_size=first.group_size, rewards=np.concatenate([p.rewards for p in parts]),
                         per_reward={k: np.concatenate([p.per_reward[k] for p in parts]) for k in first.per_reward},
@@ -94,6 +95,20 @@ class Rollouts:
         return Rollouts(group_size=int(d["group_size"]), rewards=np.asarray(d["rewards"], np.float32),
                         per_reward={k: np.asarray(v, np.float32) for k, v in d["per_reward"].items()},
                         reward_stats=dict(d["reward_stats"]), **lists)
+
+    @staticmethod
+    def merge_stats(parts: list["Rollouts"]) -> dict[str, float]:
+        """The parts' reward statistics together: counts (failures, timeouts) summed, means weighted by size."""
+        out: dict[str, float] = {}
+        sizes = [len(p) for p in parts]
+        total = max(sum(sizes), 1)
+        for key in dict.fromkeys(k for p in parts for k in p.reward_stats):
+            vals = [(p.reward_stats[key], n) for p, n in zip(parts, sizes) if key in p.reward_stats]
+            if key.endswith(COUNT_SUFFIXES):
+                out[key] = float(sum(v for v, _ in vals))
+            else:
+                out[key] = float(sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1) if total else 0.0)
+        return out
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool, system_prompt: str | None = None) -> list[int]:

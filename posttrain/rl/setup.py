@@ -47,7 +47,7 @@ def _reward_runner(cfg: RLConfig, preset: dict):
         cache = max(1, int(round(preset.get("overlong_cache_fraction", 0.2) * budget)))
         specs.append(RewardSpec(name="overlong_penalty", fn=overlong_penalty(budget, cache), weight=1.0))
     return RewardRunner(specs, timeout_s=cfg.rewards.timeout_s, failure_value=cfg.rewards.failure_value,
-                        num_workers=cfg.rewards.num_workers)
+                        num_workers=cfg.rewards.num_workers, max_failed_calls=cfg.rewards.max_failed_steps)
 
 
 def _encode_all(tok, records, cfg: RLConfig, where: str) -> list[list[int]]:
@@ -125,12 +125,13 @@ class RLRun:
         # rewards first: a data set without a field a reward needs fails before any model is loaded
         self.runner = _reward_runner(cfg, preset)
         self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
-        self.runner.check_fields(set(self.records[0]) | {"completion_lengths"})
+        self.runner.check_records(self.records)
         self.eval_records = None
         if cfg.data.eval:
             self.eval_records = read_prompts(cfg.data.eval, prompt_field=cfg.data.prompt_field)
             if cfg.data.eval_limit:
                 self.eval_records = self.eval_records[: cfg.data.eval_limit]
+            self.runner.check_records(self.eval_records)
 
         mesh = _mesh(cfg)
         model, folder = build_model(cfg, mesh)
@@ -209,17 +210,17 @@ class RLRun:
     # ------------------------------------------------------------------ the loop's named steps
     def resume(self) -> int:
         """Restores the latest checkpoint (trainer, dispatcher) when resuming; opens the logs; returns the step."""
-        from posttrain.training.metrics import MetricsLogger, drop_records_after
+        from posttrain.training.metrics import MetricsLogger
 
         cfg, start = self.cfg, 0
-        if cfg.trainer.resume and self.ckpt.latest_step() is not None:
-            meta = self.ckpt.restore(self.trainer)
+        meta = self.ckpt.restore_latest(self.trainer) if cfg.trainer.resume else None  # the newest that restores
+        if meta is not None:
             self.dispatcher.load_state_dict(meta["data_state"]["dispatcher"])
             start = int(meta["metadata"]["rl_step"])
-        for name in ("metrics.jsonl", "samples.jsonl", "trained.jsonl"):
-            drop_records_after(self.out / name, start)  # steps after the checkpoint run again
+        # rows of steps after the checkpoint are dropped: those steps run again
         self.logger = MetricsLogger(self.out, total_steps=cfg.trainer.max_steps, start_step=start,
-                                    progress=cfg.trainer.progress, description="rl")
+                                    progress=cfg.trainer.progress, description="rl",
+                                    row_files=("samples.jsonl", "trained.jsonl"))
         self.samples_file = open(self.out / "samples.jsonl", "a", encoding="utf-8")
         self.trained_file = open(self.out / "trained.jsonl", "a", encoding="utf-8")
         return start
@@ -289,7 +290,9 @@ class RLRun:
         """Ledger, metrics, samples, periodic evaluation and checkpoint of a finished step."""
         cfg = self.cfg
         if not np.isfinite(m["loss"]):
-            raise FloatingPointError(f"step {step}: loss is {m['loss']}; stopping (last checkpoint kept)")
+            from posttrain.training.errors import TrainingDivergedError
+
+            raise TrainingDivergedError.at(step, m["loss"], m.get("grad_norm"), self.ckpt)
         versions = np.asarray(ro.version_first)
         self.trained_file.write(json.dumps({
             "step": step, "uids": trained_uids, "records": [int(ro.record_index[j * ro.group_size])
@@ -324,9 +327,8 @@ class RLRun:
         return save_pretrained(final, self.out / "hf", tokenizer=self.tok, dtype=self.cfg.export_dtype)
 
     def close(self) -> None:
-        self.ckpt.wait()
         for f in (self.logger, self.samples_file, self.trained_file):
             if f is not None:
                 f.close()
         self.runner.close()
-        self.ckpt.close()
+        self.ckpt.close()  # waits for a pending save (bounded: a failed save is an error, never a hang)

@@ -104,7 +104,8 @@ class TrainerConfig:
     grad_accum splits every global batch into that many micro-batches inside the jitted step.
     loss_chunk_size: tokens per chunk of the vocabulary projection in the loss (0 = whole logits at once).
     peak_flops: peak FLOP/s of one device for the MFU estimate (times the device count; 0 = no MFU).
-    resume: continue from the latest checkpoint in OUTPUT_DIR/checkpoints when there is one.
+    save_every: steps between checkpoints (0 = only at the end).
+    resume: continue from the newest checkpoint in OUTPUT_DIR/checkpoints that restores, when there is one.
     """
 
     max_steps: int = 100

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "Throughput"]
+__all__ = ["MetricsLogger", "Throughput", "truncate_after"]
 
 
 class Throughput:
@@ -51,13 +51,49 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def truncate_after(path: str | Path, step: int) -> int:
+    """Drops the JSONL records of `path` logged for steps after `step` (and lines cut short by a crash).
+
+    `step` is where the run (re)starts: records after it were written by a run that did not checkpoint
+    them and will be written again. Returns how many lines were dropped.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= step:
+                keep.append(line)
+                continue
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            pass
+        dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+        tmp.replace(path)
+    return dropped
+
+
+# Progress-bar fields, shown when a record has them (GRPO's loss is ~0 by construction: show reward).
+PROGRESS_FIELDS = (("reward/mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("loss", "loss", "{:.4f}"))
+
+
 class MetricsLogger:
-    """Writes metrics to metrics.jsonl and TensorBoard (`OUTPUT_DIR/tensorboard/`), and drives a progress bar."""
+    """Writes metrics to metrics.jsonl and TensorBoard (`OUTPUT_DIR/tensorboard/`), and drives a progress bar.
+
+    A run that starts at `start_step` (a resume; 0 for a fresh start) first drops the rows of later steps
+    from metrics.jsonl and from the other `row_files` (e.g. samples.jsonl): they are written again.
+    """
 
     def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int = 0, progress: bool = True,
-                 tensorboard: bool = True, description: str = "train"):
+                 tensorboard: bool = True, description: str = "train", row_files: tuple[str, ...] = ("samples.jsonl",)):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        # A fresh start (step 0) drops every row, step-0 evaluations included: they are run again too.
+        for name in ("metrics.jsonl", *row_files):
+            truncate_after(self.output_dir / name, start_step if start_step > 0 else -1)
         self.jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.writer = None
         if tensorboard:
@@ -83,8 +119,12 @@ class MetricsLogger:
                 tag = k if "/" in k else (f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}")
                 self.writer.add_scalar(tag, float(v), int(step))
             self.writer.flush()
-        if self.progress is not None and "loss" in metrics:
-            self.progress.update(self.task, info=f"loss {float(metrics['loss']):.4f}")
+        if self.progress is not None:
+            info = [f"{label} {fmt.format(float(metrics[k]))}" for k, label, fmt in PROGRESS_FIELDS if k in metrics]
+            if "reward/mean" in metrics:
+                info = [x for x in info if not x.startswith("loss")]
+            if info:
+                self.progress.update(self.task, info=" ".join(info))
 
     def advance(self, step: int) -> None:
         if self.progress is not None:
@@ -106,20 +146,3 @@ class MetricsLogger:
         if not self.jsonl.closed:
             self.jsonl.close()
 
-
-def drop_records_after(path: str | Path, step: int) -> None:
-    """Removes the JSONL records of steps after `step` (written by a run that then crashed, and run again after
-    it resumed from the checkpoint of `step`), and any line cut short by the crash."""
-    import json
-
-    path = Path(path)
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except json.JSONDecodeError:
-            continue
-    path.write_text("".join(x + "\n" for x in keep))

@@ -15,12 +15,7 @@ from typing import Any, Callable
 __all__ = ["TrainingDivergedError", "ResumeError", "SFTResult", "load_sft_config", "run_sft", "build_model"]
 
 
-class TrainingDivergedError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the run stopped and the last good checkpoint is intact."""
-
-
-class ResumeError(RuntimeError):
-    """The checkpoint in OUTPUT_DIR/checkpoints does not fit this run (another model or LoRA setting)."""
+from posttrain.training.errors import ResumeError, TrainingDivergedError  # noqa: E402  (re-exported)
 
 
 @dataclasses.dataclass
@@ -51,9 +46,10 @@ def build_model(cfg, mesh=None):
     LoRA / QLoRA as configured; returns (model, folder)."""
     from posttrain.models import lora
     from posttrain.models.hf_io import from_pretrained
+    from posttrain.models.hf_io import resolve_path
     from posttrain.models.tiny import resolve_model_path
 
-    folder = resolve_model_path(cfg.model.path)
+    folder = resolve_path(resolve_model_path(cfg.model.path))  # a local folder, or a hub id downloaded
     m = cfg.model
     model = from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, mesh=mesh,
                             scan_layers=m.scan_layers, remat=m.remat, attention_impl=m.attention_impl)
@@ -101,10 +97,10 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
     from posttrain.config import save_config
     from posttrain.data import build_sft_dataset
     from posttrain.models import lora
-    from posttrain.models.hf_io import save_pretrained
+    from posttrain.models.hf_io import resolve_path, save_pretrained
     from posttrain.models.tiny import resolve_model_path
     from posttrain.training.checkpoint import Checkpointer
-    from posttrain.training.metrics import MetricsLogger, Throughput, drop_records_after
+    from posttrain.training.metrics import MetricsLogger, Throughput
     from posttrain.training.optim import make_optimizer
     from posttrain.training.trainer import Trainer, flops_per_token
 
@@ -126,7 +122,7 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
         mesh = distributed.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
 
     # Data first: a bad data set fails before any model is loaded.
-    folder = resolve_model_path(cfg.model.path)
+    folder = resolve_path(resolve_model_path(cfg.model.path))  # a hub id is downloaded (a clear error offline)
     tok = tokenizer_lib.load(folder)
     train_ds = build_sft_dataset(d.train, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack,
                                  seed=d.seed, shuffle=d.shuffle, num_epochs=None, truncation=d.truncation,
@@ -140,22 +136,19 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
                       seed=tc.seed, logprob_chunk_size=tc.loss_chunk_size or None)
     del model
 
-    ckpt = Checkpointer(out / "checkpoints", keep=tc.keep_checkpoints, async_save=tc.async_checkpointing)
+    ckpt = Checkpointer(out / "checkpoints", keep=tc.keep_checkpoints, async_save=tc.async_checkpointing, say=log)
     it = iter(train_ds)
     start = 0
-    if tc.resume and ckpt.latest_step() is not None:
+    if tc.resume:
         try:
-            meta = ckpt.restore(trainer)
-        except Exception as e:  # noqa: BLE001 - re-raised with what to do about it
+            meta = ckpt.restore_latest(trainer)
+        except BaseException:
             ckpt.close()
-            raise ResumeError(
-                f"cannot resume from checkpoint {ckpt.latest_step()} in {ckpt.directory} ({type(e).__name__}: "
-                f"{str(e)[:300]}); was it written by another model or LoRA setting? Use a fresh output_dir "
-                "or trainer.resume=false") from e
-        if meta.get("data_state") is not None:
-            it.set_state(meta["data_state"])
-        start = trainer.step_count
-        drop_records_after(out / "metrics.jsonl", start)  # steps after the checkpoint are run again
+            raise
+        if meta is not None:
+            if meta.get("data_state") is not None:
+                it.set_state(meta["data_state"])
+            start = trainer.step_count
 
     logger = MetricsLogger(out, total_steps=tc.max_steps, start_step=start, progress=tc.progress)
     say = log or logger.message
@@ -186,14 +179,7 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
             throughput.add(metrics["tokens"], float(np.prod(np.shape(batch["input_ids"]))))
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
                 logger.log(step, metrics)
-                ckpt.wait()
-                good = ckpt.latest_step()
-                where = (f"the last good checkpoint (step {good}) in {ckpt.directory} is intact"
-                         if good is not None else "no checkpoint had been written yet")
-                raise TrainingDivergedError(
-                    f"non-finite loss at step {step} (loss={metrics['loss']}, grad_norm={metrics['grad_norm']}); "
-                    f"the update was not applied and the run stopped; {where}. "
-                    f"Lower optim.lr, enable optim.clip_norm, or check the data.")
+                raise TrainingDivergedError.at(step, metrics["loss"], metrics["grad_norm"], ckpt)
             record = None
             if step == start + 1:  # the first step includes compilation: report it, keep it out of tokens/s
                 record = dict(metrics, first_step_time=throughput.summary()["step_time"])
@@ -205,7 +191,7 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
             if record is not None:
                 logger.log(step, record)
             logger.advance(step)
-            if step % tc.save_every == 0 or step == end:
+            if (tc.save_every > 0 and step % tc.save_every == 0) or step == end:
                 ckpt.save(trainer, data_state=it.get_state(), metadata={"loss": metrics["loss"]})
                 last_saved = step
         final = trainer.step_count
