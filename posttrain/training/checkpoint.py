@@ -20,7 +20,6 @@ path, and restored into the live trainer's own structure and shardings.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import sys
 import threading
@@ -35,7 +34,6 @@ from posttrain.training.optim import path_names
 
 __all__ = ["Checkpointer", "CheckpointSaveError", "ResumeError", "tree_to_nested", "nested_to_tree"]
 
-log = logging.getLogger(__name__)
 TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
@@ -129,10 +127,10 @@ class Checkpointer:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             meta=ocp.args.JsonSave(meta)), force=True)
         except Exception as e:  # noqa: BLE001 - this save's or an earlier background save's failure
-            raise self._save_error(e, step) from e
+            raise self._save_error(e) from e
         return step
 
-    def _save_error(self, e: BaseException, step: int | None = None) -> CheckpointSaveError:
+    def _save_error(self, e: BaseException) -> CheckpointSaveError:
         self._failed = e
         return CheckpointSaveError(f"cannot write checkpoints to {self.directory} ({_short(e)}); the run stopped. "
                                    "Check free disk space and that the folder is writable.")
