@@ -42,13 +42,21 @@ def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
                 for c in generate(self, prompts, params, **kw)]
 
     monkeypatch.setattr(Sampler, "generate", off_policy)
-    got = run_rl(toy("recompute", *steps, "algorithm.old_logprobs=recompute", "trainer.grad_accum=2"))
+    got = run_rl(toy("recompute", *steps, "algorithm.old_logprobs=recompute", "trainer.grad_accum=2",
+                     "algorithm.is_level=none"))
     assert len(calls) == 2
     for a, b in zip(ref.history, got.history):
         assert abs(b["ratio_mean"] - 1.0) < 1e-6 and b["clip_fraction"] == 0.0
         assert b["reward/mean"] == a["reward/mean"]
         np.testing.assert_allclose([b["loss"], b["grad_norm"]], [a["loss"], a["grad_norm"]], rtol=1e-4, atol=1e-6)
     assert got.history[-1]["loss"] != 0.0  # (step 1's loss is 0: zero-mean advantages at ratio 1)
+    # with the off-policy correction on (the default), every token's weight is min(pi_old / mu, 2) = min(e, 2) = 2:
+    # the same update, twice as large, and the sampler/trainer mismatch is reported
+    corrected = run_rl(toy("corrected", *steps, "algorithm.old_logprobs=recompute"))
+    for a, c in zip(ref.history, corrected.history):
+        assert c["is_weight_mean"] == pytest.approx(2.0) and c["is_truncated_frac"] == 1.0
+        assert c["mismatch_kl"] == pytest.approx(np.e - 2.0, rel=1e-4)  # r - 1 - log r at r = e
+        np.testing.assert_allclose(c["grad_norm"], 2 * a["grad_norm"], rtol=1e-4)
 
 
 MODE_REWARD = '''
@@ -60,9 +68,11 @@ def by_mode(prompts, completions, mode, **fields):
 
 @pytest.mark.slow
 def test_dynamic_sampling_resamples_and_falls_back(toy, tmp_path):  # noqa: F811
-    """Prompts in file order (no shuffle), 4 per round, one extra round at most. Step 1: prompts 0-3 hold one
-    group with signal, prompts 4-7 two: 3 groups kept of 8 sampled. Step 2: prompts 8-15 are all flat, so no
-    group has signal: the step falls back to the first round's 4 groups, whose advantages are all 0."""
+    """Prompts in file order (no shuffle), 4 groups per step, at most max_resample_rounds x 4 = 4 groups dropped
+    per step for having no signal (equal rewards); after that such groups are trained as they are. Step 1:
+    prompts 0-3 hold one group with signal (2), 0, 1, 3 are dropped; of 4-6, 4 is dropped (the fourth) and
+    5, 6 kept; prompt 7 (flat) fills the batch. Step 2: prompts 8-11 are dropped, 12-15 (all flat) are
+    trained with zero advantages."""
     (tmp_path / "mode.py").write_text(MODE_REWARD)
     with open(tmp_path / "modes.jsonl", "w") as f:
         for i in range(16):
@@ -71,9 +81,10 @@ def test_dynamic_sampling_resamples_and_falls_back(toy, tmp_path):  # noqa: F811
                      "data.shuffle=false", f"rewards.functions=[{{name: '{tmp_path / 'mode.py'}:by_mode'}}]",
                      "algorithm.dynamic_sampling=true", "algorithm.max_resample_rounds=1", "algorithm.beta=0"))
     first, second = res.history
-    assert (first["groups/kept"], first["groups/sampled"]) == (3, 8)
-    assert first["reward/mean"] >= 0 and first["reward/std"] > 0 and first["grad_norm"] > 0  # only "vary" groups
-    assert (second["groups/kept"], second["groups/sampled"]) == (4, 8)
+    trained = [json.loads(x)["records"] for x in (res.output_dir / "trained.jsonl").read_text().splitlines()]
+    assert trained == [[2, 5, 6, 7], [12, 13, 14, 15]]
+    assert (first["groups/with_signal"], first["groups/dropped_no_signal"]) == (3, 4) and first["grad_norm"] > 0
+    assert (second["groups/with_signal"], second["groups/dropped_no_signal"]) == (0, 4)
     assert second["reward/mean"] == -1.0 and second["loss"] == 0.0 and second["grad_norm"] == 0.0
 
 
@@ -164,7 +175,7 @@ def test_cli_rl_chat_prompts_and_qlora_resume(tmp_path, monkeypatch, capsys):
     assert all(n > len(tok.encode(p)) + 2 for n, p in zip(lengths, prompts))
     longest = int(np.argmax(lengths))
     assert main(["rl", *args, f"output_dir={tmp_path / 'short'}", f"data.max_prompt_tokens={lengths[longest] - 1}"]) == 2
-    assert f"record {longest} prompt has {lengths[longest]} tokens" in capsys.readouterr().err
+    assert f"prompts.jsonl, line {longest + 1}: the prompt has {lengths[longest]} tokens" in capsys.readouterr().err
 
     assert main(["rl", *args, f"output_dir={tmp_path / 'cli'}"]) == 0
     assert "done: 2 steps, held-out accuracy" in capsys.readouterr().out

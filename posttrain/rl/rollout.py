@@ -155,6 +155,7 @@ def generate_rollouts(
             fields[key] = [records[i].get(key) for i in rec_idx]
     fields["completion_lengths"] = [len(c.token_ids) for c in completions]
     total, per_reward, stats = reward_runner.score(prompts, texts, fields)
+    version = int(getattr(sampler, "version", None) or 0)  # the weights' policy version (`Sampler.load_weights`)
     assert len(total) == n
     return Rollouts(
         group_size=g,
@@ -169,6 +170,6 @@ def generate_rollouts(
         per_reward={k: np.asarray(v, np.float32) for k, v in per_reward.items()},
         reward_stats=dict(stats),
         uid=[uids[c.prompt_index] for c in completions] if uids is not None else [],
-        version_first=[int(sampler.version or 0)] * n,
-        version_last=[int(sampler.version or 0)] * n,
+        version_first=[version] * n,
+        version_last=[version] * n,
     )

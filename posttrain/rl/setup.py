@@ -50,17 +50,21 @@ def _reward_runner(cfg: RLConfig, preset: dict):
                         num_workers=cfg.rewards.num_workers, max_failed_calls=cfg.rewards.max_failed_steps)
 
 
-def _encode_all(tok, records, cfg: RLConfig, where: str) -> list[list[int]]:
+def _encode_all(tok, records, cfg: RLConfig) -> list[list[int]]:
+    """Prompt token ids of every record (chat template or text); an empty or too long prompt is an error
+    naming its file and line."""
+    from posttrain.config import ConfigError
+    from posttrain.data.sources import DataError
     from posttrain.rl.rollout import encode_prompt
 
     out = []
     for i, r in enumerate(records):
         ids = encode_prompt(tok, r["prompt"], chat=cfg.data.chat, system_prompt=cfg.data.system_prompt)
         if not ids:
-            raise ValueError(f"{where}: record {i} has an empty prompt")
+            raise DataError(f"{records.where(i)}: the prompt is empty")
         if len(ids) > cfg.data.max_prompt_tokens:
-            raise ValueError(f"{where}: record {i} prompt has {len(ids)} tokens, more than "
-                             f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+            raise ConfigError(f"{records.where(i)}: the prompt has {len(ids)} tokens, more than "
+                              f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
         out.append(ids)
     return out
 
@@ -136,8 +140,8 @@ class RLRun:
         mesh = _mesh(cfg)
         model, folder = build_model(cfg, mesh)
         self.tok = tok_lib.load(folder)
-        self.prompt_ids = _encode_all(self.tok, self.records, cfg, cfg.data.train)
-        self.eval_ids = _encode_all(self.tok, self.eval_records, cfg, cfg.data.eval) if self.eval_records else None
+        self.prompt_ids = _encode_all(self.tok, self.records, cfg)
+        self.eval_ids = _encode_all(self.tok, self.eval_records, cfg) if self.eval_records else None
 
         chunk = cfg.trainer.loss_chunk_size or None
         updates_per_step = cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
@@ -239,6 +243,8 @@ class RLRun:
         return batch
 
     def rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
+        from posttrain.algorithms import dapo
+
         lengths = ro.completion_lengths()
         m = {
             "reward/mean": float(ro.rewards.mean()),
@@ -247,6 +253,7 @@ class RLRun:
             "completion/length_max": float(lengths.max()),
             "completion/truncated_fraction": float(np.mean([f == "length" for f in ro.finish_reasons])),
             "groups/kept": float(ro.num_groups),
+            "groups/with_signal": float(dapo.groups_with_signal(ro.rewards, ro.group_size).sum()),
         }
         for name, vals in ro.per_reward.items():
             m[f"reward/{name}"] = float(vals.mean())

@@ -74,7 +74,7 @@ class RolloutSource:
             "fleet/leased_groups": float(len(d.leased)),
             "fleet/queued_groups": float(len(d.queue)),
             "fleet/wait_s": self._t_wait,
-            "fleet/dropped_this_step": float(self._drops),
+            "groups/dropped_no_signal": float(self._drops),  # this step's, under dynamic sampling
         }
         for k, v in d.counts.items():
             if k.startswith(("requeued/", "dropped/")) or k == "duplicates":
