@@ -72,7 +72,7 @@ def test_gguf_loads_like_the_hf_checkpoint(family, hf_checkpoint, tmp_path):
 def test_truncated_gguf_is_a_clear_error(hf_checkpoint, tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "llama", hf_folder=hf_checkpoint("llama"))
     data = path.read_bytes()
-    for keep in (len(data) - 1000, 300):  # cut in the tensor data, then in the header
+    for keep in (len(data) - 1000, 300, 10):  # cut in the tensor data, in the header, before the header
         cut = tmp_path / f"cut{keep}.gguf"
         cut.write_bytes(data[:keep])
         with pytest.raises(GGUFError, match=rf"cut{keep}\.gguf: truncated GGUF file") as e:

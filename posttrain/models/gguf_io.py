@@ -59,6 +59,7 @@ def find_gguf(path: str | os.PathLike) -> Path:
 
 
 def _supported_types() -> set[str]:
+    """Plain float types, and the quantized types the pinned `gguf` package has a numpy dequantizer for."""
     from gguf import quants
 
     return {"F32", "F16", "BF16"} | {t.name for t in quants._type_traits}
@@ -140,9 +141,12 @@ class GGUFCheckpoint:
         import gguf
 
         self.path = find_gguf(path)
+        size = self.path.stat().st_size
+        if size < 24:  # magic, version and two counts
+            raise GGUFError(f"{self.path}: truncated GGUF file ({size} bytes, shorter than a GGUF header)")
         data = np.memmap(self.path, mode="r", dtype=np.uint8)
         blob = _Blob(data, self.path)
-        magic = blob.take(4).tobytes() if len(data) >= 4 else data.tobytes()
+        magic = blob.take(4).tobytes()
         if magic != _MAGIC:
             raise GGUFError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected {_MAGIC!r})")
         version = blob.scalar("<I")
