@@ -37,8 +37,8 @@ def run_seed(seed: int, args) -> dict:
         "seed": seed,
         "mode": "full" if args.full else "lora",
         "steps": res.steps,
-        "accuracy_before": res.evals[0]["eval/accuracy"] if res.evals else None,
-        "accuracy_after": res.evals[-1]["eval/accuracy"] if res.evals else None,
+        "accuracy_before": next((e["eval/accuracy"] for e in res.evals if e["step"] == 0), None),
+        "accuracy_after": next((e["eval/accuracy"] for e in res.evals if e["step"] == res.steps), None),
         "wall_s": round(wall, 1),
         "generation_s_per_step": round(sum(gen) / max(len(gen), 1), 2),
         "training_s_per_step": round(sum(train) / max(len(train), 1), 2),
@@ -62,7 +62,8 @@ def main(argv=None) -> int:
         row = run_seed(seed, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    gains = [r["accuracy_after"] - r["accuracy_before"] for r in rows if r["accuracy_before"] is not None]
+    gains = [r["accuracy_after"] - r["accuracy_before"] for r in rows
+             if r["accuracy_before"] is not None and r["accuracy_after"] is not None]
     if gains:
         print(json.dumps({"mean_gain_points": round(100 * sum(gains) / len(gains), 1),
                           "mean_wall_s": round(sum(r["wall_s"] for r in rows) / len(rows), 1)}))
