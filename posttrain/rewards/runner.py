@@ -6,7 +6,7 @@ A reward is ``fn(prompts: list[str], completions: list[str], **fields) -> list[f
 are the data set's other columns aligned with ``completions``. Parameters after the first two
 that have no default (or names listed in ``fn.required_fields``) are required fields and are
 checked before anything runs. Rewards are referenced by a built-in name (``math_answer``,
-``format``, ``overlong_penalty``), ``"package.module:function"`` or ``"path/to/file.py:function"``.
+``format``, ``overlong_penalty``, ``reasoning_gym``), ``"package.module:function"`` or ``"path/to/file.py:function"``.
 ``RewardSpec.kwargs`` configure a factory (a callable with ``is_reward_factory = True``, e.g.
 ``overlong_penalty``) or are otherwise passed to every call.
 
@@ -48,6 +48,7 @@ from posttrain.rewards.checks import FailureStreak
 from posttrain.rewards.format import format_reward
 from posttrain.rewards.length import overlong_penalty
 from posttrain.rewards.math_answer import math_answer
+from posttrain.rewards.reasoning_gym import reasoning_gym_reward
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -65,6 +66,7 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "format": format_reward,
     "format_reward": format_reward,
     "overlong_penalty": overlong_penalty,
+    "reasoning_gym": reasoning_gym_reward,
 }
 
 _FILE_MODULES: dict[str, Any] = {}

@@ -14,7 +14,8 @@ from posttrain.training.config import LoraConfig, MeshConfig, ModelSection, Opti
 
 @dataclasses.dataclass
 class PromptData:
-    """Prompt sets: `train` and optional held-out `eval` (JSONL/JSON/Parquet/datasets), with field names.
+    """Prompt sets: `train` and optional held-out `eval` (JSONL/JSON/Parquet/datasets, or
+    `reasoning_gym:TASK?size=N&seed=S`), with field names.
 
     Every other column (e.g. `answer`) is passed to the rewards as a keyword argument.
     chat: render prompts with the tokenizer's chat template (a `messages` list always is).
@@ -84,7 +85,8 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`), `module:function` or `file.py:function`."""
+    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`, `reasoning_gym`), `module:function`
+    or `file.py:function`."""
 
     name: str = "math_answer"
     weight: float = 1.0

@@ -1,0 +1,45 @@
+"""The real-model RL recipe (configs/smollm2_rl_cpu.yaml) for 3 small steps on SmolLM2-135M-Instruct: finite loss,
+adapters that moved the model, and an export that transformers loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_recipe_three_steps_on_the_real_model(tmp_path):
+    import torch
+    import transformers
+
+    from posttrain.models import from_pretrained
+    from posttrain.models.fetch import fetch
+    from posttrain.rl.loop import load_rl_config, run_rl
+    from posttrain.tokenizer import load
+
+    torch.set_num_threads(1)
+    cfg = load_rl_config(REPO / "configs/smollm2_rl_cpu.yaml", [
+        f"output_dir={tmp_path / 'run'}", "trainer.max_steps=3", "rollout.batch_prompts=2", "rollout.group_size=4",
+        "rollout.max_slots=8", "rollout.max_new_tokens=16", "trainer.grad_accum=1", "eval.at_start=false",
+        "data.eval_limit=4", "trainer.save_every=0", "trainer.progress=false", "optim.warmup_steps=0",
+    ])
+    assert cfg.model.path == "pypi:smollm2-135m-instruct" and cfg.lora.enabled
+    result = run_rl(cfg)
+    assert result.steps == 3 and all(np.isfinite(h["loss"]) for h in result.history)
+    assert result.evals and 0.0 <= result.evals[-1]["eval/accuracy"] <= 1.0
+
+    path = fetch("smollm2-135m-instruct")
+    tok = load(path)
+    ids = np.array([tok.encode("The capital of France is Paris, and the capital of Italy is")])
+    base = np.asarray(from_pretrained(path)(ids))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(result.hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        tuned = hf(torch.tensor(ids)).logits.numpy()
+    assert np.isfinite(tuned).all()
+    assert np.abs(tuned - base).max() > 1e-3  # the merged adapters changed the model
+    assert np.abs(tuned - base).max() < 5.0  # ... without wrecking it
+    assert transformers.AutoTokenizer.from_pretrained(str(result.hf_dir)).encode("2+3=5") == tok.encode("2+3=5")
