@@ -175,7 +175,7 @@ def read_records(path_or_name: str | os.PathLike, split: str | None = None) -> l
     from posttrain.data import reasoning_gym
 
     if reasoning_gym.is_reasoning_gym_source(path_or_name):  # generated problems with their own checkers
-        return reasoning_gym.records(str(path_or_name))
+        return RecordList(reasoning_gym.records(str(path_or_name)), str(path_or_name))
     path = Path(path_or_name)
     if path.is_file():
         suffixes = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
