@@ -52,3 +52,15 @@ def hf_checkpoint(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+def write_toy_task(folder, reward_source: str):
+    """The RL tests' toy task in `folder`: prompts.jsonl (16 prompts "x" * (1 + i % 4), answer "a") and reward.py."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    (folder / "reward.py").write_text(reward_source)
+    with open(folder / "prompts.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": "x" * (1 + i % 4), "answer": "a"}) + "\n")

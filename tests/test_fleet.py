@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_toy_task
 
 from posttrain.config import ConfigError
 from posttrain.rl.loop import load_rl_config, run_rl
@@ -43,10 +44,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "RAY_USAGE_STATS_ENABLED": "0", "RA
 
 @pytest.fixture
 def toy(tmp_path):
-    (tmp_path / "reward.py").write_text(REWARD)
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": "x" * (1 + i % 4), "answer": "a"}) + "\n")
+    write_toy_task(tmp_path, REWARD)
 
     def args(name: str, *overrides: str) -> list[str]:
         return [f"output_dir={tmp_path / name}", "model.path=tiny:llama", f"data.train={tmp_path / 'prompts.jsonl'}",

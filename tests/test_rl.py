@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import write_toy_task
 
 from posttrain.config import ConfigError
 from posttrain.rl.batch import build_rl_batch, bucket_length
@@ -26,10 +27,7 @@ def boom(prompts, completions, **fields):
 
 @pytest.fixture
 def toy(tmp_path):
-    (tmp_path / "reward.py").write_text(REWARD)
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": "x" * (1 + i % 4), "answer": "a"}) + "\n")
+    write_toy_task(tmp_path, REWARD)
 
     def cfg(name: str, *overrides: str):
         return load_rl_config(None, [
