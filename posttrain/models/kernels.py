@@ -40,8 +40,15 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 CHOICES = ("auto", "generic", "cpu")
+LINEAR_NAME = "posttrain_linear"  # checkpoint name of the cpu set's linear products (see CpuKernels.remat_policy)
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 ENV_VAR = "POSTTRAIN_KERNELS"
 
 
@@ -108,6 +115,10 @@ class GenericKernels:
 
     def __repr__(self):
         return f"<kernels {self.name}>"
+
+    def remat_policy(self, remat: str):
+        """The `jax.checkpoint` policy of `ModelConfig.remat` (none | full | dots | dots_no_batch) for this set."""
+        return _REMAT_POLICIES[remat]
 
     # -------------------------------------------------------------- products
     def contract(self, x, w, n_in: int, out_dtype=None):
@@ -255,7 +266,15 @@ class CpuKernels(GenericKernels):
     preslice_decode_weights = True
 
     def contract(self, x, w, n_in: int, out_dtype=None):
-        return contract_cpu(x, w, n_in, out_dtype)
+        # The custom_vjp call hides its product from remat policies: the name lets "dots" policies save it.
+        return checkpoint_name(contract_cpu(x, w, n_in, out_dtype), LINEAR_NAME)
+
+    def remat_policy(self, remat: str):
+        policy = _REMAT_POLICIES[remat]
+        if remat in ("dots", "dots_no_batch"):
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                policy, jax.checkpoint_policies.save_only_these_names(LINEAR_NAME))
+        return policy
 
     k_axes = ("batch", "kv_heads", "head_dim", "seq")
     v_axes = ("batch", "kv_heads", "seq", "head_dim")

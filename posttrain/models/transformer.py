@@ -66,13 +66,6 @@ class Block(nnx.Module):
         return x + h, new_cache
 
 
-_REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 class Transformer(nnx.Module):
     """Embedding, a stack of `Block`s, final norm and LM head (tied to the embedding when configured)."""
 
@@ -184,7 +177,8 @@ class Transformer(nnx.Module):
             return run_layer(h, state_l, sliding_l, mask_info, None)[0], None
 
         if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            body = jax.checkpoint(body, policy=kernels_lib.get(cfg).remat_policy(cfg.remat),
+                                  prevent_cse=not cfg.scan_layers)
         sliding = jnp.asarray(sliding)
         if cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, (layer_state, sliding))
