@@ -9,7 +9,11 @@ Case 2: 64 prompts through 16 slots, with stop tokens picked (from the greedy co
 half of the sequences end early (then, second row, three quarters): continuous batching (one call) vs
 static batches of 16 (4 calls, each running until its longest sequence ends).
 
-Run: `python benchmarks/bench_generate.py [--repeats N] [--profile]`.
+First call: the seconds of our first `generate` call in this process (compiles included) are printed beside
+the steady state; `--first-call` also measures it in fresh processes with an empty persistent compilation
+cache (cold) and again with the cache that run filled (warm), as a second run of the CLI would start.
+
+Run: `python benchmarks/bench_generate.py [--repeats N] [--profile] [--first-call]`.
 """
 
 from __future__ import annotations
@@ -84,10 +88,18 @@ def ours_runner(sampler, prompts, params, batches: int = 1):
     return run
 
 
+FIRST_CALL: dict[str, float] = {}
+
+
 def best_times(runners: dict, repeats: int):
     """Warm-up once each, then `repeats` interleaved timed rounds; the best time of each (the machine may be
-    shared: interleaving and taking the minimum compare the engines under the same conditions)."""
-    results = {name: run() for name, run in runners.items()}
+    shared: interleaving and taking the minimum compare the engines under the same conditions). The warm-up
+    (first) call's seconds go to FIRST_CALL."""
+    results = {}
+    for name, run in runners.items():
+        t = time.perf_counter()
+        results[name] = run()
+        FIRST_CALL.setdefault(name, time.perf_counter() - t)
     best = {name: float("inf") for name in runners}
     for _ in range(repeats):
         for name, run in runners.items():
@@ -161,11 +173,56 @@ def pick_stop_ids(seqs: list[list[int]], rng, target: float = 0.5) -> list[int]:
     return sorted(stops)
 
 
+def first_call_worker(path: Path) -> None:
+    """(In a fresh process.) Seconds of the first and second case-1 generate calls, with the persistent
+    compilation cache of $POSTTRAIN_COMPILE_CACHE."""
+    from posttrain import compile_cache
+    from posttrain.models import from_pretrained
+    from posttrain.sampling import Sampler, SamplingParams
+
+    compile_cache.enable()
+    t0 = time.perf_counter()
+    model = from_pretrained(path)
+    prompts = np.random.default_rng(0).integers(3, VOCAB, size=(16, PROMPT_LEN)).tolist()
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
+    sampler = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW)
+    t1 = time.perf_counter()
+    sampler.generate(prompts, params)
+    t2 = time.perf_counter()
+    sampler.generate(prompts, params)
+    t3 = time.perf_counter()
+    print(f"FIRSTCALL {t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f}", flush=True)
+
+
+def first_call_cold_warm(path: Path) -> dict[str, tuple[float, float, float]]:
+    """(load s, first call s, second call s) in a fresh process with an empty compilation cache (cold), then
+    in another one with the cache the first filled (warm)."""
+    import subprocess
+
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "POSTTRAIN_COMPILE_CACHE": cache}
+        for kind in ("cold", "warm"):
+            proc = subprocess.run([sys.executable, __file__, "--first-call-worker", str(path)], env=env,
+                                  capture_output=True, text=True)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("FIRSTCALL ")]
+            if proc.returncode or not line:
+                raise RuntimeError(f"first-call worker failed:\n{proc.stderr[-3000:]}")
+            out[kind] = tuple(float(x) for x in line[-1].split()[1:])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (best of)")
     ap.add_argument("--profile", action="store_true", help="also time prefill and decode separately")
+    ap.add_argument("--first-call", action="store_true",
+                    help="also time the first generate call in fresh processes, cold and with a warm compilation cache")
+    ap.add_argument("--first-call-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.first_call_worker:
+        first_call_worker(args.first_call_worker)
+        return 0
     repeats = args.repeats
 
     from rich.console import Console
@@ -179,6 +236,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(Path(tmp) / "llama-bench")
+        cold_warm = first_call_cold_warm(path) if args.first_call else None
         model = from_pretrained(path)
 
         # ---------------------------------------------------------------- case 1: ours vs transformers
@@ -235,6 +293,12 @@ def main(argv=None) -> int:
     console.print(t1)
     console.print(f"identical greedy sequences (ours vs transformers): {same}/16; "
                   f"ours: {stats1.get('prefill_calls')} prefill call(s), {stats1.get('decode_steps')} decode steps")
+    console.print(f"first call (compiles included), this process: ours {FIRST_CALL['ours']:.2f} s vs steady "
+                  f"{t_ours:.2f} s; transformers {FIRST_CALL[hf_best]:.2f} s vs steady {t_hf:.2f} s")
+    if cold_warm:
+        for kind, (load, first, second) in cold_warm.items():
+            console.print(f"first call in a fresh process, {kind} compilation cache: {first:.2f} s "
+                          f"(then {second:.2f} s; model load {load:.2f} s)")
     if args.profile:
         steps = max(int(prof.get("decode_steps", 1)), 1)
         console.print(f"profile (blocking after prefill): prefill {prof.get('prefill_seconds', 0):.3f}s, "

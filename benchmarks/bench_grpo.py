@@ -29,8 +29,12 @@ os.cpu_count() (torch's own default here too); XLA uses its default CPU thread p
 compare within one run, and watch the load-average column (other processes on the cores hurt a multi-threaded
 torch far more than XLA; `--torch-threads 1` shows how much).
 
+First step: the "warm-up s" column holds each warm-up step's seconds (ours: rollout + train, compiles
+included), beside the steady state. `--first-call` also runs ours in two fresh processes (1 step each) with
+an empty persistent compilation cache (cold) and then with the cache the first filled (warm).
+
     python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--rounds 1] [--torch-threads N]
-                                    [--trl-checkpointing] [--no-trl] [--no-ours] [--no-peak]
+                                    [--trl-checkpointing] [--no-trl] [--no-ours] [--no-peak] [--first-call]
 """
 
 from __future__ import annotations
@@ -135,6 +139,10 @@ def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int) -> dict:
         return orig_advance(self, step)
 
     metrics_lib.MetricsLogger.advance = advance
+    if os.environ.get("POSTTRAIN_COMPILE_CACHE"):  # --first-call: the persistent cache the CLI would use
+        from posttrain import compile_cache
+
+        compile_cache.enable()
     total = warmup + steps
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_rl_config(None, [
@@ -153,7 +161,7 @@ def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int) -> dict:
     if len(h) != total or len(ends) != total:
         raise RuntimeError(f"expected {total} steps, history has {len(h)}, step ends {len(ends)}")
     timed = h[warmup:]
-    wall = [ends[i] - ends[i - 1] for i in range(warmup, total)]  # warmup >= 1
+    wall = [ends[i] - ends[i - 1] for i in range(warmup, total)]  # warmup >= 1 (or the --first-call run)
     return {
         "step": wall,
         "rollout": [r["time/rollout_s"] for r in timed],
@@ -290,10 +298,12 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
-def _spawn(kind: str, folder: Path, warmup: int, steps: int, threads: int, checkpointing: bool = False) -> dict:
+def _spawn(kind: str, folder: Path, warmup: int, steps: int, threads: int, checkpointing: bool = False,
+           env: dict | None = None) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--warmup",
                            str(warmup), "--steps", str(steps), "--torch-threads", str(threads)]
-                          + (["--trl-checkpointing"] if checkpointing else []), capture_output=True, text=True)
+                          + (["--trl-checkpointing"] if checkpointing else []), capture_output=True, text=True,
+                          env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
@@ -320,6 +330,8 @@ def main(argv=None) -> int:
                    help="torch.set_num_threads for TRL and the torch matmul (default: all cores)")
     p.add_argument("--trl-checkpointing", action="store_true",
                    help="keep GRPOConfig's default activation (gradient) checkpointing on for TRL (off by default)")
+    p.add_argument("--first-call", action="store_true",
+                   help="also time our first GRPO step in fresh processes, cold and with a warm compilation cache")
     p.add_argument("--worker", choices=["ours", "trl", "peak"], help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -341,6 +353,16 @@ def main(argv=None) -> int:
         folder = make_checkpoint(Path(tmp) / "bench-llama")
         write_prompts(folder / "prompts.jsonl", make_prompts())
         peak = None if args.no_peak else _spawn("peak", folder, 0, 0, args.torch_threads)
+        first = {}
+        if args.first_call:
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "POSTTRAIN_COMPILE_CACHE": cache}
+                for kind in ("cold", "warm"):
+                    r = _spawn("ours", folder, 1, 1, args.torch_threads, env=env)
+                    first[kind] = (r["warmup"][0], r["sum"][0], r["run_rl_s"])
+                    console.print(f"first GRPO step (rollout + train), fresh process, {kind} compilation cache: "
+                                  f"{first[kind][0]:.2f} s (second step {first[kind][1]:.2f} s; whole run_rl "
+                                  f"{first[kind][2]:.1f} s)")
         kinds = [k for k, skip in (("ours", args.no_ours), ("trl", args.no_trl)) if not skip]
         for rnd in range(args.rounds):
             for kind in kinds:
@@ -396,6 +418,8 @@ def main(argv=None) -> int:
                      "were competing for the CPU, and a multi-threaded torch (OpenMP) suffers far more from that than "
                      "a single-threaded one; compare with --torch-threads 1, or rerun on an idle machine.")
     notes.append(f"total benchmark time {time.perf_counter() - t0:.0f} s.")
+    for kind, (f0, f1, total) in first.items():
+        notes.append(f"ours, first step in a fresh process, {kind} compilation cache: {f0:.2f} s (then {f1:.2f} s)")
     for n in notes:
         console.print(n)
     if "ours" in res and "trl" in res:

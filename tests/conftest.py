@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI turns JAX's persistent compilation cache on in ~/.cache; tests that run the CLI leave the user's alone.
+os.environ.setdefault("POSTTRAIN_COMPILE_CACHE", "0")
 
 import pytest  # noqa: E402
 

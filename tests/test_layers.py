@@ -1,4 +1,5 @@
-"""`contract` (the linear-layer product with a hand-written backward pass) against plain autodiff of tensordot."""
+"""The kernel sets' `contract` (the linear-layer product; the cpu set's with a hand-written backward pass) against
+plain autodiff of tensordot, and the kernel switch's resolution."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.models.layers import contract
+from posttrain.models import kernels
+
+
+@pytest.fixture(params=["cpu", "generic"])
+def contract(request):
+    return kernels.get(request.param).contract
 
 
 @pytest.mark.parametrize("x_shape,w_shape,n_in", [
@@ -15,7 +21,7 @@ from posttrain.models.layers import contract
     ((2, 5, 8), (8, 3, 4), 1),       # q/k/v projection: [D] -> [heads, head_dim]
     ((2, 5, 3, 4), (3, 4, 8), 2),    # output projection: [heads, head_dim] -> [D]
 ])
-def test_contract_matches_tensordot_values_and_gradients(x_shape, w_shape, n_in):
+def test_contract_matches_tensordot_values_and_gradients(contract, x_shape, w_shape, n_in):
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, x_shape)
     w = jax.random.normal(kw, w_shape)
@@ -36,7 +42,7 @@ def test_contract_matches_tensordot_values_and_gradients(x_shape, w_shape, n_in)
     np.testing.assert_allclose(gw, rw, rtol=1e-5, atol=1e-5)
 
 
-def test_contract_out_dtype_accumulates_in_float32():
+def test_contract_out_dtype_accumulates_in_float32(contract):
     x = jnp.full((4, 64), 1.0 + 2.0**-7, jnp.bfloat16)  # 1.0078125: exact in bfloat16
     w = jnp.ones((64, 3), jnp.bfloat16)
     out = contract(x, w, 1, jnp.float32)
@@ -45,3 +51,23 @@ def test_contract_out_dtype_accumulates_in_float32():
     gx, gw = jax.grad(lambda x, w: jnp.sum(contract(x, w, 1, jnp.float32)), argnums=(0, 1))(x, w)
     assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(gw, np.float32), 4 * (1.0 + 2.0**-7), rtol=1e-2)
+
+
+def test_kernel_switch_resolves_once_from_config_env_and_backend(monkeypatch):
+    from posttrain.models.config import llama_like
+    from posttrain.models.transformer import init_model
+
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    assert kernels.resolve("auto") == ("cpu" if jax.default_backend() == "cpu" else "generic")
+    assert kernels.resolve("generic") == "generic" and kernels.resolve("cpu") == "cpu"
+    monkeypatch.setenv(kernels.ENV_VAR, "generic")
+    assert kernels.resolve("auto") == "generic"
+    assert kernels.resolve("cpu") == "cpu"  # an explicit choice wins over the environment
+    model = init_model(llama_like(), seed=0)
+    assert model.cfg.kernels == "generic"  # resolved when the model is built
+    assert model.layers.self_attn.q_proj.kernels == "generic"
+    monkeypatch.setenv(kernels.ENV_VAR, "tpu")
+    with pytest.raises(ValueError, match="POSTTRAIN_KERNELS"):
+        kernels.resolve("auto")
+    with pytest.raises(ValueError, match="kernels="):
+        llama_like(kernels="fast")

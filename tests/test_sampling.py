@@ -137,16 +137,21 @@ def test_cache_growth_gives_the_same_completions(llama):
     ref = full.generate(prompts, params)
     assert full.last_stats.get("cache_resizes", 0) == 0 and full.last_stats["cache_len"] == 32
     stops = [ref[0].token_ids[2], ref[3].token_ids[6], ref[7].token_ids[9]]
+    grew = 0
     for slots in (16, 3):
         for sp in (params, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=stops),
                    SamplingParams(max_new_tokens=NEW, temperature=1.0, stop_token_ids=stops, seed=3)):
             grown = Sampler(llama, max_slots=slots, cache_step=8)
             out = grown.generate(prompts, sp)
-            assert grown.last_stats["cache_resizes"] >= 1 and grown.last_stats["cache_len"] == 32
+            # the first capacity holds the prompt bucket (16) + 1, i.e. 24 positions: longer sequences grow it
+            if max(len(p) + len(c.token_ids) for p, c in zip(prompts, out)) > 24:
+                assert grown.last_stats["cache_resizes"] >= 1 and grown.last_stats["cache_len"] == 32
+                grew += 1
             expect = full.generate(prompts, sp)
             for a, b in zip(out, expect):
                 assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
                 np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert grew >= 2  # the stop-free calls at least
     # a call starts again from the smallest capacity holding its prompt bucket (16) + 1 (the last cache is replaced)
     short = Sampler(llama, max_slots=4, max_len=32, cache_step=8)
     short.generate(prompts[:2], params)

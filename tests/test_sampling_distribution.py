@@ -135,7 +135,7 @@ def test_inverse_cdf_sampler_matches_softmax_on_a_grid(vocab):
     """`sample_categorical` at u on a fine uniform grid hits each index in proportion to its probability
     (exactly, up to one grid cell), never an entry at -inf, also at u just below 1 and for vocab sizes that
     are not a multiple of its block size."""
-    from posttrain.sampling.filters import sample_categorical
+    from posttrain.models.kernels import sample_categorical
 
     rng = np.random.default_rng(vocab)
     x = rng.normal(size=vocab).astype(np.float32) * 2

@@ -165,6 +165,34 @@ def test_trainer_token_logprobs(model_state):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_trainer_token_logprobs_of_the_last_positions_only(model_state, chunk):
+    """`last=C` gives the last C columns of the full result, and projects the vocabulary only there."""
+    from posttrain.rl.batch import completion_logprobs
+
+    model = model_state()
+    b = _batches(1)[0]
+    b["attention_mask"] = np.ones_like(b["input_ids"])
+    c = 5
+    tr = Trainer(model, _tx()[0], loss_fn=make_sft_loss(), logprob_chunk_size=chunk)
+    full = np.asarray(tr.token_logprobs(b))
+    got = np.asarray(tr.token_logprobs(b, last=c))
+    assert got.shape == (8, c)
+    np.testing.assert_allclose(got, completion_logprobs(full, {"completion_mask": np.zeros((8, c))}), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(tr.token_logprobs(b, adapters=False, last=c)), got, atol=1e-5)
+
+    def flops(last):
+        args = (tr.params, tr.rest, *(jnp.asarray(b[k]) for k in ("input_ids", "attention_mask")), None, None)
+        return tr.logprob_fn(last=last).lower(*args).compile().cost_analysis()["flops"]
+
+    t = b["input_ids"].shape[1]
+    if chunk is None:  # (XLA's cost analysis counts a loop body once: compare unchunked programs)
+        head = 2 * 8 * CFG.hidden_size * CFG.vocab_size  # the LM head's FLOPs per position (all rows)
+        assert flops(c) < flops(None) - 0.9 * head * (t - 1 - c)
+    with pytest.raises(ValueError, match="last="):
+        tr.token_logprobs(b, last=t)
+
+
 def test_flops_per_token_formula():
     cfg = llama_like(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
                      num_kv_heads=1, head_dim=4)

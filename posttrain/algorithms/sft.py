@@ -113,15 +113,21 @@ def logprobs_from_hidden(model, h: jax.Array, targets: jax.Array, *, chunk_size:
 
 
 def token_logprobs(model, input_ids: jax.Array, *, attention_mask=None, positions=None, segment_ids=None,
-                   chunk_size: int | None = None) -> jax.Array:
+                   chunk_size: int | None = None, last: int | None = None) -> jax.Array:
     """Per-token log-probs [B, T-1]: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
 
+    With `last` = C, only the log-probs of the last C tokens, [B, C] (entry j about input_ids[:, T-C+j]):
+    the vocabulary is projected at those C positions only (RL's completion columns, `posttrain.rl.batch`).
     This is what RL needs for the current, behaviour and reference policies; padding positions hold
     meaningless values and must be masked by the caller.
     """
     h, _ = model.hidden_states(input_ids, attention_mask=attention_mask, positions=positions,
                                segment_ids=segment_ids)
-    return logprobs_from_hidden(model, h[:, :-1], input_ids[:, 1:], chunk_size=chunk_size)
+    t = input_ids.shape[1]
+    if last is not None and not 0 < last < t:
+        raise ValueError(f"last={last} must be in [1, {t - 1}] for sequences of {t} tokens")
+    start = 0 if last is None else t - 1 - last
+    return logprobs_from_hidden(model, h[:, start:-1], input_ids[:, start + 1:], chunk_size=chunk_size)
 
 
 def sft_weight(batch: dict[str, Any]) -> jax.Array:

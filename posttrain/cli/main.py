@@ -71,6 +71,9 @@ def describe(e: BaseException) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description="JAX-native post-training for open LLMs.")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache (default: on, in ~/.cache/posttrain/jax "
+                             "or $POSTTRAIN_COMPILE_CACHE; POSTTRAIN_COMPILE_CACHE=0 turns it off too)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         if importlib.util.find_spec(module_name) is None:
@@ -161,6 +164,10 @@ def _main(argv: list[str] | None) -> int:
     from posttrain.training.errors import RunInterrupted
 
     module = importlib.import_module(args._module)
+    if not args.no_compile_cache:
+        from posttrain import compile_cache
+
+        compile_cache.enable()  # a second run of the same job compiles nothing
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:

@@ -115,6 +115,8 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"  # none | full | dots | dots_no_batch
     attention_impl: str = "auto"  # auto | xla | cudnn
+    # auto | generic | cpu: the kernel set (`posttrain.models.kernels`); auto resolves when the model is built
+    kernels: str = "auto"
     hf_config: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -135,6 +137,8 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; accepted: float32, bfloat16, float16")
         if self.remat not in ("none", "full", "dots", "dots_no_batch"):
             raise ValueError(f"remat={self.remat!r}; accepted: none, full, dots, dots_no_batch")
+        if self.kernels not in ("auto", "generic", "cpu"):
+            raise ValueError(f"kernels={self.kernels!r}; accepted: auto, generic, cpu")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -6,13 +6,13 @@ Every parameter is an `nnx.Param` carrying logical axis names (names such as "em
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.models import kernels as kernels_lib
 from posttrain.models.config import ModelConfig, RopeConfig
 
 
@@ -28,38 +28,6 @@ def logical_axes(variable: nnx.Variable):
 
 def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def contract(x: jax.Array, w: jax.Array, n_in: int, out_dtype=None) -> jax.Array:
-    """x [..., *in] @ w [*in, *out] -> [..., *out] (the last `n_in` axes of x against the first of w),
-    accumulated and returned in `out_dtype` (default: the inputs' dtype).
-
-    The same product as `jnp.tensordot`, with a hand-written backward pass whose weight gradient is
-    x^T @ dy on an explicitly transposed x: XLA's CPU backend otherwise feeds its matmul library a
-    transposed copy of dy (usually the larger operand, written out by a strided elementwise fusion),
-    which cost about a fifth of a training step on the benchmark model.
-    """
-    return jnp.tensordot(x, w, axes=n_in, preferred_element_type=out_dtype)
-
-
-def _contract_fwd(x, w, n_in, out_dtype):
-    return contract(x, w, n_in, out_dtype), (x, w)
-
-
-def _contract_bwd(n_in, out_dtype, res, dy):
-    x, w = res
-    n_out = w.ndim - n_in
-    out_axes = tuple(range(n_in, w.ndim))
-    dx = jnp.tensordot(dy, w, axes=(tuple(range(dy.ndim - n_out, dy.ndim)), out_axes)).astype(x.dtype)
-    d_in = math.prod(w.shape[:n_in])
-    xt = jax.lax.optimization_barrier(x.reshape(-1, d_in).T)  # [in, tokens], materialised once
-    dw = jnp.dot(xt, dy.reshape(-1, math.prod(w.shape[n_in:])).astype(xt.dtype),
-                 preferred_element_type=jnp.float32)
-    return dx, dw.reshape(w.shape).astype(w.dtype)
-
-
-contract.defvjp(_contract_fwd, _contract_bwd)
 
 
 def _letters(n: int, start: int) -> str:
@@ -83,6 +51,7 @@ class Linear(nnx.Module):
         self.kernel = param(init, (*in_axes, *out_axes))
         self.bias = param(jnp.zeros(self.out_shape, pdtype), out_axes) if bias else None
         self.compute_dtype = dtype_of(cfg.compute_dtype)
+        self.kernels = kernels_lib.resolve(cfg.kernels)  # the product (and its backward) of the kernel set
         self.name = name
         self.lora_a = None
         self.lora_b = None
@@ -102,7 +71,7 @@ class Linear(nnx.Module):
         outs = _letters(n_out, 16)
         cd = self.compute_dtype
         x = x.astype(cd)
-        y = contract(x, self.base_kernel().astype(cd), n_in)
+        y = kernels_lib.get(self.kernels).contract(x, self.base_kernel().astype(cd), n_in)
         if self.lora_a is not None and self.lora_enabled:
             r = "z"
             a = jnp.einsum(f"{xs}{ins},{ins}{r}->{xs}{r}", x, self.lora_a[...].astype(cd))

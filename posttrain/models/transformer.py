@@ -3,7 +3,8 @@
 Layers are stored stacked: each per-layer parameter has a leading "layers" axis (created with
 `nnx.vmap`), so the forward pass can `lax.scan` over layers (one compiled layer body, fast compiles)
 or unroll them (`scan_layers=False`), with optional rematerialisation of the layer body. Calls with a
-KV cache (sampling) unroll the layers, so each layer owns its cache arrays and updates them in place.
+KV cache (sampling) unroll the layers, so each layer owns its cache arrays and updates them in place;
+with the generic kernel set (`posttrain.models.kernels`) cached calls of many tokens (prefill) scan.
 
 `model(input_ids, attention_mask=, positions=, segment_ids=)` -> float32 logits [B, T, V].
 `model(..., cache=KVCache)` -> (logits, cache): the sampling engine's prefill and decode step.
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import distributed
+from posttrain.models import kernels as kernels_lib
 from posttrain.models.attention import Attention, KVCache
 from posttrain.models.config import ModelConfig
-from posttrain.models.layers import Embed, Linear, RMSNorm, contract, dtype_of, rope_tables
+from posttrain.models.layers import Embed, Linear, RMSNorm, dtype_of, rope_tables
 
 
 class MLP(nnx.Module):
@@ -64,17 +66,12 @@ class Block(nnx.Module):
         return x + h, new_cache
 
 
-_REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 class Transformer(nnx.Module):
     """Embedding, a stack of `Block`s, final norm and LM head (tied to the embedding when configured)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.kernels == "auto":  # resolved once, here (`posttrain.models.kernels.resolve`)
+            cfg = cfg.replace(kernels=kernels_lib.resolve(cfg.kernels))
         self.cfg = cfg
         self.embed_tokens = Embed(cfg, rngs)
 
@@ -127,7 +124,8 @@ class Transformer(nnx.Module):
         """Final-norm hidden states [B, T, D] (compute dtype), and the updated cache when one is given.
 
         Without a cache the layers run under `lax.scan` (or unrolled, per `cfg.scan_layers`). With a
-        `KVCache` (sampling) they are unrolled, each layer updating its own cache arrays in place;
+        `KVCache` (sampling) they are unrolled, each layer updating its own cache arrays in place, except
+        that the generic kernel set scans calls of more than one token (prefill; `cfg.scan_layers`);
         `layer_states` (from `layer_states()`) supplies the per-layer weights already sliced.
         """
         cfg = self.cfg
@@ -146,6 +144,17 @@ class Transformer(nnx.Module):
 
         if cache is not None:
             cache = cache.mark(positions, attention_mask)
+            ks = kernels_lib.get(cfg)
+            if ks.scan_prefill and cfg.scan_layers and input_ids.shape[1] > 1 and layer_states is None:
+                def cached_body(h, xs):
+                    state_l, sliding_l, k_l, v_l = xs
+                    h, kv = run_layer(h, state_l, sliding_l, None, (k_l, v_l, cache.valid))
+                    return h, kv
+
+                x, (k_all, v_all) = jax.lax.scan(cached_body, x, (layer_state, jnp.asarray(sliding),
+                                                                  jnp.stack(cache.k), jnp.stack(cache.v)))
+                return self.norm(x), KVCache(tuple(k_all[i] for i in range(cfg.num_layers)),
+                                             tuple(v_all[i] for i in range(cfg.num_layers)), cache.valid)
             if layer_states is None:
                 layer_states = _unstack(layer_state, cfg.num_layers)
             ks, vs = list(cache.k), list(cache.v)
@@ -168,7 +177,8 @@ class Transformer(nnx.Module):
             return run_layer(h, state_l, sliding_l, mask_info, None)[0], None
 
         if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            body = jax.checkpoint(body, policy=kernels_lib.get(cfg).remat_policy(cfg.remat),
+                                  prevent_cse=not cfg.scan_layers)
         sliding = jnp.asarray(sliding)
         if cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, (layer_state, sliding))
@@ -190,7 +200,7 @@ class Transformer(nnx.Module):
         if self.lm_head is not None and self.lm_head.lora_a is not None:
             out = self.lm_head(h).astype(jnp.float32)
         else:
-            out = contract(h.astype(cd), self.output_kernel().astype(cd), 1, jnp.float32)
+            out = kernels_lib.get(cfg).contract(h.astype(cd), self.output_kernel().astype(cd), 1, jnp.float32)
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             out = jnp.tanh(out / cap) * cap

@@ -1,8 +1,9 @@
 """The generation engine: `Sampler.generate` turns prompts into `Completion`s with continuous batching.
 
-Cache design. The KV cache is *slot-indexed*: per layer, k [slots, kv_heads, head_dim, max_len] (keys
-transposed, see `posttrain.models.attention`) and v [slots, kv_heads, max_len, head_dim], plus a
-`valid` mask [slots, max_len] (`posttrain.models.KVCache`). A slot holds one sequence; token p of slot b
+Cache design. The KV cache is *slot-indexed*: per layer, k and v arrays over (slots, max_len, kv_heads,
+head_dim) in the layout of the model's kernel set (`posttrain.models.kernels`: [slots, max_len, kv_heads,
+head_dim] for generic, keys transposed for cpu), plus a `valid` mask [slots, max_len]
+(`posttrain.models.KVCache`). A slot holds one sequence; token p of slot b
 lives at [b, p]. It is allocated once per (slots, max_len) configuration, lives in the sampler between
 calls and is donated to every compiled call, so the sampler updates it in place and never copies it.
 We do not page it: a page table buys memory sharing between sequences of very different lengths and
@@ -64,6 +65,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from posttrain import distributed
+from posttrain.models import kernels as kernels_lib
 from posttrain.models.attention import KVCache
 from posttrain.sampling.filters import choose_tokens
 from posttrain.sampling.params import Completion, SamplingParams
@@ -98,16 +100,17 @@ class DecodeState:
     key: jax.Array  # [S, *key_shape] uint32: the sample's PRNG key data
 
 
-def _state_shardings(mesh, cache_dims, key_shape) -> DecodeState | None:
+def _state_shardings(mesh, cache_dims, key_shape, kernels: str) -> DecodeState | None:
     """Slots over the batch mesh axes (data, fsdp); the cache's kv heads over `tensor` when it divides them.
 
-    cache_dims: (layers, slots, kv_heads, max_len, head_dim)."""
+    cache_dims: (layers, slots, kv_heads, max_len, head_dim); kernels: the model's kernel set (cache layout)."""
     if mesh is None:
         return None
+    ks = kernels_lib.get(kernels)
     layers, slots, kv_heads, max_len, head_dim = cache_dims
-    k_shape, v_shape = KVCache.layer_shapes(kv_heads, head_dim, slots, max_len)
-    k = NamedSharding(mesh, distributed.logical_to_spec(KVCache.K_AXES, k_shape, mesh))
-    v = NamedSharding(mesh, distributed.logical_to_spec(KVCache.V_AXES, v_shape, mesh))
+    k_shape, v_shape = ks.cache_shapes(kv_heads, head_dim, slots, max_len)
+    k = NamedSharding(mesh, distributed.logical_to_spec(ks.k_axes, k_shape, mesh))
+    v = NamedSharding(mesh, distributed.logical_to_spec(ks.v_axes, v_shape, mesh))
     valid = NamedSharding(mesh, distributed.logical_to_spec(("batch", "seq"), (slots, max_len), mesh))
     per_slot = NamedSharding(mesh, distributed.logical_to_spec(("batch",), (slots,), mesh))
     key = NamedSharding(mesh, distributed.logical_to_spec(("batch",) + (None,) * len(key_shape),
@@ -117,8 +120,10 @@ def _state_shardings(mesh, cache_dims, key_shape) -> DecodeState | None:
 
 
 def _cache_dims(cache: KVCache) -> tuple[int, ...]:
-    """(layers, slots, kv_heads, max_len, head_dim) of a cache."""
-    return (len(cache.v), *cache.v[0].shape)
+    """(layers, slots, kv_heads, max_len, head_dim) of a cache (head_dim is the last axis of v in every layout)."""
+    slots, max_len = cache.valid.shape
+    head_dim = cache.v[0].shape[-1]
+    return len(cache.v), slots, math.prod(cache.v[0].shape) // (slots * max_len * head_dim), max_len, head_dim
 
 
 def _pin(ds: DecodeState, shardings: DecodeState | None) -> DecodeState:
@@ -141,11 +146,11 @@ def _step_keys(key_data, n_generated):
     return jax.vmap(jax.random.fold_in)(keys, n_generated)
 
 
-def _init_state(cache_dims, cache_dtype, key_shape, mesh):
+def _init_state(cache_dims, cache_dtype, key_shape, mesh, kernels):
     TRACE_COUNTS["init"] += 1
     layers, slots, kv_heads, max_len, head_dim = cache_dims
     z = jnp.zeros((slots,), jnp.int32)
-    k_shape, v_shape = KVCache.layer_shapes(kv_heads, head_dim, slots, max_len)
+    k_shape, v_shape = kernels_lib.get(kernels).cache_shapes(kv_heads, head_dim, slots, max_len)
     ds = DecodeState(
         cache=KVCache(tuple(jnp.zeros(k_shape, cache_dtype) for _ in range(layers)),
                       tuple(jnp.zeros(v_shape, cache_dtype) for _ in range(layers)),
@@ -153,7 +158,12 @@ def _init_state(cache_dims, cache_dtype, key_shape, mesh):
         last_token=z, position=z, active=jnp.zeros((slots,), bool), n_generated=z, max_new=z,
         key=jnp.zeros((slots, *key_shape), jnp.uint32),
     )
-    return _pin(ds, _state_shardings(mesh, cache_dims, key_shape))
+    return _pin(ds, _state_shardings(mesh, cache_dims, key_shape, kernels))
+
+
+def _seq_index(axis: int, rows, n: int):
+    """The index of rows `rows` and the first n positions of a cache array whose sequence axis is `axis`."""
+    return (rows,) + (slice(None),) * (axis - 1) + (slice(0, n),)
 
 
 def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
@@ -167,6 +177,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
+    ks = kernels_lib.get(cfg)
     cache = ds.cache
     n_rows, lb = ids.shape
     slots, max_len = cache.valid.shape
@@ -179,11 +190,13 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
 
     keys = _sample_keys(seed, asg_prompt, asg_sample)
     first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(asg_prompt))  # noqa: E731
-    tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p)
+    tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p,
+                                 kernels=cfg)
     done = _is_stop(tok, stop_ids) | (max_new <= 1)
 
-    k = tuple(c.at[asg_slot, :, :, :lb].set(t[asg_row], mode="drop") for c, t in zip(cache.k, tmp.k))
-    v = tuple(c.at[asg_slot, :, :lb].set(t[asg_row], mode="drop") for c, t in zip(cache.v, tmp.v))
+    k_idx, v_idx = _seq_index(ks.k_seq_axis, asg_slot, lb), _seq_index(ks.v_seq_axis, asg_slot, lb)
+    k = tuple(c.at[k_idx].set(t[asg_row], mode="drop") for c, t in zip(cache.k, tmp.k))
+    v = tuple(c.at[v_idx].set(t[asg_row], mode="drop") for c, t in zip(cache.v, tmp.v))
     rows = tmp.valid[asg_row]
     if lb < max_len:
         rows = jnp.concatenate([rows, jnp.zeros((rows.shape[0], max_len - lb), bool)], axis=1)
@@ -201,7 +214,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
         max_new=put(ds.max_new, jnp.broadcast_to(max_new, tok.shape)),
         key=put(ds.key, jax.random.key_data(keys)),
     )
-    ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:]))
+    ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:], cfg.kernels))
     return ds, (tok, lp, slp)
 
 
@@ -216,10 +229,11 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, gre
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     slots = ds.active.shape[0]
-    shardings = _state_shardings(model.mesh, _cache_dims(ds.cache), ds.key.shape[1:])
-    # Per-layer weights sliced once per call, outside the loop (on CPU a slice inside the loop is a copy
-    # every step); elsewhere the fused dynamic slices of the stacked weights cost nothing extra.
-    layer_states = model.layer_states() if jax.default_backend() == "cpu" else None
+    ks = kernels_lib.get(model.cfg)
+    shardings = _state_shardings(model.mesh, _cache_dims(ds.cache), ds.key.shape[1:], model.cfg.kernels)
+    # The cpu kernel set slices the per-layer weights once per call, outside the loop (on CPU a slice inside
+    # the loop is a copy every step); elsewhere the fused dynamic slices of the stacked weights cost nothing.
+    layer_states = model.layer_states() if ks.preslice_decode_weights else None
     record = (
         jnp.zeros((budget, slots), jnp.int32),
         jnp.zeros((budget, slots), jnp.float32),
@@ -238,7 +252,8 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, gre
         logits, cache = model(ds.last_token[:, None], attention_mask=ones, positions=ds.position[:, None],
                               cache=ds.cache, layer_states=layer_states)
         keys = lambda: _step_keys(ds.key, ds.n_generated)  # noqa: E731
-        tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p)
+        tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p,
+                                     kernels=model.cfg)
         act = ds.active
         n_gen = ds.n_generated + act.astype(jnp.int32)
         done = _is_stop(tok, stop_ids) | (n_gen >= ds.max_new)
@@ -261,21 +276,28 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, gre
     return ds, record, steps
 
 
-_init_jit = jax.jit(_init_state, static_argnums=(0, 1, 2, 3))
+_init_jit = jax.jit(_init_state, static_argnums=(0, 1, 2, 3, 4))
 
 
-def _grow_state(ds: DecodeState, new_len: int, mesh) -> DecodeState:
+def _grow_state(ds: DecodeState, new_len: int, mesh, kernels: str) -> DecodeState:
     """The state with its cache padded to `new_len` positions (new entries empty)."""
     TRACE_COUNTS["grow"] += 1
+    ks = kernels_lib.get(kernels)
     extra = new_len - ds.cache.max_len
-    k = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, extra))) for a in ds.cache.k)
-    v = tuple(jnp.pad(a, ((0, 0), (0, 0), (0, extra), (0, 0))) for a in ds.cache.v)
+
+    def pad(a, axis):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(a, widths)
+
+    k = tuple(pad(a, ks.k_seq_axis) for a in ds.cache.k)
+    v = tuple(pad(a, ks.v_seq_axis) for a in ds.cache.v)
     valid = jnp.pad(ds.cache.valid, ((0, 0), (0, extra)))
     ds = dataclasses.replace(ds, cache=KVCache(k, v, valid))
-    return _pin(ds, _state_shardings(mesh, _cache_dims(ds.cache), ds.key.shape[1:]))
+    return _pin(ds, _state_shardings(mesh, _cache_dims(ds.cache), ds.key.shape[1:], kernels))
 
 
-_grow_jit = jax.jit(_grow_state, static_argnums=(1, 2))
+_grow_jit = jax.jit(_grow_state, static_argnums=(1, 2, 3))
 
 
 def cache_capacities(max_len: int, step: int) -> list[int]:
@@ -427,7 +449,8 @@ class Sampler:
         """What identifies a decode state's shapes and placement (a state is reused when this matches)."""
         key_shape = tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
         mesh = id(self.model.mesh) if self.model.mesh else None
-        return (slots, cache_len, str(jnp.dtype(self.cfg.compute_dtype)), key_shape, mesh)
+        return (slots, cache_len, str(jnp.dtype(self.cfg.compute_dtype)), key_shape, mesh,
+                kernels_lib.resolve(self.cfg.kernels))
 
     def _ensure_state(self, slots: int, cache_len: int) -> DecodeState:
         """A state with a cache of `cache_len` positions (the previous call's state when it has that shape;
@@ -437,7 +460,7 @@ class Sampler:
         if self._state is None or self._state_config != config:
             self._state = None  # free the old cache before allocating the new one
             cache_dims = (cfg.num_layers, slots, cfg.num_kv_heads, cache_len, cfg.head_dim)
-            self._state = _init_jit(cache_dims, jnp.dtype(cfg.compute_dtype), config[3], self.model.mesh)
+            self._state = _init_jit(cache_dims, jnp.dtype(cfg.compute_dtype), config[3], self.model.mesh, config[5])
             self._state_config = config
         return self._state
 
@@ -527,7 +550,7 @@ class Sampler:
             nonlocal ds, cache_len
             if n > cache_len:
                 cache_len = capacity_for(n)
-                ds = _grow_jit(ds, cache_len, self.model.mesh)
+                ds = _grow_jit(ds, cache_len, self.model.mesh, kernels_lib.resolve(self.cfg.kernels))
                 stats["cache_resizes"] += 1
 
         try:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.algorithms.sft import logprobs_from_logits
+from posttrain.models import kernels as kernels_lib
 
 
 def filter_logits(x: jax.Array, top_k: int, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -50,52 +51,14 @@ def first_argmax(x: jax.Array, x_max: jax.Array | None = None) -> jax.Array:
     return jnp.minimum(jnp.min(idx, axis=-1), x.shape[-1] - 1).astype(jnp.int32)
 
 
-def _first_true(cond: jax.Array, fallback: jax.Array) -> jax.Array:
-    """Index of the first True along the last axis, or `fallback` where a row has none."""
-    n = cond.shape[-1]
-    first = jnp.min(jnp.where(cond, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
-    return jnp.where(first < n, first, fallback)
-
-
-def _last_positive(w: jax.Array) -> jax.Array:
-    """Index of the last entry > 0 along the last axis (0 if none)."""
-    return jnp.max(jnp.where(w > 0, jnp.arange(w.shape[-1], dtype=jnp.int32), 0), axis=-1)
-
-
-def sample_categorical(x: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Draws one index per row from softmax(x) by inverting its CDF at u [R] ~ U[0, 1).
-
-    The CDF is found in two levels (block sums over blocks of about sqrt(V) entries, then one block), so no
-    full-length cumulative sum and only one uniform number per row are needed (on CPU this is several
-    times cheaper than Gumbel-max, whose V random numbers per row dominate a decode step). Entries of x at
-    -inf (filtered) have zero width and are never drawn. Returns (indices [R] int32, logsumexp(x) [R]).
-    """
-    r, v = x.shape
-    bsize = 1 << max(0, (int(v ** 0.5) - 1).bit_length())  # a power of two >= sqrt(V)
-    nb = -(-v // bsize)
-    m = jnp.max(x, axis=-1, keepdims=True)
-    e = jnp.exp(x - m)
-    if nb * bsize != v:
-        e = jnp.pad(e, ((0, 0), (0, nb * bsize - v)))
-    blocks = e.reshape(r, nb, bsize)
-    bsum = jnp.sum(blocks, axis=-1)  # [R, nb]
-    csum = jnp.cumsum(bsum, axis=-1)
-    total = csum[:, -1]
-    target = u * total
-    b = _first_true(csum > target[:, None], _last_positive(bsum))  # the block holding the draw
-    before = jnp.where(b > 0, jnp.take_along_axis(csum, jnp.maximum(b - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-    inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [R, bsize]
-    within = _first_true(jnp.cumsum(inner, axis=-1) + before[:, None] > target[:, None], _last_positive(inner))
-    return (b * bsize + within).astype(jnp.int32), jnp.log(total) + m[:, 0]
-
-
-def choose_tokens(logits: jax.Array, keys, top_k: int, greedy, temperature, top_p, min_p):
+def choose_tokens(logits: jax.Array, keys, top_k: int, greedy, temperature, top_p, min_p, *, kernels="auto"):
     """Picks one token per row of float32 logits [R, V].
 
     keys: a function returning typed PRNG keys [R] (one per row; only called when sampling).
     greedy (a traced bool) takes the argmax of the raw logits and skips the sampling work at run time.
-    Sampling draws exactly from softmax(filtered logits / temperature) by inverting its CDF at one
-    uniform number per row (`sample_categorical`). Returns (tokens [R] int32, logprobs [R] under
+    Sampling draws exactly from softmax(filtered logits / temperature) with the kernel set's sampler
+    (`kernels`: a name or a `ModelConfig`; `posttrain.models.kernels`: Gumbel-max for generic, an
+    inverse CDF at one uniform number per row for cpu). Returns (tokens [R] int32, logprobs [R] under
     log_softmax(logits), sampling_logprobs [R] under the filtered, temperature-scaled distribution;
     0 when greedy).
     """
@@ -104,8 +67,7 @@ def choose_tokens(logits: jax.Array, keys, top_k: int, greedy, temperature, top_
 
     def sample(_):
         x = filter_logits(logits / temperature, top_k, top_p, min_p)
-        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys())
-        tok, lse = sample_categorical(x, u)
+        tok, lse = kernels_lib.get(kernels).categorical(x, keys)
         return tok, jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - lse
 
     def argmax(_):

@@ -31,6 +31,8 @@ class ModelSection:
     path: a Hugging Face folder, a hub id, or `tiny:<family>` (a small random model built on demand).
     param_dtype: dtype of the weights held (and trained: the float32 master copy with bf16 compute).
     compute_dtype: dtype of activations and matmuls (None = param_dtype).
+    kernels: the backend's kernel set (`posttrain.models.kernels`): auto = cpu on JAX's CPU backend, generic
+      (plain products, fused attention, accelerator cache layout) elsewhere.
     """
 
     path: str = "tiny:llama"
@@ -39,6 +41,7 @@ class ModelSection:
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     scan_layers: bool = True
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
+    kernels: Literal["auto", "generic", "cpu"] = "auto"
 
 
 @dataclasses.dataclass

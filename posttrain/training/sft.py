@@ -52,7 +52,8 @@ def build_model(cfg, mesh=None):
     folder = resolve_path(resolve_model_path(cfg.model.path))  # a local folder, or a hub id downloaded
     m = cfg.model
     model = from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, mesh=mesh,
-                            scan_layers=m.scan_layers, remat=m.remat, attention_impl=m.attention_impl)
+                            scan_layers=m.scan_layers, remat=m.remat, attention_impl=m.attention_impl,
+                            kernels=m.kernels)
     if cfg.lora.enabled:
         lora.attach(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, target=cfg.lora.target, seed=cfg.trainer.seed,
                     init=cfg.lora.init)

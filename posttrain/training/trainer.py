@@ -125,7 +125,7 @@ class Trainer:
         self._opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
         self._step_fns: dict[Any, Callable] = {}
         self._eval_fns: dict[Any, Callable] = {}
-        self._logprob_fns: dict[bool, Callable] = {}
+        self._logprob_fns: dict[tuple, Callable] = {}
 
     # ------------------------------------------------------------------ state
     def _init_opt_state(self, params):
@@ -304,10 +304,11 @@ class Trainer:
         ls, w = jax.device_get(fn(self.params, self.rest, self.put_batch(batch)))
         return float(ls), float(w)
 
-    def logprob_fn(self, *, adapters: bool = True) -> Callable:
+    def logprob_fn(self, *, adapters: bool = True, last: int | None = None) -> Callable:
         """The jitted pure function (params, rest, input_ids, attention_mask, positions, segment_ids) ->
-        [B, T-1] per-token log-probs (chunked log-softmax); `adapters=False` gives the base model."""
-        fn = self._logprob_fns.get(adapters)
+        [B, T-1] per-token log-probs (chunked log-softmax), or [B, last] for the last `last` tokens only
+        (the vocabulary projected at those positions only); `adapters=False` gives the base model."""
+        fn = self._logprob_fns.get((adapters, last))
         if fn is None:
             from posttrain.algorithms.sft import token_logprobs
 
@@ -317,16 +318,22 @@ class Trainer:
             def lp(params, rest, input_ids, attention_mask, positions, segment_ids):
                 model = nnx.merge(graphdef, params, rest)
                 return token_logprobs(model, input_ids, attention_mask=attention_mask, positions=positions,
-                                      segment_ids=segment_ids, chunk_size=chunk)
+                                      segment_ids=segment_ids, chunk_size=chunk, last=last)
 
-            fn = self._logprob_fns[adapters] = jax.jit(lp)
+            fn = self._logprob_fns[(adapters, last)] = jax.jit(lp)
         return fn
 
-    def token_logprobs(self, batch: dict[str, Any], *, adapters: bool = True, params=None) -> jax.Array:
+    def token_logprobs(self, batch: dict[str, Any], *, adapters: bool = True, params=None,
+                       last: int | None = None) -> jax.Array:
         """log p(input_ids[:, t+1] | ..t) [B, T-1] under the current (or given) params; `adapters=False`
-        (LoRA models) scores with the adapters switched off: the base model, RL's reference policy."""
+        (LoRA models) scores with the adapters switched off: the base model, RL's reference policy.
+
+        `last` = C returns only the last C tokens' log-probs [B, C], projecting the vocabulary at those
+        positions only: for an RL batch (`posttrain.rl.batch`), `last=batch["completion_mask"].shape[1]`
+        gives the completion columns directly (what `completion_logprobs` slices out of the full result).
+        """
         dev = self.put_batch(batch)
-        return self.logprob_fn(adapters=adapters)(
+        return self.logprob_fn(adapters=adapters, last=last)(
             self.params if params is None else params, self.rest, dev["input_ids"], dev.get("attention_mask"),
             dev.get("positions"), dev.get("segment_ids"))
 

@@ -1,0 +1,311 @@
+"""Kernel sets: the one place where the code differs by backend (`ModelConfig.kernels: auto | generic | cpu`).
+
+`auto` resolves once, when a model is built (`resolve`): the environment variable `POSTTRAIN_KERNELS`
+(generic | cpu) when it is set (the test suite forces the generic path with it), else `cpu` on JAX's CPU
+backend and `generic` everywhere else. Model, attention and sampler code never look at the backend; they
+ask the kernel set of their config (`get(cfg)`).
+
+`generic` (GPU, TPU; also runs on CPU): what an accelerator compiler wants.
+- Linear maps are plain `jnp.tensordot` products with autodiff's backward (the remat policies see them).
+- The KV cache stores k and v as [slots, max_len, kv_heads, head_dim], the layout of
+  `jax.nn.dot_product_attention`; no step transposes it.
+- Attention is `jax.nn.dot_product_attention`; with `attention_impl: auto` on a GPU in bf16/fp16 it asks
+  for cuDNN flash attention, and falls back to XLA's implementation only when cuDNN reports the
+  configuration unsupported (`NotImplementedError`, raised while tracing) or a static check rules it out
+  (head_dim > 256 or not a multiple of 8); any other error propagates.
+- Cached calls of many tokens (prefill) scan over the layers (one compiled layer body); one-token calls
+  (decode) unroll them so that each layer updates its own cache buffers in place (a stacked cache in a
+  scan would copy every layer's cache slice each step, tripling the memory traffic of decode).
+- Sampling draws with `jax.random.categorical` (Gumbel-max).
+
+`cpu` (XLA's CPU backend, tuned on a 2-core machine; identical results up to float rounding):
+- `contract`: a hand-written backward whose weight gradient is x^T @ dy on an explicitly transposed x
+  behind an optimization barrier (XLA:CPU otherwise feeds its matmul library a strided transposed copy
+  of dy, about a fifth of a training step on the benchmark model).
+- KV cache keys transposed per layer, k [slots, kv_heads, head_dim, max_len], values
+  [slots, kv_heads, max_len, head_dim]; decode attention as two small batched products that stream the
+  cache along rows (about twice as fast as summing q.k along the contiguous head_dim on CPU).
+- Cached calls unroll the layers; the decode loop slices the per-layer weights once, outside its
+  `while_loop` (on CPU a slice inside the loop is a copy every step).
+- Sampling inverts a two-level CDF at one uniform number per row (Gumbel-max's V random numbers per row
+  dominate a CPU decode step).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+CHOICES = ("auto", "generic", "cpu")
+LINEAR_NAME = "posttrain_linear"  # checkpoint name of the cpu set's linear products (see CpuKernels.remat_policy)
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+ENV_VAR = "POSTTRAIN_KERNELS"
+
+
+@functools.cache
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def resolve(name: str = "auto") -> str:
+    """The concrete kernel set (`generic` or `cpu`) that `name` stands for (see the module docstring)."""
+    if name not in CHOICES:
+        raise ValueError(f"kernels={name!r}; accepted: {', '.join(CHOICES)}")
+    if name != "auto":
+        return name
+    env = os.environ.get(ENV_VAR, "").strip().lower()
+    if env and env != "auto":
+        if env not in CHOICES:
+            raise ValueError(f"{ENV_VAR}={env!r}; accepted: {', '.join(CHOICES)}")
+        return env
+    return "cpu" if _platform() == "cpu" else "generic"
+
+
+def get(cfg_or_name) -> "GenericKernels":
+    """The kernel set of a `ModelConfig` (its `kernels` field) or of a name."""
+    name = cfg_or_name if isinstance(cfg_or_name, str) else getattr(cfg_or_name, "kernels", "auto")
+    return _SETS[resolve(name)]
+
+
+# ---------------------------------------------------------------------- shared attention math
+def masked_probs(logits, mask, cfg):
+    """softmax over keys of float32 q.k logits: scaled, soft-capped (Gemma 2) when configured, masked."""
+    logits = logits * cfg.attn_scale
+    if cfg.attn_logit_softcap is not None:
+        cap = cfg.attn_logit_softcap
+        logits = jnp.tanh(logits / cap) * cap
+    return jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)
+
+
+def einsum_attention(q, k, v, mask, cfg):
+    """Explicit GQA attention (for soft-capped logits, which the fused kernels do not take).
+    q [B,T,N,H], k/v [B,S,K,H], mask [B,1,T,S] bool."""
+    b, t, n, h = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, n // kvh, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    probs = masked_probs(logits, mask[:, :, None], cfg).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def _uniform_rows(keys_fn):
+    return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_fn())
+
+
+# ---------------------------------------------------------------------- generic
+class GenericKernels:
+    """Plain JAX for accelerators (see the module docstring). Instances are stateless singletons."""
+
+    name = "generic"
+    #: cached calls with more than one token (prefill) scan over the layers when `cfg.scan_layers`
+    scan_prefill = True
+    #: the decode loop slices the per-layer weights once, before its `while_loop`
+    preslice_decode_weights = False
+
+    def __repr__(self):
+        return f"<kernels {self.name}>"
+
+    def remat_policy(self, remat: str):
+        """The `jax.checkpoint` policy of `ModelConfig.remat` (none | full | dots | dots_no_batch) for this set."""
+        return _REMAT_POLICIES[remat]
+
+    # -------------------------------------------------------------- products
+    def contract(self, x, w, n_in: int, out_dtype=None):
+        """x [..., *in] @ w [*in, *out] -> [..., *out], accumulated and returned in `out_dtype`."""
+        return jnp.tensordot(x, w, axes=n_in, preferred_element_type=out_dtype)
+
+    # -------------------------------------------------------------- KV cache layout
+    k_axes = ("batch", "seq", "kv_heads", "head_dim")
+    v_axes = ("batch", "seq", "kv_heads", "head_dim")
+    k_seq_axis = 1
+    v_seq_axis = 1
+
+    def cache_shapes(self, kv_heads: int, head_dim: int, slots: int, max_len: int):
+        """(k shape, v shape) of one layer's cache arrays."""
+        s = (slots, max_len, kv_heads, head_dim)
+        return s, s
+
+    def cache_write(self, k_c, v_c, k, v, positions):
+        """Writes k/v [B,T,K,H] of the call's tokens at their positions [B,T] of the layer's cache."""
+        b = jnp.arange(k.shape[0])[:, None]
+        pos = jnp.clip(positions, 0, v_c.shape[self.v_seq_axis] - 1)
+        return k_c.at[b, pos].set(k.astype(k_c.dtype)), v_c.at[b, pos].set(v.astype(v_c.dtype))
+
+    def attend_cached(self, q, k_c, v_c, mask, cfg):
+        """Attention of q [B,T,N,H] over one layer's cache arrays; mask [B,1,T,S]."""
+        return self.attend(q, k_c.astype(q.dtype), v_c.astype(q.dtype), mask, cfg)
+
+    # -------------------------------------------------------------- attention
+    def _flash_applies(self, q, cfg) -> bool:
+        if cfg.attention_impl == "cudnn":
+            return True
+        return (cfg.attention_impl == "auto" and _platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+                and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0)
+
+    def attend(self, q, k, v, mask, cfg):
+        """softmax(q k^T * scale) v with GQA; q [B,T,N,H], k/v [B,S,K,H], mask [B,1,T,S] bool."""
+        if cfg.attn_logit_softcap is not None:
+            return einsum_attention(q, k, v, mask, cfg)
+        if self._flash_applies(q, cfg):
+            try:
+                return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=cfg.attn_scale,
+                                                    implementation="cudnn")
+            except NotImplementedError as e:  # cuDNN's own "configuration not supported" checks
+                if cfg.attention_impl == "cudnn":
+                    raise
+                _warn_once(f"cuDNN flash attention does not take this configuration ({e}); using XLA's attention")
+        impl = "xla" if cfg.attention_impl in ("auto", "cudnn") else cfg.attention_impl
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=cfg.attn_scale, implementation=impl)
+
+    # -------------------------------------------------------------- sampling
+    def categorical(self, x, keys_fn):
+        """One draw per row from softmax(x) (x [R, V] float32, -inf = excluded); keys_fn() -> keys [R].
+        Returns (indices [R] int32, logsumexp(x) [R])."""
+        tok = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys_fn(), x)
+        return tok.astype(jnp.int32), jax.nn.logsumexp(x, axis=-1)
+
+
+@functools.cache
+def _warn_once(msg: str):
+    warnings.warn(msg, stacklevel=3)
+
+
+# ---------------------------------------------------------------------- cpu
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def contract_cpu(x: jax.Array, w: jax.Array, n_in: int, out_dtype=None) -> jax.Array:
+    """`jnp.tensordot(x, w, n_in)` with the CPU-tuned backward pass (see the module docstring)."""
+    return jnp.tensordot(x, w, axes=n_in, preferred_element_type=out_dtype)
+
+
+def _contract_fwd(x, w, n_in, out_dtype):
+    return contract_cpu(x, w, n_in, out_dtype), (x, w)
+
+
+def _contract_bwd(n_in, out_dtype, res, dy):
+    x, w = res
+    n_out = w.ndim - n_in
+    out_axes = tuple(range(n_in, w.ndim))
+    dx = jnp.tensordot(dy, w, axes=(tuple(range(dy.ndim - n_out, dy.ndim)), out_axes)).astype(x.dtype)
+    d_in = math.prod(w.shape[:n_in])
+    xt = jax.lax.optimization_barrier(x.reshape(-1, d_in).T)  # [in, tokens], materialised once
+    dw = jnp.dot(xt, dy.reshape(-1, math.prod(w.shape[n_in:])).astype(xt.dtype),
+                 preferred_element_type=jnp.float32)
+    return dx, dw.reshape(w.shape).astype(w.dtype)
+
+
+contract_cpu.defvjp(_contract_fwd, _contract_bwd)
+
+
+def _first_true(cond: jax.Array, fallback: jax.Array) -> jax.Array:
+    """Index of the first True along the last axis, or `fallback` where a row has none."""
+    n = cond.shape[-1]
+    first = jnp.min(jnp.where(cond, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+    return jnp.where(first < n, first, fallback)
+
+
+def _last_positive(w: jax.Array) -> jax.Array:
+    """Index of the last entry > 0 along the last axis (0 if none)."""
+    return jnp.max(jnp.where(w > 0, jnp.arange(w.shape[-1], dtype=jnp.int32), 0), axis=-1)
+
+
+def sample_categorical(x: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draws one index per row from softmax(x) by inverting its CDF at u [R] ~ U[0, 1).
+
+    The CDF is found in two levels (block sums over blocks of about sqrt(V) entries, then one block), so no
+    full-length cumulative sum and only one uniform number per row are needed. Entries of x at -inf
+    (filtered) have zero width and are never drawn. Returns (indices [R] int32, logsumexp(x) [R]).
+    """
+    r, v = x.shape
+    bsize = 1 << max(0, (int(v ** 0.5) - 1).bit_length())  # a power of two >= sqrt(V)
+    nb = -(-v // bsize)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x - m)
+    if nb * bsize != v:
+        e = jnp.pad(e, ((0, 0), (0, nb * bsize - v)))
+    blocks = e.reshape(r, nb, bsize)
+    bsum = jnp.sum(blocks, axis=-1)  # [R, nb]
+    csum = jnp.cumsum(bsum, axis=-1)
+    total = csum[:, -1]
+    target = u * total
+    b = _first_true(csum > target[:, None], _last_positive(bsum))  # the block holding the draw
+    before = jnp.where(b > 0, jnp.take_along_axis(csum, jnp.maximum(b - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [R, bsize]
+    within = _first_true(jnp.cumsum(inner, axis=-1) + before[:, None] > target[:, None], _last_positive(inner))
+    return (b * bsize + within).astype(jnp.int32), jnp.log(total) + m[:, 0]
+
+
+def attend_one_query(q, k_t, v, mask, cfg):
+    """Attention of one query per row (decode) over a cache in the CPU layouts (k_t [B,K,H,S], v [B,K,S,H]):
+    per (slot, kv head) a [G,H] x [H,S] and a [G,S] x [S,H] product, accumulated in float32.
+    q [B,1,N,H], mask [B,1,1,S]."""
+    b, _, n, h = q.shape
+    kvh = k_t.shape[1]
+    qg = q.reshape(b, kvh, n // kvh, h)  # [B,K,G,H]
+    logits = jnp.einsum("bkgh,bkhs->bkgs", qg, k_t, preferred_element_type=jnp.float32)
+    probs = masked_probs(logits, mask[:, :, 0, None, :], cfg).astype(v.dtype)
+    out = jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=jnp.float32)  # [B,K,G,H]
+    return out.reshape(b, 1, n, h).astype(q.dtype)
+
+
+class CpuKernels(GenericKernels):
+    """The CPU-tuned pieces (see the module docstring)."""
+
+    name = "cpu"
+    scan_prefill = False
+    preslice_decode_weights = True
+
+    def contract(self, x, w, n_in: int, out_dtype=None):
+        # The custom_vjp call hides its product from remat policies: the name lets "dots" policies save it.
+        return checkpoint_name(contract_cpu(x, w, n_in, out_dtype), LINEAR_NAME)
+
+    def remat_policy(self, remat: str):
+        policy = _REMAT_POLICIES[remat]
+        if remat in ("dots", "dots_no_batch"):
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                policy, jax.checkpoint_policies.save_only_these_names(LINEAR_NAME))
+        return policy
+
+    k_axes = ("batch", "kv_heads", "head_dim", "seq")
+    v_axes = ("batch", "kv_heads", "seq", "head_dim")
+    k_seq_axis = 3
+    v_seq_axis = 2
+
+    def cache_shapes(self, kv_heads: int, head_dim: int, slots: int, max_len: int):
+        return (slots, kv_heads, head_dim, max_len), (slots, kv_heads, max_len, head_dim)
+
+    def cache_write(self, k_c, v_c, k, v, positions):
+        b = jnp.arange(k.shape[0])[:, None]
+        pos = jnp.clip(positions, 0, v_c.shape[self.v_seq_axis] - 1)
+        k_c = k_c.at[b, :, :, pos].set(k.astype(k_c.dtype))  # index [B,T] + slices K, H -> value [B,T,K,H]
+        v_c = v_c.at[b, :, pos].set(v.astype(v_c.dtype))
+        return k_c, v_c
+
+    def attend_cached(self, q, k_c, v_c, mask, cfg):
+        if q.shape[1] == 1:
+            return attend_one_query(q, k_c.astype(q.dtype), v_c.astype(q.dtype), mask, cfg)
+        k = k_c.transpose(0, 3, 1, 2).astype(q.dtype)  # [B, S, K, H] for the many-query path
+        v = v_c.swapaxes(1, 2).astype(q.dtype)
+        return self.attend(q, k, v, mask, cfg)
+
+    def attend(self, q, k, v, mask, cfg):
+        if cfg.attn_logit_softcap is not None:
+            return einsum_attention(q, k, v, mask, cfg)
+        impl = None if cfg.attention_impl == "auto" else cfg.attention_impl
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=cfg.attn_scale, implementation=impl)
+
+    def categorical(self, x, keys_fn):
+        return sample_categorical(x, _uniform_rows(keys_fn))
+
+
+_SETS = {"generic": GenericKernels(), "cpu": CpuKernels()}
