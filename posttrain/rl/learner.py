@@ -15,13 +15,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from posttrain.rl.batch import completion_logprobs
-
 __all__ = ["Learner", "FrozenScorer"]
 
 
 class FrozenScorer:
-    """Per-token log-probs [B, T-1] of a frozen model (no gradients, no optimizer state), on the trainer's mesh."""
+    """Per-token log-probs of a frozen model (no gradients, no optimizer state), on the trainer's mesh: [B, T-1],
+    or [B, C] for the last C tokens with `last=C` (the vocabulary projected there only)."""
 
     def __init__(self, model, trainer, chunk_size: int | None = None):
         from posttrain import distributed
@@ -32,22 +31,22 @@ class FrozenScorer:
         graphdef, self.state = nnx.split(model)
         self.put_batch = trainer.put_batch
 
-        def lp(state, input_ids, attention_mask, positions):
+        def lp(state, input_ids, attention_mask, positions, last):
             return token_logprobs(nnx.merge(graphdef, state), input_ids, attention_mask=attention_mask,
-                                  positions=positions, chunk_size=chunk_size)
+                                  positions=positions, chunk_size=chunk_size, last=last)
 
-        self._fn = jax.jit(lp)
+        self._fn = jax.jit(lp, static_argnums=4)
 
-    def __call__(self, batch) -> np.ndarray:
+    def __call__(self, batch, last: int | None = None) -> np.ndarray:
         dev = self.put_batch({k: batch[k] for k in ("input_ids", "attention_mask", "positions")})
-        return np.asarray(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"]))
+        return np.asarray(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"], last))
 
 
 class Learner:
     """Applies one RL step's updates to a `Trainer` (see the module docstring)."""
 
     def __init__(self, trainer, loss_fn, *, ppo_epochs: int, minibatches: int, seed: int, recompute_old: bool,
-                 correct_off_policy: bool, ref_fn: Callable[[dict], np.ndarray] | None = None):
+                 correct_off_policy: bool, ref_fn: Callable[..., np.ndarray] | None = None):
         self.trainer, self.loss_fn = trainer, loss_fn
         self.ppo_epochs, self.minibatches, self.seed = ppo_epochs, minibatches, seed
         self.recompute_old, self.correct_off_policy, self.ref_fn = recompute_old, correct_off_policy, ref_fn
@@ -57,10 +56,11 @@ class Learner:
         n, mb, accum = len(batch["advantages"]), self.minibatches, self.trainer.grad_accum
         if n % mb or (n // mb) % accum:
             raise ValueError(f"{n} rollouts do not split into algorithm.minibatches={mb} x trainer.grad_accum={accum}")
+        c = batch["completion_mask"].shape[1]  # the vocabulary is projected at the completion columns only
         if self.recompute_old or (policy_moved and self.correct_off_policy):
-            batch["old_logp"] = completion_logprobs(self.trainer.token_logprobs(batch), batch)
+            batch["old_logp"] = np.asarray(self.trainer.token_logprobs(batch, last=c))
         if self.ref_fn is not None:
-            batch["ref_logp"] = completion_logprobs(self.ref_fn(batch), batch)
+            batch["ref_logp"] = np.asarray(self.ref_fn(batch, last=c))
         rng = np.random.default_rng([self.seed, step])
         metrics: list[dict[str, float]] = []
         for _ in range(self.ppo_epochs):

@@ -151,7 +151,7 @@ class RLRun:
         ref_fn = None
         if kw["beta"] > 0:
             if trainer.has_lora:  # the base model with adapters off: no second copy of the weights
-                ref_fn = lambda batch: np.asarray(trainer.token_logprobs(batch, adapters=False))  # noqa: E731
+                ref_fn = lambda batch, last: trainer.token_logprobs(batch, adapters=False, last=last)  # noqa: E731
             else:
                 ref_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
                 ref_fn = FrozenScorer(build_model(ref_cfg, mesh)[0], trainer, chunk)
