@@ -11,6 +11,16 @@
    dispatcher's own cost per prompt group (lease + complete + take + commit).
 4. A scaling model fed by these measurements (see `scaling_model`), printed for 8, 64 and 512 workers.
 
+Where the scaling model stops holding: (a) one parameter-server actor serves every pull, so its node's egress
+(workers x weights MB per publish) bounds the step once it exceeds the step time: at 512 workers and a 1.5B
+model in bf16 (~3 GB) that is 1.5 TB per version, so beyond a few dozen workers per version the weights must
+fan out through per-node object stores or a broadcast tree (one pull per node, not per worker); (b) the
+trainer's time is taken as linear in 1 / trainer devices (data parallel), which holds while the per-device
+batch stays large enough; (c) the dispatcher is one Python object in the trainer process: at ~10 us per
+group it is negligible up to ~10^4 groups per step; (d) generation time per group is taken as constant,
+i.e. workers kept busy with leases and no slow stragglers (the staleness bound makes the trainer wait for
+the slowest lease of a batch).
+
     python benchmarks/bench_fleet.py [--steps 20] [--warmup 3] [--work-dir /tmp/bench_fleet] [--modes ...]
 """
 
