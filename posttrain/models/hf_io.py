@@ -82,11 +82,13 @@ def _param_entries(state: nnx.State):
 
 # ---------------------------------------------------------------------- reading
 def resolve_path(path: str | os.PathLike) -> Path:
-    """A local checkpoint folder, or a hub id downloaded with huggingface_hub (clear error when offline)."""
+    """A local checkpoint folder or GGUF file, or a hub id downloaded with huggingface_hub (clear error when
+    offline)."""
     p = Path(path).expanduser()
     if p.exists():
-        if not p.is_dir():
-            raise CheckpointError(f"{p} is a file; expected a Hugging Face checkpoint folder (config.json + *.safetensors)")
+        if not p.is_dir() and p.suffix != ".gguf":
+            raise CheckpointError(f"{p} is a file; expected a Hugging Face checkpoint folder (config.json + "
+                                  "*.safetensors) or a .gguf file")
         return p
     text = str(path)
     looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
