@@ -41,7 +41,7 @@ def make_source(run: RLRun):
 
 def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
     """Runs (or resumes) an RL job; `stop_after` ends the loop early, as a crash would (for resume tests)."""
-    run = RLRun.create(cfg)
+    run = RLRun(cfg)
     source = None
     step = finished = 0
     hf_dir = None

@@ -1,6 +1,6 @@
 """What an RL run holds besides its loop: data, rewards, model, trainer, learner, dispatcher, checkpoints, logs.
 
-`RLRun.create(cfg)` does every set-up step once (rewards are checked against the data before any model
+`RLRun(cfg)` does every set-up step once (rewards are checked against the data before any model
 loads); the loop (`posttrain.rl.loop`) then only calls named steps on it: `resume`, `prepare`,
 `after_step` (logs, held-out evaluation, checkpoint), `finish` (final evaluation, checkpoint, HF export).
 
@@ -173,10 +173,6 @@ class RLRun:
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, Any]] = []
         self.logger = self.samples_file = self.trained_file = None
-
-    @classmethod
-    def create(cls, cfg: RLConfig) -> "RLRun":
-        return cls(cfg)
 
     # ------------------------------------------------------------------ pieces the sources use
     def local_sampler(self):

@@ -64,7 +64,7 @@ class FleetSource(RolloutSource):
         self.delivered = False  # until the first result, start_timeout_s applies (model load, compiles)
         self.task_errors = 0
         self.restarts = collections.Counter()
-        self._window = collections.Counter()  # per-step sums: samples, tokens, busy_s, pull_s, results
+        self._window = collections.Counter()  # per-step sums: samples, pull_s, results
         self._t_window = time.monotonic()
         self._publish = (0.0, 0)  # seconds and bytes of the last publish
         self._busy_total, self._t_start = 0.0, time.monotonic()
@@ -126,7 +126,6 @@ class FleetSource(RolloutSource):
         self.last_result = time.monotonic()
         w = self._window
         w["samples"] += len(res["rollouts"])
-        w["tokens"] += res["tokens"]
         self._busy_total += res["seconds"]
         w["pull_s"] += res["pull_s"]
         w["results"] += 1
