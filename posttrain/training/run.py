@@ -229,12 +229,14 @@ class Run:
     # ------------------------------------------------------------------ the supervised loop
     def fit(self, data_iter: Iterator[dict], *, loss_fn=None, evaluate: Callable[[], dict[str, float]] | None = None,
             stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
-            seq_len: int | None = None, step_kwargs: dict | None = None) -> FitResult:
+            seq_len: int | None = None, step_kwargs: dict | None = None,
+            evaluate_at_start: bool = False) -> FitResult:
         """The step loop of a supervised command (sft, dpo, distill): batch -> trainer.step -> divergence
         check -> logs (throughput, MFU) -> periodic evaluation -> periodic checkpoint (with the data
         position), from `start_step + 1` to trainer.max_steps (or `stop_after`, as if interrupted).
 
-        evaluate() -> metrics (named eval_*/eval/*) runs every trainer.eval_every steps and at the last step.
+        evaluate() -> metrics (named eval_*/eval/*) runs every trainer.eval_every steps and at the last step
+        (and, with `evaluate_at_start`, before the first step of a fresh run, logged as step 0).
         batch_hook(step, batch) -> batch: applied to every host batch (tests). step_kwargs: passed to
         `trainer.step` (e.g. rows_per_example).
         """
@@ -253,6 +255,9 @@ class Run:
         end = tc.max_steps if stop_after is None else min(tc.max_steps, stop_after)
         step_kwargs = step_kwargs or {}
         data_state = None
+        if evaluate is not None and evaluate_at_start and start == 0 and end > 0:
+            last_eval = dict(evaluate())
+            logger.log(0, last_eval)
         for step in range(start + 1, end + 1):
             batch = next(data_iter)
             if batch_hook is not None:
