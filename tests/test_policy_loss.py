@@ -242,6 +242,20 @@ def test_presets_match_papers_and_run():
         assert np.isfinite(float(loss)), name
 
 
+def test_presets_are_typed_with_one_source_of_defaults():
+    from posttrain.rl.config import AlgorithmConfig
+
+    assert registry.PRESETS["dapo"] == registry.DAPO() and isinstance(registry.PRESETS["dapo"], registry.GRPOFamily)
+    resolved = AlgorithmConfig(preset="gspo", beta=0.01).resolved()
+    assert isinstance(resolved, registry.GSPO) and resolved.beta == 0.01 and resolved.epsilon_low == 3e-4
+    assert registry.PRESETS["gspo"].beta == 0.0  # the registry's instance is not changed by an override
+    assert AlgorithmConfig(preset="dapo").resolved() == registry.DAPO()  # None fields keep the class's defaults
+    with pytest.raises(ValueError, match=r"algorithm.aggregation='seq_sum' is not known; accepted: \['seq_mean_token_mean'"):
+        registry.get_preset("grpo", aggregation="seq_sum")
+    with pytest.raises(ValueError, match="algorithm.epsilon_low must be >= 0"):
+        registry.get_preset("grpo", epsilon_low=-0.1)
+
+
 def test_truncated_importance_weights_hand_computed():
     from posttrain.algorithms.policy import truncated_is_weights
 

@@ -1,7 +1,7 @@
 """Typed config of an RL run (`posttrain rl CONFIG.yaml key=value ...`), reusing the training sections.
 
-The algorithm section starts from a named preset (`grpo`, `dr_grpo`, `dapo`, `gspo`, `rloo`; see
-`posttrain.algorithms.registry`) and any field set to a value overrides the preset's.
+The algorithm section starts from a named preset (`grpo`, `dr_grpo`, `dapo`, `gspo`, `rloo`: typed classes in
+`posttrain.algorithms.registry`, which hold the defaults) and any field set to a value overrides the preset's.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ class AlgorithmConfig:
     is_level: Literal["token", "sequence", "none"] = "token"
     is_cap: float = 2.0
 
-    def resolved(self) -> dict[str, Any]:
+    def resolved(self):
+        """The typed preset (`posttrain.algorithms.registry.GRPOFamily`, the one source of the defaults) with
+        every field set here applied."""
         from posttrain.algorithms.registry import get_preset
 
         overrides = {
