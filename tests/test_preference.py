@@ -138,6 +138,8 @@ def test_formats_explicit_implicit_text_and_conversation(tok):
     (ids, mask), _ = a
     assert "3" in _resp(tok, ids, mask) and "1+2=" not in _resp(tok, ids, mask)
     assert "1+2=" in tok.decode(ids)
+    # chat=true renders text records as the same user and assistant turns
+    assert encode_pair({"prompt": "1+2=", "chosen": "3", "rejected": "4"}, tok, PreferenceFormat(chat=True), "x") == a
 
 
 def test_bad_records_name_file_line_and_field(tmp_path, tok):
