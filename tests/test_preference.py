@@ -203,6 +203,34 @@ def test_dpo_grad_accum_equals_one_big_batch(tok):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+def test_precomputed_reference_equals_the_reference_in_the_step(tok, tmp_path):
+    from posttrain.data.preference import stack_pairs
+    from posttrain.models.config import llama_like
+    from posttrain.models.transformer import init_model
+    from posttrain.training.config import OptimConfig
+    from posttrain.training.dpo import cached_reference, precompute_reference
+    from posttrain.training.optim import make_optimizer
+    from posttrain.training.trainer import Trainer
+
+    cfg = llama_like(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                     num_kv_heads=2)
+    recs = [json.loads(x) for x in (ROOT / "tests" / "data" / "dpo_tiny.jsonl").read_text().splitlines()[:6]]
+    pairs = encode_pairs(recs, tok, PreferenceFormat(), seq_len=40)
+    tx = make_optimizer(OptimConfig(name="sgd", lr=0.1, momentum=0.0, decay="constant"), 4)[0]
+    tr = Trainer(init_model(cfg, seed=0), tx, donate=False, frozen={"reference": init_model(cfg, seed=3)})
+    cache = tmp_path / "ref.npz"
+    ref = precompute_reference(tr, "reference", pairs, 4, cache, "fp1")  # 6 pairs in batches of 4: a filler pair
+    assert ref.shape == (6, 2)
+    np.testing.assert_array_equal(cached_reference(cache, "fp1"), ref)
+    assert cached_reference(cache, "other data or model") is None
+    batch = stack_pairs([pairs[i] for i in range(6)], 6)
+    spec = P.make_preset("ipo", beta=0.5)
+    in_step = tr.eval_sums(batch, P.make_preference_loss(spec, reference="reference"))
+    pre = tr.eval_sums(dict(batch, ref_logps=ref.reshape(-1)), P.make_preference_loss(spec, reference="precomputed"))
+    assert pre[0] == pytest.approx(in_step[0], rel=1e-5) and pre[1] == in_step[1] == 6
+    assert pre[2]["rewards/margins"][0] == pytest.approx(in_step[2]["rewards/margins"][0], rel=1e-4, abs=1e-5)
+
+
 # ---------------------------------------------------------------------- parity with TRL 1.16
 def _hf_grads(grads_state):
     """Our gradient State -> {HF tensor name: array} (the exporter's name and layout mapping)."""

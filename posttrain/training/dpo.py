@@ -160,21 +160,26 @@ def _fingerprint(arrays: dict, cfg: DPOConfig) -> str:
     h = hashlib.sha256()
     for k in ("input_ids", "loss_mask"):
         h.update(arrays[k].tobytes())
-    h.update(repr((cfg.model.path, cfg.algorithm.reference_path, cfg.model.param_dtype, cfg.model.compute_dtype,
-                   cfg.lora.enabled)).encode())
+    h.update(repr((cfg.model.path, cfg.algorithm.reference_path, cfg.algorithm.reference, cfg.model.param_dtype,
+                   cfg.model.compute_dtype, cfg.lora.enabled, cfg.lora.quantize, cfg.lora.block_size)).encode())
     return h.hexdigest()[:16]
 
 
-def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Path | None, cfg: DPOConfig):
-    """Reference sequence log-probs of every pair, [P, 2] (loaded from `cache` when it matches the data and
-    model, else computed and written there)."""
+def cached_reference(cache: Path, fingerprint: str):
+    """The cached reference log-probs [P, 2] when `cache` holds them for this fingerprint, else None."""
     import numpy as np
 
-    fp = _fingerprint(pairs.arrays, cfg)
-    if cache is not None and cache.exists():
-        with np.load(cache) as z:
-            if str(z["fingerprint"]) == fp:
-                return z["ref_logps"]
+    if not cache.exists():
+        return None
+    with np.load(cache) as z:
+        return np.asarray(z["ref_logps"]) if str(z["fingerprint"]) == fingerprint else None
+
+
+def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Path | None, fingerprint: str = ""):
+    """Reference sequence log-probs of every pair [P, 2], scored with the frozen model `name` ("base": the
+    LoRA model with adapters off) and written atomically to `cache` with the data/model fingerprint."""
+    import numpy as np
+
     out = []
     for b in _batches(pairs.arrays, batch_pairs):
         lp = np.asarray(trainer.frozen_token_logprobs(name, b))
@@ -182,7 +187,7 @@ def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Pat
     ref = np.concatenate(out)[: len(pairs)].astype(np.float32)
     if cache is not None:
         tmp = cache.with_name(cache.name + ".tmp.npz")
-        np.savez(tmp, ref_logps=ref, fingerprint=np.asarray(fp))
+        np.savez(tmp, ref_logps=ref, fingerprint=np.asarray(fingerprint))
         tmp.replace(cache)
     return ref
 
@@ -216,19 +221,26 @@ def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callab
         # the trainer first (LoRA decides where the reference comes from), then the loss
         trainer = run.build_trainer()
         reference = _reference_source(cfg, spec, trainer.has_lora)
-        if reference == "reference":
-            trainer.add_frozen("reference", run.frozen_model(a.reference_path))
         extra = eval_extra = None
         if reference != "none" and a.precompute_reference:
-            ref = precompute_reference(trainer, reference, train_pairs, d.batch_size, run.out / "reference_logps.npz", cfg)
-            extra = {"ref_logps": ref}
+            # scored once and cached with the run: a resume reads the cache and never loads the reference
+            jobs = [(train_pairs, run.out / "reference_logps.npz")]
             if eval_pairs is not None:
-                eval_extra = {"ref_logps": precompute_reference(trainer, reference, eval_pairs, d.batch_size,
-                                                                run.out / "reference_logps_eval.npz", cfg)}
-            if reference == "reference":  # no longer needed: free its memory
-                trainer.frozen_states.pop("reference")
-                trainer.frozen_graphdefs.pop("reference")
+                jobs.append((eval_pairs, run.out / "reference_logps_eval.npz"))
+            fps = [_fingerprint(p.arrays, cfg) for p, _ in jobs]
+            refs = [cached_reference(path, fp) for (_, path), fp in zip(jobs, fps)]
+            if any(r is None for r in refs):
+                if reference == "reference":
+                    trainer.add_frozen("reference", run.frozen_model(a.reference_path))
+                refs = [r if r is not None else precompute_reference(trainer, reference, p, d.batch_size, path, fp)
+                        for r, (p, path), fp in zip(refs, jobs, fps)]
+                if reference == "reference":  # no longer needed: free its memory
+                    trainer.remove_frozen("reference")
+            extra = {"ref_logps": refs[0]}
+            eval_extra = {"ref_logps": refs[1]} if eval_pairs is not None else None
             reference = "precomputed"
+        elif reference == "reference":
+            trainer.add_frozen("reference", run.frozen_model(a.reference_path))
         loss_fn = make_preference_loss(spec, reference=reference, chunk_size=chunk, nll_on_prompt=a.nll_on_prompt)
         trainer.loss_fn = loss_fn
         train_ds = build_preference_dataset(train_pairs, tok, seq_len=d.seq_len, batch_pairs=d.batch_size,

@@ -176,6 +176,14 @@ class Trainer:
         self._step_fns.clear()
         self._eval_fns.clear()
 
+    def remove_frozen(self, name: str) -> None:
+        """Drops the frozen model `name` (frees its memory once nothing else holds it)."""
+        self.frozen_states.pop(name)
+        self.frozen_graphdefs.pop(name)
+        self._step_fns.clear()
+        self._eval_fns.clear()
+        self._logprob_fns = {k: v for k, v in self._logprob_fns.items() if k[:2] != ("frozen", name)}
+
     def _frozen_args(self, loss_fn) -> dict[str, Any]:
         """The frozen states a loss needs (the arguments of its compiled step)."""
         names = getattr(loss_fn, "names", None) if isinstance(loss_fn, UsesFrozen) else None
