@@ -207,7 +207,8 @@ def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callab
     if not d.train:
         raise ConfigError("data.train is required (a .jsonl/.json/.parquet file of preference pairs)")
     if d.batch_size % tc.grad_accum:
-        raise ConfigError(f"data.batch_size={d.batch_size} (pairs) must be divisible by trainer.grad_accum={tc.grad_accum}")
+        raise ConfigError(f"data.batch_size={d.batch_size} (pairs) must be divisible by "
+                          f"trainer.grad_accum={tc.grad_accum}")
     spec = a.resolved()
     if a.nll_on_prompt and not spec.chosen_nll:
         raise ConfigError(f"algorithm.nll_on_prompt applies to loss 'orpo' only (loss is '{a.loss}')")
@@ -280,7 +281,8 @@ def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callab
         start = run.start_step
         run.open_logger()
         s = train_pairs.stats
-        run.say(f"dpo: {run.folder} | loss {spec.name} ({', '.join(f'{f.name}={getattr(spec, f.name)}' for f in dataclasses.fields(spec))})"
+        settings = ", ".join(f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec))
+        run.say(f"dpo: {run.folder} | loss {spec.name} ({settings})"
                 f" | reference: {reference} | {trainer.num_trainable:,} trained parameters"
                 f"{' (LoRA)' if trainer.has_lora else ''} | {s['num_pairs']} pairs ({s['truncated_pairs']} truncated, "
                 f"{s['dropped_pairs']} dropped) of <= {d.seq_len} tokens | steps {start}->{tc.max_steps}"
@@ -303,5 +305,6 @@ def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callab
         run.logger.close()
         hf_dir = run.export_hf() if run.finished else None
     return DPOResult(output_dir=run.out, losses=fit.losses, final_step=trainer.step_count, start_step=start,
-                     eval_metrics=fit.last_eval, initial_eval=initial, hf_dir=hf_dir, stats=dict(train_pairs.stats), reference=reference,
+                     eval_metrics=fit.last_eval, initial_eval=initial, hf_dir=hf_dir, stats=dict(train_pairs.stats),
+                     reference=reference,
                      trainer=trainer)

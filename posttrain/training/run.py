@@ -254,10 +254,10 @@ class Run:
         last_eval: dict[str, float] = {}
         end = tc.max_steps if stop_after is None else min(tc.max_steps, stop_after)
         step_kwargs = step_kwargs or {}
-        data_state = None
         if evaluate is not None and evaluate_at_start and start == 0 and end > 0:
             last_eval = dict(evaluate())
             logger.log(0, last_eval)
+            throughput.reset()  # the baseline evaluation is not step time
         for step in range(start + 1, end + 1):
             batch = next(data_iter)
             if batch_hook is not None:
@@ -278,8 +278,7 @@ class Run:
                 logger.log(step, record)
             logger.advance(step)
             if (tc.save_every > 0 and step % tc.save_every == 0) or step == end:
-                data_state = data_iter.get_state()
-                self.save(data_state=data_state, metadata={"loss": metrics["loss"]})
+                self.save(data_state=data_iter.get_state(), metadata={"loss": metrics["loss"]})
         final = trainer.step_count
         if self.last_saved != final and final > 0 and final != start:
             self.save(data_state=data_iter.get_state())
