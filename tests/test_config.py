@@ -248,3 +248,15 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
     runner.check_fields(fields | {"completion_lengths"})
     assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions] + [None] * (SHIPPED[name] == "distill")
     runner.close()
+
+
+def test_a_section_given_in_part_keeps_its_fields_defaults():
+    """A section whose field has its own default (RL's optim: lr 1e-6, constant) keeps that default for the keys
+    a YAML file or override does not give, not the section class's (OptimConfig: lr 1e-4, cosine)."""
+    from posttrain.distill.config import DistillConfig
+    from posttrain.rl.config import RLConfig
+
+    cfg = load_config(RLConfig, None, ["optim.warmup_steps=3"])
+    assert (cfg.optim.lr, cfg.optim.decay, cfg.optim.warmup_steps) == (1e-6, "constant", 3)
+    d = load_config(DistillConfig, None, ["on_policy.rollout.batch_prompts=4"])
+    assert (d.on_policy.rollout.group_size, d.on_policy.rollout.batch_prompts, d.on_policy.rewards.functions) == (1, 4, [])
