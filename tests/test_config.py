@@ -197,7 +197,8 @@ def test_post_init_errors_become_config_errors():
 
 # ---------------------------------------------------------------------- the shipped configs
 SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
-           "smollm2_rl_cpu.yaml": "rl", "distill_smoke.yaml": "distill"}
+           "smollm2_rl_cpu.yaml": "rl", "distill_smoke.yaml": "distill",
+           "distill_qwen2.5.yaml": "distill"}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))

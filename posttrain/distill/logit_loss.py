@@ -41,7 +41,10 @@ def _chunked(fn: Callable, args: tuple, n: int, chunk_size: int | None):
 
 def logit_distill_loss(model, batch: dict[str, jax.Array], teacher=None, *, token_loss: Callable,
                        chunk_size: int | None = None):
-    """(Σ per-token loss over target tokens, number of target tokens, metrics) of one (micro-)batch."""
+    """(Σ per-token loss over target tokens, number of target tokens, metrics) of one (micro-)batch.
+
+    Metrics (per target token): distill/divergence (T^2 D), distill/ce, distill/top1_agreement (the student's
+    most likely next token is the teacher's)."""
     ids = batch["input_ids"]
     kw = dict(attention_mask=batch.get("attention_mask"), positions=batch.get("positions"),
               segment_ids=batch.get("segment_ids"))
@@ -58,21 +61,24 @@ def logit_distill_loss(model, batch: dict[str, jax.Array], teacher=None, *, toke
         def piece(hs_c, ht_c, tg_c):
             s_logits = model.logits(hs_c[None])[0]
             t_logits = jax.lax.stop_gradient(teacher.logits(ht_c[None])[0])
-            return token_loss(s_logits, tg_c, {"logits": t_logits})
+            agree = (jnp.argmax(s_logits, -1) == jnp.argmax(t_logits, -1)).astype(jnp.float32)
+            return (*token_loss(s_logits, tg_c, {"logits": t_logits}), agree)
 
-        loss, div, ce = _chunked(piece, (hs, ht, targets), n, chunk_size)
+        loss, div, ce, agree = _chunked(piece, (hs, ht, targets), n, chunk_size)
     else:
         k = batch["teacher_values"].shape[-1]
         tv = batch["teacher_values"].reshape(n, k)
         ti = batch["teacher_ids"].reshape(n, k)
 
         def piece(hs_c, tg_c, tv_c, ti_c):
-            return token_loss(model.logits(hs_c[None])[0], tg_c, {"values": tv_c, "ids": ti_c})
+            s_logits = model.logits(hs_c[None])[0]
+            agree = (jnp.argmax(s_logits, -1) == ti_c[:, 0]).astype(jnp.float32)  # top_k sorts: id 0 is the argmax
+            return (*token_loss(s_logits, tg_c, {"values": tv_c, "ids": ti_c}), agree)
 
-        loss, div, ce = _chunked(piece, (hs, targets, tv, ti), n, chunk_size)
+        loss, div, ce, agree = _chunked(piece, (hs, targets, tv, ti), n, chunk_size)
     count = jnp.sum(w)
     metrics = {"distill/divergence": (jnp.sum(div * w), count), "distill/ce": (jnp.sum(ce * w), count),
-               "target_tokens": count}
+               "distill/top1_agreement": (jnp.sum(jax.lax.stop_gradient(agree) * w), count), "target_tokens": count}
     return jnp.sum(loss * w), count, metrics
 
 
