@@ -1,6 +1,6 @@
 """Logit distillation in the trainer's loss protocol, and the teacher's top-k precomputed once and stored.
 
-`logit_distill_loss(model, batch, teacher=...)` runs the student and (frozen, no gradient) the teacher over
+`logit_distill_loss(model, batch, {"teacher": teacher})` runs the student and (frozen, no gradient) the teacher over
 the same SFT batch (tokens, loss mask, positions, segment ids of packed rows) and sums the per-token loss of
 `posttrain.algorithms.distill.distill_token_loss` over the target tokens (position t predicts token t+1,
 weighted by loss_mask[t+1], as SFT). The vocabulary projection of both models runs in chunks of
@@ -39,12 +39,14 @@ def _chunked(fn: Callable, args: tuple, n: int, chunk_size: int | None):
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
 
 
-def logit_distill_loss(model, batch: dict[str, jax.Array], teacher=None, *, token_loss: Callable,
+def logit_distill_loss(model, batch: dict[str, jax.Array], frozen: dict | None = None, *, token_loss: Callable,
                        chunk_size: int | None = None):
     """(Σ per-token loss over target tokens, number of target tokens, metrics) of one (micro-)batch.
 
     Metrics (per target token): distill/divergence (T^2 D), distill/ce, distill/top1_agreement (the student's
-    most likely next token is the teacher's)."""
+    most likely next token is the teacher's). `frozen`: {"teacher": model} (the trainer passes it into the
+    compiled step, `posttrain.training.trainer.uses_frozen`), or None with the stored top-k in the batch."""
+    teacher = (frozen or {}).get("teacher")
     ids = batch["input_ids"]
     kw = dict(attention_mask=batch.get("attention_mask"), positions=batch.get("positions"),
               segment_ids=batch.get("segment_ids"))
