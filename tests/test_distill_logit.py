@@ -32,7 +32,8 @@ def _cfg(out, splits, *overrides):
 
 
 def greedy_agreement(student_dir, teacher_dir, prompts, max_new_tokens=8) -> float:
-    """The fraction of held-out prompts whose greedy completion (max_new_tokens tokens) is the teacher's."""
+    """The fraction of the teacher's greedy tokens (max_new_tokens after each held-out prompt) that the student,
+    fed the same prefix, also ranks first."""
     from posttrain import tokenizer as tok_lib
     from posttrain.models.hf_io import from_pretrained
     from posttrain.sampling import Sampler, SamplingParams
@@ -40,11 +41,13 @@ def greedy_agreement(student_dir, teacher_dir, prompts, max_new_tokens=8) -> flo
     tok = tok_lib.load(teacher_dir)
     ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True) for p in prompts]
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    out = []
-    for folder in (student_dir, teacher_dir):
-        s = Sampler(from_pretrained(folder), tok, max_slots=len(ids))
-        out.append([c.token_ids for c in s.generate(ids, params)])
-    return float(np.mean([a == b for a, b in zip(*out)]))
+    greedy = [c.token_ids for c in Sampler(from_pretrained(teacher_dir), tok, max_slots=len(ids)).generate(ids, params)]
+    student = from_pretrained(student_dir)
+    hits = []
+    for p, y in zip(ids, greedy):
+        logits = np.asarray(student(np.asarray([p + y], np.int32)))[0]
+        hits += [int(np.argmax(logits[len(p) - 1 + j]) == t) for j, t in enumerate(y)]
+    return float(np.mean(hits))
 
 
 @pytest.mark.slow
@@ -68,7 +71,7 @@ def test_logit_distillation_moves_the_student_to_the_teacher(splits, tmp_path):
     g1 = greedy_agreement(res.hf_dir, teacher, heldout)
     print(f"held-out forward KL {before['eval/divergence']:.4f} -> {after['eval/divergence']:.4f}; top-1 agreement "
           f"{before['eval/top1_agreement']:.3f} -> {after['eval/top1_agreement']:.3f}; greedy agreement {g0:.3f} -> {g1:.3f}")
-    assert g1 > g0
+    assert g1 > g0 + 0.05
     assert run_distill  # the command's entry point is this run
 
 

@@ -79,7 +79,7 @@ def test_on_policy_distillation_lowers_reverse_kl_on_own_samples(tmp_path):
     from posttrain.distill.run import load_distill_config, run_distill
 
     cfg = load_distill_config("configs/distill_smoke.yaml", [
-        "mode=on_policy", f"output_dir={tmp_path / 'op'}", "trainer.max_steps=16", "trainer.save_every=8",
+        "mode=on_policy", f"output_dir={tmp_path / 'op'}", "trainer.max_steps=16", "trainer.save_every=8", "trainer.log_every=1",
         "on_policy.rollout.batch_prompts=8", "on_policy.rollout.group_size=2", "on_policy.rollout.max_new_tokens=12",
         "optim.lr=3e-3", "optim.warmup_steps=0", "optim.decay=constant", "export_hf=false"])
     summary = run_distill(cfg)
