@@ -90,3 +90,24 @@ def test_on_policy_distillation_lowers_reverse_kl_on_own_samples(tmp_path):
     assert all(r["skipped"] == 0 for r in rows if "skipped" in r)
     assert OnPolicyDistillRun  # the run class is what the command ran (config.yaml is the distillation's)
     assert "mode: on_policy" in (tmp_path / "op" / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_on_policy_resume_is_exact(tmp_path):
+    """Stopped after step 2 (checkpoint) and resumed, on-policy distillation repeats the uninterrupted run's
+    steps 3-4: the same samples (their reverse KL) and the same losses."""
+    from posttrain.distill.on_policy import run_on_policy
+    from posttrain.distill.run import load_distill_config
+
+    def cfg(out):
+        return load_distill_config("configs/distill_smoke.yaml", [
+            "mode=on_policy", f"output_dir={out}", "trainer.max_steps=4", "trainer.save_every=2", "trainer.log_every=1",
+            "on_policy.rollout.batch_prompts=4", "on_policy.rollout.group_size=2", "on_policy.rollout.max_new_tokens=8",
+            "optim.lr=3e-3", "export_hf=false", "trainer.progress=false"])
+
+    full = run_on_policy(cfg(tmp_path / "full"))
+    assert run_on_policy(cfg(tmp_path / "part"), stop_after=2).steps == 2
+    resumed = run_on_policy(cfg(tmp_path / "part"))
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    for key in ("distill/reverse_kl", "loss"):
+        np.testing.assert_allclose([h[key] for h in resumed.history], [h[key] for h in full.history[2:]], atol=1e-6)
