@@ -147,3 +147,22 @@ def test_eval_cli_errors(tmp_path, capsys):
     assert "bad.jsonl, line 2" in err and "answer" in err
     assert main(["eval", "--model", "tiny:llama", "--data", str(bad), "--n", "2", "--k", "3"]) == 2
     assert "--k" in capsys.readouterr().err
+
+
+def test_model_paths(tmp_path):
+    """--model takes what the training commands take (tiny:, folders, .gguf via resolve_path) and a run's output
+    folder, which stands for its hf/ export; a missing folder is a CheckpointError."""
+    import shutil
+
+    from posttrain.cli.eval import default_ks, model_folder
+    from posttrain.models.hf_io import CheckpointError
+    from posttrain.models.tiny import resolve_model_path
+
+    tiny = resolve_model_path("tiny:llama")
+    assert model_folder("tiny:llama") == model_folder(tiny) and (model_folder(tiny) / "config.json").exists()
+    run = tmp_path / "run"
+    shutil.copytree(tiny, run / "hf")
+    assert model_folder(str(run)) == run / "hf"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        model_folder(str(tmp_path / "nothing"))
+    assert default_ks(8) == [1, 2, 4, 8] and default_ks(6) == [1, 2, 4, 6] and default_ks(0) == []
