@@ -54,22 +54,47 @@ def test_temperature_softens_and_scales_by_t_squared():
 
 def test_topk_renormalised_on_the_teachers_support():
     p, q = [0.5, 0.3, 0.2], [0.25, 0.5, 0.25]
-    values, ids = teacher_topk(logits(p), 2)
-    assert ids.tolist() == [0, 1]
+    logp, ids = teacher_topk(logits(p), 2)
+    assert ids.tolist() == [0, 1] and np.allclose(np.exp(logp), [0.5, 0.3])
     # support {0, 1}: p~ = [.625, .375], q~ = [1/3, 2/3]
     want = 0.625 * LN(0.625 * 3) + 0.375 * LN(0.375 * 1.5)
-    got = topk_token_divergence(logits(q), values, ids, kind="forward_kl")
+    got = topk_token_divergence(logits(q), logp, ids, kind="forward_kl")
     assert float(got) == pytest.approx(want, abs=1e-6)
-    # k = V is the full loss, for every divergence
+    # a student equal to the teacher on the support (whatever it puts elsewhere) has zero renormalised loss
+    s_same = jnp.asarray([[0.0, LN(0.3 / 0.5), 5.0]])  # ratio on {0, 1} as the teacher's, large mass on 2
+    assert float(topk_token_divergence(s_same, logp[None], ids[None], kind="reverse_kl")[0]) == pytest.approx(0, abs=1e-6)
+
+
+def test_topk_with_the_rest_of_the_mass():
+    p, q = [0.5, 0.3, 0.15, 0.05], [0.25, 0.5, 0.05, 0.2]
+    logp, ids = teacher_topk(logits(p), 2)
+    # outcomes {0, 1, rest}: p' = [.5, .3, .2], q' = [.25, .5, .25]
+    pp, qq = [0.5, 0.3, 0.2], [0.25, 0.5, 0.25]
+    fwd = sum(a * LN(a / b) for a, b in zip(pp, qq))
+    rev = sum(b * LN(b / a) for a, b in zip(pp, qq))
+    assert float(topk_token_divergence(logits(q), logp, ids, kind="forward_kl", tail=True)) == pytest.approx(fwd, abs=1e-6)
+    assert float(topk_token_divergence(logits(q), logp, ids, kind="reverse_kl", tail=True)) == pytest.approx(rev, abs=1e-6)
+    # the student's mass off the support is penalised (unlike the renormalised loss)
+    s_same = jnp.asarray([0.0, LN(0.3 / 0.5), 5.0, 5.0])
+    assert float(topk_token_divergence(s_same, logp, ids, kind="forward_kl", tail=True)) > 0.5
+    assert float(topk_token_divergence(s_same, logp, ids, kind="forward_kl")) == pytest.approx(0, abs=1e-6)
+    # not more than the full divergence
+    full = float(token_divergence(logits(q), logits(p), kind="forward_kl"))
+    assert fwd <= full + 1e-9
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_topk_with_k_equal_v_is_the_full_loss(tail):
     rng = np.random.default_rng(0)
     s, t = jnp.asarray(rng.normal(size=(4, 7)), jnp.float32), jnp.asarray(rng.normal(size=(4, 7)), jnp.float32)
-    v, i = teacher_topk(t, 7)
+    lp, i = teacher_topk(t, 7, temperature=1.5)
     for kind in DIVERGENCES:
-        np.testing.assert_allclose(topk_token_divergence(s, v, i, kind=kind, beta=0.3, temperature=1.5),
-                                   token_divergence(s, t, kind=kind, beta=0.3, temperature=1.5), atol=1e-5)
-    # a student equal to the teacher on the support (whatever it puts elsewhere) has zero top-k loss
-    s_same = jnp.asarray([[0.0, LN(0.3 / 0.5), 5.0]])  # ratio on {0, 1} as the teacher's, large mass on 2
-    assert float(topk_token_divergence(s_same, values[None], ids[None], kind="reverse_kl")[0]) == pytest.approx(0, abs=1e-6)
+        np.testing.assert_allclose(topk_token_divergence(s, lp, i, kind=kind, beta=0.3, temperature=1.5, tail=tail),
+                                   token_divergence(s, t, kind=kind, beta=0.3, temperature=1.5),
+                                   atol=5e-5 if tail else 1e-5)  # tail: float32's ~1e-7 "rest" at k = V
+    g = jax.grad(lambda x: topk_token_divergence(x, lp, i, kind="jsd", temperature=1.5, tail=tail).sum())(s)
+    g_full = jax.grad(lambda x: token_divergence(x, t, kind="jsd", temperature=1.5).sum())(s)
+    np.testing.assert_allclose(g, g_full, atol=1e-5)
 
 
 def test_alpha_mixes_cross_entropy():

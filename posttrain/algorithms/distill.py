@@ -18,12 +18,18 @@ Mixed loss per target token (Hinton et al.'s weighted average of the two objecti
 
     l_t = alpha * T^2 * D(p_t, q_t) + (1 - alpha) * CE_t,    CE_t = -log q^{T=1}(y_t)  (the data's next token)
 
-Top-k (a precomputed teacher): only the teacher's k largest logits and their token ids are kept. Both
-distributions are then *renormalised over that support* S_k (the k ids): p~ = softmax(z_teacher[S_k] / T) and
-q~ = softmax(z_student[S_k] / T), and D is taken between p~ and q~. This is a proper divergence between two
-distributions on the same k outcomes (zero iff the student's conditional distribution on S_k equals the
-teacher's), differentiable in the student's logits, and equal to the full loss when k = V. The student mass
-outside S_k is not penalised by D; the cross-entropy term (alpha < 1) still trains the full softmax.
+Top-k (a precomputed teacher): only the teacher's k most likely tokens S_k and their log-probabilities at
+temperature T, log p_v for v in S_k, are kept. The loss on that support is well defined in one of two ways:
+
+  renormalised (default): both distributions are renormalised over S_k, p~ = p[S_k] / Σ_{S_k} p and
+    q~ = q[S_k] / Σ_{S_k} q (i.e. softmax of the logits restricted to S_k), and D is taken between p~ and q~:
+    a proper divergence between two distributions on the same k outcomes, zero iff the student's conditional
+    distribution on S_k is the teacher's, equal to the full loss when k = V. The student's mass outside S_k
+    is not penalised (the cross-entropy term, alpha < 1, still trains the full softmax).
+  tail: k + 1 outcomes, the k tokens and "any other token" with the rest of the mass, p_rest = 1 - Σ_{S_k} p
+    (known exactly because the stored values are normalised log-probs) and q_rest = 1 - Σ_{S_k} q: the
+    divergence between the two distributions coarse-grained to that partition, never more than the full
+    divergence and equal to it when k = V; it does penalise student mass outside S_k.
 """
 
 from __future__ import annotations
@@ -92,41 +98,60 @@ def token_divergence(student_logits: jax.Array, teacher_logits: jax.Array, *, ki
     return (t * t) * divergence(kind)(s_lp, t_lp, beta)
 
 
-def topk_token_divergence(student_logits: jax.Array, teacher_values: jax.Array, teacher_ids: jax.Array, *,
-                          kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0) -> jax.Array:
-    """The divergence on the teacher's top-k support, both sides renormalised there (module docstring):
-    student logits [..., V], the teacher's k largest logits and their ids [..., k] -> [...]."""
-    s_k = jnp.take_along_axis(_f32(student_logits), teacher_ids.astype(jnp.int32), axis=-1)
-    return token_divergence(s_k, teacher_values, kind=kind, beta=beta, temperature=temperature)
+def _log1mexp(x: jax.Array) -> jax.Array:
+    """log(1 - exp(x)) for log-probabilities x <= 0, floored at log(1e-30) (a rest of mass ~0 stays finite)."""
+    return jnp.log(jnp.maximum(-jnp.expm1(jnp.minimum(x, 0.0)), 1e-30))
 
 
-def teacher_topk(teacher_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """(values, ids) of the k largest teacher logits per position: [..., V] -> [..., k] twice."""
-    return jax.lax.top_k(_f32(teacher_logits), k)
+def topk_token_divergence(student_logits: jax.Array, teacher_logp: jax.Array, teacher_ids: jax.Array, *,
+                          kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                          tail: bool = False) -> jax.Array:
+    """T^2 * D on the teacher's top-k support (module docstring): student logits [..., V]; the teacher's
+    temperature-T log-probs of its k most likely tokens and their ids [..., k] (`teacher_topk`) -> [...].
+    tail=False: both renormalised over the k tokens; tail=True: k + 1 outcomes (the k tokens and the rest)."""
+    t = float(temperature)
+    if t <= 0:
+        raise ValueError(f"distillation temperature must be > 0, found {t}")
+    s_lp = jax.nn.log_softmax(_f32(student_logits) / t, axis=-1)
+    s_k = jnp.take_along_axis(s_lp, teacher_ids.astype(jnp.int32), axis=-1)
+    t_k = jax.lax.stop_gradient(_f32(teacher_logp))
+    if tail:
+        rest = lambda lp: _log1mexp(jax.nn.logsumexp(lp, axis=-1, keepdims=True))  # noqa: E731
+        s_k, t_k = jnp.concatenate([s_k, rest(s_k)], -1), jnp.concatenate([t_k, rest(t_k)], -1)
+    else:
+        s_k, t_k = jax.nn.log_softmax(s_k, axis=-1), jax.nn.log_softmax(t_k, axis=-1)
+    return (t * t) * divergence(kind)(s_k, t_k, beta)
+
+
+def teacher_topk(teacher_logits: jax.Array, k: int, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(log-probs at temperature T, ids) of the teacher's k most likely tokens: [..., V] -> [..., k] twice."""
+    return jax.lax.top_k(jax.nn.log_softmax(_f32(teacher_logits) / float(temperature), axis=-1), k)
 
 
 def distill_token_loss(student_logits: jax.Array, targets: jax.Array, teacher: dict[str, jax.Array], *,
                        kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
-                       alpha: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+                       alpha: float = 1.0, tail: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-token (loss, divergence, cross-entropy), [...] each, of student logits [..., V] and the data's next
-    tokens [...], against the teacher given as full `{"logits": [..., V]}` or top-k `{"values", "ids": [..., k]}`:
-    loss = alpha * T^2 D + (1 - alpha) * CE (module docstring)."""
+    tokens [...], against the teacher given as full `{"logits": [..., V]}` or top-k `{"logp", "ids": [..., k]}`
+    (`teacher_topk` at the same temperature): loss = alpha * T^2 D + (1 - alpha) * CE (module docstring)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"distillation alpha must be in [0, 1], found {alpha}")
     kw = dict(kind=kind, beta=beta, temperature=temperature)
     if "logits" in teacher:
         d = token_divergence(student_logits, teacher["logits"], **kw)
     else:
-        d = topk_token_divergence(student_logits, teacher["values"], teacher["ids"], **kw)
+        d = topk_token_divergence(student_logits, teacher["logp"], teacher["ids"], tail=tail, **kw)
     lp = jax.nn.log_softmax(_f32(student_logits), axis=-1)
     ce = -jnp.take_along_axis(lp, targets.astype(jnp.int32)[..., None], axis=-1)[..., 0]
     return alpha * d + (1.0 - alpha) * ce, d, ce
 
 
-def make_token_loss(kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0, alpha: float = 1.0):
+def make_token_loss(kind: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0, alpha: float = 1.0,
+                    tail: bool = False):
     """`distill_token_loss` with fixed settings (checked here, at configuration time)."""
     divergence(kind)
     if temperature <= 0 or not 0.0 <= alpha <= 1.0 or not 0.0 <= beta <= 1.0:
         raise ValueError(f"distillation settings out of range: temperature={temperature} (> 0), alpha={alpha} "
                          f"and beta={beta} (in [0, 1])")
-    return functools.partial(distill_token_loss, kind=kind, beta=beta, temperature=temperature, alpha=alpha)
+    return functools.partial(distill_token_loss, kind=kind, beta=beta, temperature=temperature, alpha=alpha,
+                             tail=bool(tail))

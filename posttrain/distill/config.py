@@ -22,14 +22,17 @@ __all__ = ["TeacherSection", "DistillLossConfig", "OnPolicySection", "DistillCon
 @dataclasses.dataclass
 class TeacherSection:
     """The frozen teacher: a checkpoint with the student's tokenizer (same vocabulary), held without optimizer
-    state. top_k > 0 (logit mode): the teacher's k largest logits per token are computed once before training
-    and stored under OUTPUT_DIR/teacher_topk/, and the teacher is released (the loss is renormalised over that
-    support, see `posttrain.algorithms.distill`); 0 = the full teacher distribution, computed in the step."""
+    state. top_k > 0 (logit mode): the teacher's k most likely tokens per position (log-probs and ids) are
+    computed once before training and stored under OUTPUT_DIR/teacher_topk/, and the teacher is released;
+    0 = the full teacher distribution, computed in the step. The top-k loss is renormalised over the k tokens,
+    or with top_k_tail over k + 1 outcomes (the k tokens and the rest of the mass); see
+    `posttrain.algorithms.distill`."""
 
     path: str = ""
     param_dtype: Dtype = "float32"
     compute_dtype: Dtype | None = None
     top_k: int = 0
+    top_k_tail: bool = False
 
     def __post_init__(self):
         if self.top_k < 0:

@@ -79,7 +79,8 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
     if d.batch_size % tc.grad_accum:
         raise ConfigError(f"data.batch_size={d.batch_size} must be divisible by trainer.grad_accum={tc.grad_accum}")
     chunk = tc.loss_chunk_size or None
-    loss = make_logit_distill_loss(make_token_loss(lc.kind, lc.beta, lc.temperature, lc.alpha), chunk)
+    loss = make_logit_distill_loss(make_token_loss(lc.kind, lc.beta, lc.temperature, lc.alpha,
+                                                   tail=cfg.teacher.top_k_tail), chunk)
     k = cfg.teacher.top_k
     with Run(cfg, "distill", log=log) as run:
         # data and the teacher's tokenizer first: bad data or another vocabulary fail before any weight loads
@@ -99,13 +100,14 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
         if k:
             if k > trainer.cfg.vocab_size:
                 raise ConfigError(f"teacher.top_k={k} is more than the vocabulary ({trainer.cfg.vocab_size})")
-            score = teacher_topk_fn(teacher, k, chunk)
-            meta = {"teacher": cfg.teacher.path, "k": k, "steps": tc.max_steps, "data": d.train, "format":
+            score = teacher_topk_fn(teacher, k, lc.temperature, chunk)
+            meta = {"teacher": cfg.teacher.path, "k": k, "temperature": lc.temperature, "steps": tc.max_steps,
+                    "data": d.train, "format":
                     dataclasses.asdict(d.format), **{key: v for key, v in ds_kw.items() if key != "num_epochs"}}
             store = TopKStore(run.out / "teacher_topk", meta)
             if not store.complete():  # the run's own batches, in its order: the same pipeline from the start
                 store.build(iter(build_sft_dataset(d.train, tok, d.format, **ds_kw)), score, tc.max_steps, run.say)
-            eval_data = [{**b, **dict(zip(("teacher_values", "teacher_ids"), score(b)))} for b in eval_data]
+            eval_data = [{**b, **dict(zip(("teacher_logp", "teacher_ids"), score(b)))} for b in eval_data]
             del teacher, score  # training holds no teacher
 
             def hook(step, batch):
@@ -114,7 +116,7 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
         else:
             trainer.add_frozen("teacher", teacher)
             del teacher
-        run.say(f"distill: {cfg.model.path} <- teacher {cfg.teacher.path} ({'top-%d stored' % k if k else 'full logits'},"
+        run.say(f"distill: {cfg.model.path} <- teacher {cfg.teacher.path} ({f'top-{k} stored' + (' + rest' if cfg.teacher.top_k_tail else '') if k else 'full logits'},"
                 f" {lc.kind}, T={lc.temperature}, alpha={lc.alpha}) | {trainer.num_trainable:,} trained parameters | "
                 f"{train_ds.num_rows} rows of {d.seq_len} tokens | steps {run.start_step}->{tc.max_steps}")
         evals: list[dict[str, float]] = []

@@ -5,12 +5,14 @@ the same SFT batch (tokens, loss mask, positions, segment ids of packed rows) an
 `posttrain.algorithms.distill.distill_token_loss` over the target tokens (position t predicts token t+1,
 weighted by loss_mask[t+1], as SFT). The vocabulary projection of both models runs in chunks of
 `chunk_size` tokens under a rematerialised `lax.map`, so no [tokens, vocab] logits are ever whole. Without a
-teacher model, the batch carries the teacher's stored top-k (`teacher_values`, `teacher_ids` [B, T-1, k]).
+teacher model, the batch carries the teacher's stored top-k (`teacher_logp`, `teacher_ids` [B, T-1, k]: its
+k most likely tokens' log-probs at the loss's temperature and their ids).
 
 Top-k store (`TopKStore`): before training, the teacher scores the training stream's first `max_steps`
 batches (the pipeline is deterministic in its seed, so the batches are the ones the run will train on) and
-its k largest logits and their ids are written per step to OUTPUT_DIR/teacher_topk/ (float32 values, int32
-ids: steps x B x (T-1) x k x 8 bytes), with a `meta.json` naming the teacher, k and the data; training then
+its k most likely tokens' log-probs (at the loss's temperature) and ids are written per step to
+OUTPUT_DIR/teacher_topk/ (float32 log-probs, int32 ids: steps x B x (T-1) x k x 8 bytes), with a `meta.json`
+naming the teacher, k, the temperature and the data; training then
 reads the step's arrays and the teacher is not held. A store whose meta does not match is rebuilt.
 """
 
@@ -68,14 +70,14 @@ def logit_distill_loss(model, batch: dict[str, jax.Array], frozen: dict | None =
 
         loss, div, ce, agree = _chunked(piece, (hs, ht, targets), n, chunk_size)
     else:
-        k = batch["teacher_values"].shape[-1]
-        tv = batch["teacher_values"].reshape(n, k)
+        k = batch["teacher_logp"].shape[-1]
+        tv = batch["teacher_logp"].reshape(n, k)
         ti = batch["teacher_ids"].reshape(n, k)
 
         def piece(hs_c, tg_c, tv_c, ti_c):
             s_logits = model.logits(hs_c[None])[0]
             agree = (jnp.argmax(s_logits, -1) == ti_c[:, 0]).astype(jnp.float32)  # top_k sorts: id 0 is the argmax
-            return (*token_loss(s_logits, tg_c, {"values": tv_c, "ids": ti_c}), agree)
+            return (*token_loss(s_logits, tg_c, {"logp": tv_c, "ids": ti_c}), agree)
 
         loss, div, ce, agree = _chunked(piece, (hs, targets, tv, ti), n, chunk_size)
     count = jnp.sum(w)
@@ -112,7 +114,7 @@ class TopKStore:
         for s in range(steps):
             v, i = score(next(batches))
             if vals is None:
-                vals = np.lib.format.open_memmap(self.folder / "values.npy", "w+", np.float32, (steps, *v.shape))
+                vals = np.lib.format.open_memmap(self.folder / "logp.npy", "w+", np.float32, (steps, *v.shape))
                 ids = np.lib.format.open_memmap(self.folder / "ids.npy", "w+", np.int32, (steps, *i.shape))
             vals[s], ids[s] = v, i
         vals.flush()
@@ -122,15 +124,18 @@ class TopKStore:
         say(f"distill: stored the teacher's top-{self.meta['k']} logits of {steps} steps in {self.folder}")
 
     def get(self, step: int) -> dict[str, np.ndarray]:
-        """The stored arrays of training step `step` (1-based): teacher_values, teacher_ids [B, T-1, k]."""
-        vals = np.load(self.folder / "values.npy", mmap_mode="r")
+        """The stored arrays of training step `step` (1-based): teacher_logp, teacher_ids [B, T-1, k]."""
+        vals = np.load(self.folder / "logp.npy", mmap_mode="r")
         ids = np.load(self.folder / "ids.npy", mmap_mode="r")
-        return {"teacher_values": np.asarray(vals[step - 1]), "teacher_ids": np.asarray(ids[step - 1])}
+        return {"teacher_logp": np.asarray(vals[step - 1]), "teacher_ids": np.asarray(ids[step - 1])}
 
 
-def teacher_topk_fn(teacher, k: int, chunk_size: int | None = None):
-    """A jitted (teacher state, batch arrays) -> top-k (values, ids) [B, T-1, k] of the teacher's logits."""
+def teacher_topk_fn(teacher, k: int, temperature: float = 1.0, chunk_size: int | None = None):
+    """batch -> the teacher's k most likely next tokens per position, (temperature-T log-probs, ids) [B, T-1, k]
+    (`posttrain.algorithms.distill.teacher_topk`), jitted over the teacher's state."""
     from flax import nnx
+
+    from posttrain.algorithms.distill import teacher_topk
 
     graphdef, state = nnx.split(teacher)
 
@@ -139,7 +144,8 @@ def teacher_topk_fn(teacher, k: int, chunk_size: int | None = None):
         h, _ = m.hidden_states(input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids)
         b, t, d = h.shape
         n = b * (t - 1)
-        v, i = _chunked(lambda hc: jax.lax.top_k(m.logits(hc[None])[0], k), (h[:, :-1].reshape(n, d),), n, chunk_size)
+        v, i = _chunked(lambda hc: teacher_topk(m.logits(hc[None])[0], k, temperature), (h[:, :-1].reshape(n, d),), n,
+                        chunk_size)
         return v.reshape(b, t - 1, k), i.reshape(b, t - 1, k)
 
     jitted = jax.jit(fn)
