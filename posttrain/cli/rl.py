@@ -12,14 +12,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from posttrain.rl.loop import load_rl_config, run_rl
-    from posttrain.training.runlock import RunLock
 
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]
     cfg = load_rl_config(config, overrides)
-    with RunLock(cfg.output_dir):
-        result = run_rl(cfg)
+    result = run_rl(cfg)  # holds the output folder's run lock (posttrain.training.run.Run)
     last = result.evals[-1] if result.evals else {}
     acc = f", held-out accuracy {last['eval/accuracy']:.3f}" if "eval/accuracy" in last else ""
     print(f"done: {result.steps} steps{acc}; outputs in {result.output_dir}")

@@ -12,12 +12,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from posttrain.training.runlock import RunLock
     from posttrain.training.sft import load_sft_config, run_sft
 
     cfg = load_sft_config(args.config, args.overrides)
-    with RunLock(cfg.output_dir):
-        result = run_sft(cfg)
+    result = run_sft(cfg)  # holds the output folder's run lock (posttrain.training.run.Run)
     done = f"sft: done at step {result.final_step}"
     if result.losses:
         done += f", last loss {result.losses[-1][1]:.4f}"
