@@ -13,10 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from posttrain.distill.run import load_distill_config, run_distill
-    from posttrain.training.runlock import RunLock
-
     cfg = load_distill_config(args.config, args.overrides)
-    with RunLock(cfg.output_dir):
-        summary = run_distill(cfg)
+    summary = run_distill(cfg)  # holds the output folder's run lock (posttrain.training.run.Run)
     print(summary)
     return 0

@@ -32,28 +32,33 @@ class OnPolicyDistillRun(RLRun):
     """An RL run whose advantages are the teacher's per-token log-ratio (module docstring)."""
 
     def __init__(self, dcfg):
-        from posttrain.config import ConfigError, save_config
-        from posttrain.distill.teacher import check_same_vocabulary, teacher_folder
         from posttrain import tokenizer as tok_lib
+        from posttrain.config import ConfigError
+        from posttrain.distill.teacher import check_same_vocabulary, teacher_folder
+        from posttrain.models.hf_io import resolve_path
+        from posttrain.models.tiny import resolve_model_path
 
         if dcfg.on_policy.rollout.temperature != 1.0:
             raise ConfigError(f"on_policy.rollout.temperature={dcfg.on_policy.rollout.temperature}: on-policy "
                               "distillation samples from the student itself (temperature 1.0)")
-        # the tokenizers first: a teacher with another vocabulary fails before any weight loads
-        from posttrain.models.hf_io import resolve_path
-        from posttrain.models.tiny import resolve_model_path
-
+        # the tokenizers first: a teacher with another vocabulary fails before the run starts or any weight loads
         s_tok = tok_lib.load(resolve_path(resolve_model_path(dcfg.model.path)))
         check_same_vocabulary(s_tok, tok_lib.load(teacher_folder(dcfg)), student=dcfg.model.path,
                               teacher=dcfg.teacher.path)
+        self.dcfg = dcfg
+        self._kl = 0.0
         super().__init__(dcfg.rl_config())
-        save_config(dcfg, Path(dcfg.output_dir) / "config.yaml")  # the distillation config, not the RL one
+
+    def _setup(self, cfg) -> None:
+        """The RL run's set-up, then the teacher (a frozen scorer on the trainer's mesh)."""
+        from posttrain.config import save_config
         from posttrain.distill.teacher import load_teacher
         from posttrain.rl.learner import FrozenScorer
 
-        teacher = load_teacher(dcfg, self.tok, self.trainer.cfg.vocab_size, self.trainer.mesh)
-        self.teacher = FrozenScorer(teacher, self.trainer, self.cfg.trainer.loss_chunk_size or None)
-        self._kl = 0.0
+        super()._setup(cfg)
+        save_config(self.dcfg, self.out / "config.yaml")  # the distillation config, not the RL one
+        teacher = load_teacher(self.dcfg, self.tok, self.trainer.cfg.vocab_size, self.run.mesh)
+        self.teacher = FrozenScorer(teacher, self.trainer, cfg.trainer.loss_chunk_size or None)
 
     def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:
         """The RL batch with per-token advantages -(log q - log p) on the completion tokens."""

@@ -3,6 +3,7 @@ vocabulary (same token ids for the same strings, same output size), so per-token
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 __all__ = ["teacher_folder", "check_same_vocabulary", "load_teacher"]
@@ -39,17 +40,16 @@ def check_same_vocabulary(student_tok, teacher_tok, *, student: str, teacher: st
 
 
 def load_teacher(cfg, student_tok, student_vocab: int, mesh=None):
-    """The frozen teacher model (no LoRA, no optimizer state), after the vocabulary checks (the tokenizers
-    before any weight is read)."""
+    """The frozen teacher model (no LoRA, no optimizer state; the run skeleton's `frozen_copy` with the
+    teacher's checkpoint and dtypes), after the vocabulary checks (the tokenizers before any weight is read)."""
     from posttrain import tokenizer as tok_lib
-    from posttrain.models.hf_io import from_pretrained
+    from posttrain.training.run import frozen_copy
 
-    folder = teacher_folder(cfg)
-    t_tok = tok_lib.load(folder)
-    names = dict(student=cfg.model.path, teacher=cfg.teacher.path)
-    check_same_vocabulary(student_tok, t_tok, **names)
     t = cfg.teacher
-    model = from_pretrained(folder, dtype=t.param_dtype, compute_dtype=t.compute_dtype or t.param_dtype, mesh=mesh,
-                            scan_layers=cfg.model.scan_layers, kernels=cfg.model.kernels)
-    check_same_vocabulary(student_tok, t_tok, student_vocab=student_vocab, teacher_vocab=model.cfg.vocab_size, **names)
+    names = dict(student=cfg.model.path, teacher=t.path)
+    check_same_vocabulary(student_tok, tok_lib.load(teacher_folder(cfg)), **names)
+    numerics = dataclasses.replace(cfg.model, param_dtype=t.param_dtype, compute_dtype=t.compute_dtype or t.param_dtype)
+    model = frozen_copy(dataclasses.replace(cfg, model=numerics), mesh, t.path)[0]
+    check_same_vocabulary(student_tok, student_tok, student_vocab=student_vocab, teacher_vocab=model.cfg.vocab_size,
+                          **names)
     return model
