@@ -95,7 +95,7 @@ def test_topk_teacher_is_stored_and_resume_is_exact(splits, tmp_path):
         assert full.losses[-1][1] < full.losses[0][1]
     store = tmp_path / "part1" / "teacher_topk"
     assert json.loads((store / "meta.json").read_text())["k"] == 16
-    assert np.load(store / "ids.npy").shape[0] == 8 and np.load(store / "values.npy").shape[-1] == 16
+    assert np.load(store / "ids.npy").shape[0] == 8 and np.load(store / "logp.npy").shape[-1] == 16
 
 
 def test_bad_sft_data_names_file_and_line(splits, tmp_path, capsys):
