@@ -70,7 +70,8 @@ def test_logit_distillation_moves_the_student_to_the_teacher(splits, tmp_path):
     g0 = greedy_agreement(resolve_model_path("tiny:llama"), teacher, heldout)
     g1 = greedy_agreement(res.hf_dir, teacher, heldout)
     print(f"held-out forward KL {before['eval/divergence']:.4f} -> {after['eval/divergence']:.4f}; top-1 agreement "
-          f"{before['eval/top1_agreement']:.3f} -> {after['eval/top1_agreement']:.3f}; greedy agreement {g0:.3f} -> {g1:.3f}")
+          f"{before['eval/top1_agreement']:.3f} -> {after['eval/top1_agreement']:.3f}; "
+          f"greedy agreement {g0:.3f} -> {g1:.3f}")
     assert g1 > g0 + 0.05
     assert run_distill  # the command's entry point is this run
 

@@ -46,7 +46,8 @@ def test_different_vocabularies_is_a_clear_error(tmp_path, capsys):
     build_tokenizer(teacher, vocab=list("0123456789 +?abcdefghij"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1?"}) + "\n")
-    code = main(["--no-compile-cache", "distill", "configs/distill_smoke.yaml", "mode=on_policy", f"teacher.path={teacher}",
+    code = main(["--no-compile-cache", "distill", "configs/distill_smoke.yaml", "mode=on_policy",
+                 f"teacher.path={teacher}",
                  f"on_policy.prompts.train={prompts}", f"output_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
@@ -79,7 +80,8 @@ def test_on_policy_distillation_lowers_reverse_kl_on_own_samples(tmp_path):
     from posttrain.distill.run import load_distill_config, run_distill
 
     cfg = load_distill_config("configs/distill_smoke.yaml", [
-        "mode=on_policy", f"output_dir={tmp_path / 'op'}", "trainer.max_steps=16", "trainer.save_every=8", "trainer.log_every=1",
+        "mode=on_policy", f"output_dir={tmp_path / 'op'}", "trainer.max_steps=16", "trainer.save_every=8",
+        "trainer.log_every=1",
         "on_policy.rollout.batch_prompts=8", "on_policy.rollout.group_size=2", "on_policy.rollout.max_new_tokens=12",
         "optim.lr=3e-3", "optim.warmup_steps=0", "optim.decay=constant", "export_hf=false"])
     summary = run_distill(cfg)

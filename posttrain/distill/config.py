@@ -14,7 +14,8 @@ import dataclasses
 from typing import Literal
 
 from posttrain.rl.config import EvalConfig, PromptData, RewardsSection, RolloutConfig
-from posttrain.training.config import DataSection, Dtype, LoraConfig, MeshConfig, ModelSection, OptimConfig, TrainerConfig
+from posttrain.training.config import (DataSection, Dtype, LoraConfig, MeshConfig, ModelSection, OptimConfig,
+                                       TrainerConfig)
 
 __all__ = ["TeacherSection", "DistillLossConfig", "OnPolicySection", "DistillConfig"]
 

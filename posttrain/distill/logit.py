@@ -110,15 +110,18 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
             eval_data = [{**b, **dict(zip(("teacher_logp", "teacher_ids"), score(b)))} for b in eval_data]
             del teacher, score  # training holds no teacher
 
-            def hook(step, batch):
+            def with_topk(step, batch):
                 batch = {**batch, **store.get(step)}
                 return batch_hook(step, batch) if batch_hook is not None else batch
+
+            hook = with_topk
         else:
             trainer.add_frozen("teacher", teacher)
             del teacher
-        run.say(f"distill: {cfg.model.path} <- teacher {cfg.teacher.path} ({f'top-{k} stored' + (' + rest' if cfg.teacher.top_k_tail else '') if k else 'full logits'},"
-                f" {lc.kind}, T={lc.temperature}, alpha={lc.alpha}) | {trainer.num_trainable:,} trained parameters | "
-                f"{train_ds.num_rows} rows of {d.seq_len} tokens | steps {run.start_step}->{tc.max_steps}")
+        how = (f"top-{k} stored" + (" + rest" if cfg.teacher.top_k_tail else "")) if k else "full logits"
+        run.say(f"distill: {cfg.model.path} <- teacher {cfg.teacher.path} ({how}, {lc.kind}, T={lc.temperature}, "
+                f"alpha={lc.alpha}) | {trainer.num_trainable:,} trained parameters | {train_ds.num_rows} rows of "
+                f"{d.seq_len} tokens | steps {run.start_step}->{tc.max_steps}")
         evals: list[dict[str, float]] = []
 
         def evaluate() -> dict[str, float]:

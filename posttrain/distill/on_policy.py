@@ -18,8 +18,6 @@ estimate of the per-token KL(q || p) on the student's own samples).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from posttrain.rl.rollout import Rollouts

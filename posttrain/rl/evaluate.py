@@ -52,7 +52,8 @@ def maj_at_k(answers: Sequence[Any], correct: Sequence[bool], k: int) -> float:
     right = {a for a, ok in zip(answers, correct) if a is not None and ok}
     none = n - sum(counts.values())
     # state (taken, top, ties, correct_at_top) -> number of subsets
-    states: dict[tuple[int, int, int, bool], int] = {(x, 0, 0, False): math.comb(none, x) for x in range(min(none, k) + 1)}
+    states: dict[tuple[int, int, int, bool], int] = {(x, 0, 0, False): math.comb(none, x)
+                                                     for x in range(min(none, k) + 1)}
     for answer, c in counts.items():
         is_right = answer in right
         nxt: dict[tuple[int, int, int, bool], int] = {}
