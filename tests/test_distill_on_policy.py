@@ -46,12 +46,21 @@ def test_different_vocabularies_is_a_clear_error(tmp_path, capsys):
     build_tokenizer(teacher, vocab=list("0123456789 +?abcdefghij"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1?"}) + "\n")
-    code = main(["--no-compile-cache", "distill", "configs/distill_smoke.yaml", "mode=on_policy",
-                 f"teacher.path={teacher}",
-                 f"on_policy.prompts.train={prompts}", f"output_dir={tmp_path / 'out'}"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1, err
-    assert f"teacher {teacher} and student tiny:llama have different vocabularies" in err and "tokenizers differ" in err
+    for mode in ("on_policy", "logit"):
+        code = main(["--no-compile-cache", "distill", "configs/distill_smoke.yaml", f"mode={mode}",
+                     f"teacher.path={teacher}", f"on_policy.prompts.train={prompts}", f"output_dir={tmp_path / mode}"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"teacher {teacher} and student tiny:llama have different vocabularies" in err
+        assert "tokenizers differ" in err
+    # same tokenizer, another output size
+    from posttrain.config import ConfigError
+    from posttrain.distill.teacher import check_same_vocabulary
+    from posttrain.tokenizer import load
+
+    tok = load(resolve_model_path("tiny:llama"))
+    with pytest.raises(ConfigError, match="output vocabulary sizes differ \\(student 104, teacher 128\\)"):
+        check_same_vocabulary(tok, tok, student="S", teacher="T", student_vocab=104, teacher_vocab=128)
 
 
 def test_config_errors(tmp_path, capsys):
