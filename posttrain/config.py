@@ -307,7 +307,13 @@ def from_dict(cls: type[T], data: dict | None, *, prefix: str = "") -> T:
     for f in fields:
         full = f"{prefix}.{f.name}" if prefix else f.name
         if f.name in data:
-            kwargs[f.name] = _convert(hints[f.name], data[f.name], full)
+            value = data[f.name]
+            sub = hints[f.name]
+            if (dataclasses.is_dataclass(sub) and isinstance(sub, type) and isinstance(value, dict)
+                    and f.default_factory is not dataclasses.MISSING):
+                # a section given in part keeps its field's own defaults (e.g. RL's optim lr), not the class's
+                value = _merged(to_dict(f.default_factory()), value)
+            kwargs[f.name] = _convert(sub, value, full)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             sub = hints[f.name]
             if dataclasses.is_dataclass(sub) and isinstance(sub, type):
@@ -324,6 +330,14 @@ def from_dict(cls: type[T], data: dict | None, *, prefix: str = "") -> T:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config '{prefix or cls.__name__}': {e}") from e
+
+
+def _merged(base: dict, given: dict) -> dict:
+    """`given` over `base`, recursively for mappings (lists and scalars in `given` replace)."""
+    out = dict(base)
+    for k, v in given.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def load_config(cls: type[T], path: str | os.PathLike | None = None,

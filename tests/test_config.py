@@ -197,7 +197,8 @@ def test_post_init_errors_become_config_errors():
 
 # ---------------------------------------------------------------------- the shipped configs
 SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
-           "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo"}
+           "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo",
+           "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill"}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -215,7 +216,10 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     assert sorted(p.name for p in (root / "configs").glob("*.yaml")) == sorted(SHIPPED)  # new ones get a kind
-    load = {"sft": load_sft_config, "rl": load_rl_config, "dpo": load_dpo_config}[SHIPPED[name]]
+    from posttrain.distill.run import load_distill_config
+
+    load = {"sft": load_sft_config, "rl": load_rl_config, "dpo": load_dpo_config,
+            "distill": load_distill_config}[SHIPPED[name]]
     cfg = load(root / "configs" / name)
     save_config(cfg, tmp_path / name)
     assert load(tmp_path / name) == cfg
@@ -224,6 +228,14 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
     for f in (cfg.data.train, cfg.data.eval):
         if f and f.endswith(".jsonl"):  # local files, relative to the repository root (GSM8K: ../shared)
             assert (root / f).is_file() or f.startswith("../shared/"), f
+    if SHIPPED[name] == "distill":  # both modes' data, the loss settings, the on-policy batch split
+        from posttrain.algorithms.distill import make_token_loss
+
+        make_token_loss(cfg.loss.kind, cfg.loss.beta, cfg.loss.temperature, cfg.loss.alpha)
+        assert cfg.teacher.path and cfg.data.batch_size % cfg.trainer.grad_accum == 0
+        cfg = cfg.rl_config()
+        for f in (cfg.data.train, cfg.data.eval):
+            assert not f or (root / f).is_file() or f.startswith("../shared/"), f
     if SHIPPED[name] in ("sft", "dpo"):
         assert cfg.data.batch_size % cfg.trainer.grad_accum == 0
         if SHIPPED[name] == "dpo":
@@ -239,5 +251,17 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
 
         fields = set(read_prompts(cfg.data.train)[0])
     runner.check_fields(fields | {"completion_lengths"})
-    assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions]
+    assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions] + [None] * (SHIPPED[name] == "distill")
     runner.close()
+
+
+def test_a_section_given_in_part_keeps_its_fields_defaults():
+    """A section whose field has its own default (RL's optim: lr 1e-6, constant) keeps that default for the keys
+    a YAML file or override does not give, not the section class's (OptimConfig: lr 1e-4, cosine)."""
+    from posttrain.distill.config import DistillConfig
+    from posttrain.rl.config import RLConfig
+
+    cfg = load_config(RLConfig, None, ["optim.warmup_steps=3"])
+    assert (cfg.optim.lr, cfg.optim.decay, cfg.optim.warmup_steps) == (1e-6, "constant", 3)
+    d = load_config(DistillConfig, None, ["on_policy.rollout.batch_prompts=4"])
+    assert (d.on_policy.rollout.group_size, d.on_policy.rollout.batch_prompts, d.on_policy.rewards.functions) == (1, 4, [])

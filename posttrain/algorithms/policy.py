@@ -3,7 +3,7 @@ loss aggregation modes, and a masked token-entropy helper.
 
 Shapes: token arrays are ``[N, T]`` (N sequences, T completion positions) with a float/bool
 ``mask`` ``[N, T]`` marking real completion tokens; ``advantages`` is ``[N]`` and is broadcast
-over the tokens of its sequence. All math is done in float32.
+over the tokens of its sequence, or ``[N, T]`` (one per token). All math is done in float32.
 """
 
 from __future__ import annotations
@@ -189,7 +189,9 @@ def policy_loss(
       logp, old_logp, ref_logp: ``[N, T]`` log-probs of the sampled tokens under the current,
         behaviour (sampling) and reference policies. ``old_logp``/``ref_logp``/``advantages``
         are treated as constants (stop-gradient).
-      advantages: ``[N]`` per-sequence advantages, broadcast over tokens.
+      advantages: ``[N]`` per-sequence advantages, broadcast over tokens, or ``[N, T]`` per-token advantages
+        (token-level ratio only): A_it replaces A_i in l_t, e.g. on-policy distillation's
+        ``-(logp_student - logp_teacher)`` per token (``posttrain.distill.on_policy``).
       mask: ``[N, T]`` float or bool, 1 for completion tokens.
 
     Returns:
@@ -212,9 +214,14 @@ def policy_loss(
             f"logp, old_logp and mask must share shape [N, T]; got {logp.shape}, {old_logp.shape}, {m.shape}"
         )
     adv = sg(_f32(advantages))
-    if adv.shape != (logp.shape[0],):
-        raise ValueError(f"advantages must have shape [N]={logp.shape[0]}, got {adv.shape}")
-    adv_t = adv[:, None]
+    if adv.shape == (logp.shape[0],):
+        adv_t = adv[:, None]
+    elif adv.shape == logp.shape:  # per-token advantages (e.g. on-policy distillation)
+        if ratio_level == "sequence":
+            raise ValueError("per-token advantages [N, T] need ratio_level='token' (GSPO's ratio is per sequence)")
+        adv_t = adv
+    else:
+        raise ValueError(f"advantages must have shape [N]={logp.shape[0]} or [N, T]={tuple(logp.shape)}, got {adv.shape}")
     valid_tok = m > 0
 
     log_ratio = jnp.where(valid_tok, logp - old_logp, 0.0)

@@ -112,6 +112,7 @@ def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int) -> dict:
         e = evaluate(Sampler(model, tok, max_slots=128), records, ids, runner, correctness="math_answer",
                      max_new_tokens=max_new_tokens)
     greedy = e.pop("_greedy")
+    e.pop("_sampled")
     return {"accuracy": e["eval/accuracy"], "mean_reward": e["eval/reward_mean"], "texts": greedy.texts}
 
 

@@ -39,9 +39,10 @@ def make_source(run: RLRun):
     return InProcessSource(run)
 
 
-def run_rl(cfg: RLConfig, *, stop_after: int | None = None) -> RLResult:
-    """Runs (or resumes) an RL job; `stop_after` ends the loop early, as a crash would (for resume tests)."""
-    run = RLRun(cfg)
+def run_rl(cfg: RLConfig, *, stop_after: int | None = None, run: RLRun | None = None) -> RLResult:
+    """Runs (or resumes) an RL job; `stop_after` ends the loop early, as a crash would (for resume tests).
+    `run`: an already set-up run of `cfg` (a subclass with its own steps, e.g. on-policy distillation)."""
+    run = run if run is not None else RLRun(cfg)
     source = None
     step = finished = 0
     hf_dir = None

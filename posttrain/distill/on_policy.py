@@ -1,0 +1,84 @@
+"""On-policy distillation: the student samples, the teacher scores the same tokens, the per-token reverse KL
+is the training signal, through the RL loop and learner.
+
+For a completion y ~ q (the student) of prompt x, with q_t = q(y_t | x, y_<t) and p_t the teacher's:
+
+    advantage_t = -(log q_t - log p_t)                (stop-gradient; Agarwal et al. 2024, GKD with beta = 1
+                                                       on student samples; Lu & Thinking Machines 2025,
+                                                       "On-Policy Distillation")
+
+and the token-level policy-gradient loss -Σ_t A_t log q_t / Σ_t 1 (ratio 1 on policy) has the gradient of
+the per-token reverse KL, KL(q || p), estimated on the student's own samples (each token's immediate term;
+no discounting over later tokens). The student's log-probs are the sampler's (its behaviour policy at
+temperature 1); the teacher's come from a `FrozenScorer` (a frozen model, no optimizer state). Everything
+else (data stream, checkpoints and exact resume, logs, held-out evaluation, HF export) is the RL run's.
+Metric: `distill/reverse_kl`, the mean of log q_t - log p_t over the step's sampled tokens (an unbiased
+estimate of the per-token KL(q || p) on the student's own samples).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from posttrain.rl.rollout import Rollouts
+from posttrain.rl.setup import RLRun
+
+__all__ = ["OnPolicyDistillRun", "run_on_policy"]
+
+
+class OnPolicyDistillRun(RLRun):
+    """An RL run whose advantages are the teacher's per-token log-ratio (module docstring)."""
+
+    def __init__(self, dcfg):
+        from posttrain import tokenizer as tok_lib
+        from posttrain.config import ConfigError
+        from posttrain.distill.teacher import check_same_vocabulary, teacher_folder
+        from posttrain.models.hf_io import resolve_path
+        from posttrain.models.tiny import resolve_model_path
+
+        if dcfg.on_policy.rollout.temperature != 1.0:
+            raise ConfigError(f"on_policy.rollout.temperature={dcfg.on_policy.rollout.temperature}: on-policy "
+                              "distillation samples from the student itself (temperature 1.0)")
+        # the tokenizers first: a teacher with another vocabulary fails before the run starts or any weight loads
+        s_tok = tok_lib.load(resolve_path(resolve_model_path(dcfg.model.path)))
+        check_same_vocabulary(s_tok, tok_lib.load(teacher_folder(dcfg)), student=dcfg.model.path,
+                              teacher=dcfg.teacher.path)
+        self.dcfg = dcfg
+        self._kl = 0.0
+        super().__init__(dcfg.rl_config())
+
+    def _setup(self, cfg) -> None:
+        """The RL run's set-up, then the teacher (a frozen scorer on the trainer's mesh)."""
+        from posttrain.config import save_config
+        from posttrain.distill.teacher import load_teacher
+        from posttrain.rl.learner import FrozenScorer
+
+        super()._setup(cfg)
+        save_config(self.dcfg, self.out / "config.yaml")  # the distillation config, not the RL one
+        teacher = load_teacher(self.dcfg, self.tok, self.trainer.cfg.vocab_size, self.run.mesh)
+        self.teacher = FrozenScorer(teacher, self.trainer, cfg.trainer.loss_chunk_size or None)
+
+    def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:
+        """The RL batch with per-token advantages -(log q - log p) on the completion tokens."""
+        from posttrain.rl.batch import build_rl_batch
+
+        batch = build_rl_batch(ro, np.zeros(len(ro), np.float32), pad_id=self.tok.pad_token_id or 0)
+        mask = batch["completion_mask"]
+        teacher_logp = self.teacher(batch, last=mask.shape[1])
+        log_ratio = (batch["old_logp"] - teacher_logp) * mask  # the sampler's log q minus the teacher's log p
+        batch["advantages"] = (-log_ratio).astype(np.float32)
+        self._kl = float(log_ratio.sum() / max(mask.sum(), 1.0))
+        if self.cfg.algorithm.is_level != "none":
+            batch["behaviour_logp"] = batch["old_logp"].copy()
+        return batch
+
+    def rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
+        return super().rollout_metrics(ro) | {"distill/reverse_kl": self._kl}
+
+
+def run_on_policy(dcfg, *, stop_after: int | None = None):
+    """Runs (or resumes) an on-policy distillation (an `RLResult`)."""
+    from posttrain.rl.loop import run_rl
+
+    run = OnPolicyDistillRun(dcfg)
+    return run_rl(run.cfg, stop_after=stop_after, run=run)
