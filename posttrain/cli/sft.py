@@ -11,13 +11,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="config overrides, e.g. model.path=tiny:llama data.train=FILE output_dir=DIR trainer.max_steps=N")
 
 
+# `posttrain.cli.main` leaves `distributed.initialize` to this command: it reads the config's `distributed`.
+DISTRIBUTED_FROM_CONFIG = True
+
+
 def run(args) -> int:
+    from posttrain import distributed
     from posttrain.training.runlock import RunLock
     from posttrain.training.sft import load_sft_config, run_sft
 
     cfg = load_sft_config(args.config, args.overrides)
+    distributed.initialize(cfg.distributed)  # before any device is touched; a no-op on one process
+    distributed.check_same_config(cfg)
     with RunLock(cfg.output_dir):
         result = run_sft(cfg)
+    distributed.finish()
+    if not distributed.is_primary():
+        return 0
     done = f"sft: done at step {result.final_step}"
     if result.losses:
         done += f", last loss {result.losses[-1][1]:.4f}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,7 @@ class RLRun:
     """The set-up of one RL run and the named steps the loop calls (see the module docstring)."""
 
     def __init__(self, cfg: RLConfig):
+        from posttrain import distributed
         from posttrain import tokenizer as tok_lib
         from posttrain.algorithms.registry import ADVANTAGES, get
         from posttrain.config import ConfigError, save_config
@@ -116,7 +118,8 @@ class RLRun:
         self.cfg = cfg
         self.out = out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
+        if distributed.is_primary():
+            save_config(cfg, out / "config.yaml")
         self.preset = preset = cfg.algorithm.resolved()
         g, b = cfg.rollout.group_size, cfg.rollout.batch_prompts
         self.advantage_fn = get(ADVANTAGES, preset["advantage"])
@@ -210,6 +213,7 @@ class RLRun:
     # ------------------------------------------------------------------ the loop's named steps
     def resume(self) -> int:
         """Restores the latest checkpoint (trainer, dispatcher) when resuming; opens the logs; returns the step."""
+        from posttrain import distributed
         from posttrain.training.metrics import MetricsLogger
 
         cfg, start = self.cfg, 0
@@ -221,8 +225,9 @@ class RLRun:
         self.logger = MetricsLogger(self.out, total_steps=cfg.trainer.max_steps, start_step=start,
                                     progress=cfg.trainer.progress, description="rl",
                                     row_files=("samples.jsonl", "trained.jsonl"))
-        self.samples_file = open(self.out / "samples.jsonl", "a", encoding="utf-8")
-        self.trained_file = open(self.out / "trained.jsonl", "a", encoding="utf-8")
+        primary = distributed.is_primary()  # multi-host: process 0 writes the files, the others write nowhere
+        self.samples_file = open(self.out / "samples.jsonl" if primary else os.devnull, "a", encoding="utf-8")
+        self.trained_file = open(self.out / "trained.jsonl" if primary else os.devnull, "a", encoding="utf-8")
         return start
 
     def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:

@@ -589,7 +589,8 @@ class Sampler:
                     stats["decode_segments"] += 1
                 else:  # every sample is complete after its first token
                     record, steps = None, 0
-                host = jax.device_get((pending[1] if pending else None, record, steps, ds.active))
+                # one read per segment; on a multi-host mesh a collective that every process runs alike
+                host = distributed.to_host((pending[1] if pending else None, record, steps, ds.active))
                 stats["decode_seconds"] += time.perf_counter() - t_dec
                 first, record, steps, active = host
                 steps = int(steps)

@@ -67,12 +67,12 @@ def build_model(cfg, mesh=None):
     return model, folder
 
 
-def _eval_batches(cfg, tok):
+def _eval_batches(cfg, tok, rows=None):
     from posttrain.data import build_sft_dataset
 
     d = cfg.data
     ds = build_sft_dataset(d.eval, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack,
-                           shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split)
+                           shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split, batch_rows=rows)
     out = []
     for batch in ds:
         out.append(batch)
@@ -107,7 +107,8 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    if distributed.is_primary():
+        save_config(cfg, out / "config.yaml")
     tc, d = cfg.trainer, cfg.data
     if not d.train:
         from posttrain.config import ConfigError
@@ -125,16 +126,17 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
     # Data first: a bad data set fails before any model is loaded.
     folder = resolve_path(resolve_model_path(cfg.model.path))  # a hub id is downloaded (a clear error offline)
     tok = tokenizer_lib.load(folder)
+    rows = distributed.process_batch_rows(mesh, d.batch_size)  # this process's rows of every global batch
     train_ds = build_sft_dataset(d.train, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack,
                                  seed=d.seed, shuffle=d.shuffle, num_epochs=None, truncation=d.truncation,
-                                 split=d.train_split)
-    eval_data = _eval_batches(cfg, tok) if (d.eval and tc.eval_every > 0) else []
+                                 split=d.train_split, batch_rows=rows)
+    eval_data = _eval_batches(cfg, tok, rows) if (d.eval and tc.eval_every > 0) else []
     model, folder = build_model(cfg, mesh)
 
     tx, schedule = make_optimizer(cfg.optim, tc.max_steps)
     loss_fn = make_sft_loss(tc.loss_chunk_size or None)
     trainer = Trainer(model, tx, loss_fn=loss_fn, grad_accum=tc.grad_accum, mesh=mesh, schedule=schedule,
-                      seed=tc.seed, logprob_chunk_size=tc.loss_chunk_size or None)
+                      seed=tc.seed, logprob_chunk_size=tc.loss_chunk_size or None, process_local_batches=True)
     del model
 
     ckpt = Checkpointer(out / "checkpoints", keep=tc.keep_checkpoints, async_save=tc.async_checkpointing, say=log)
@@ -177,7 +179,7 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
                 batch = batch_hook(step, batch)
             metrics = trainer.step(batch)
             losses.append((step, metrics["loss"]))
-            throughput.add(metrics["tokens"], float(np.prod(np.shape(batch["input_ids"]))))
+            throughput.add(metrics["tokens"], float(np.prod(np.shape(batch["input_ids"]))) * jax.process_count())
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
                 logger.log(step, metrics)
                 raise TrainingDivergedError.at(step, metrics["loss"], metrics["grad_norm"], ckpt)
