@@ -377,15 +377,18 @@ class Watchdog:
     def start(self) -> "Watchdog":
         from jax._src import distributed as jd
 
-        self._client = jd.global_state.client
+        state = jd.global_state
+        self._client = state.client
         if self._client is None:
             return self
+        # never jax.process_index() here: in this thread it could race the main thread's backend start-up
+        self.me, self.n = int(state.process_id), int(state.num_processes)
         self._thread = threading.Thread(target=self._run, name="posttrain-watchdog", daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        me, n = jax.process_index(), jax.process_count()
+        me, n = self.me, self.n
         seen: dict[int, tuple[str, float]] = {}
         count = 0
         started = time.monotonic()
@@ -413,7 +416,7 @@ class Watchdog:
     def _fail(self, what: str) -> None:
         if self._stop.is_set():
             return
-        print(f"error: multi-host run: {what}; this process (process {jax.process_index()}) stops too. Restart every "
+        print(f"error: multi-host run: {what}; this process (process {self.me}) stops too. Restart every "
               "process with the same command to resume from the last checkpoint", file=sys.stderr, flush=True)
         os._exit(1)
 
