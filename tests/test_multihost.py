@@ -245,7 +245,19 @@ def test_two_processes_shard_parameters_and_refuse_different_configs(tmp_path, p
     assert out[0]["sum"] == out[1]["sum"]
 
 
-SFT = ["configs/sft_smoke.yaml", "trainer.max_steps=40", "trainer.save_every=4", "trainer.log_every=1",
+@pytest.mark.slow
+def test_unreachable_coordinator_is_a_clear_error_within_the_timeout(tmp_path, procs):
+    p = procs.start(_posttrain("sft", "configs/sft_smoke.yaml", f"output_dir={tmp_path / 'out'}",
+                               f"distributed.coordinator=127.0.0.1:{_free_port()}", "distributed.num_processes=2",
+                               "distributed.process_id=1", "distributed.init_timeout_s=3"), _env(4), tmp_path / "p.log")
+    t0 = time.monotonic()
+    assert procs.wait([p], 120) == [1], procs.logs()
+    log = Path(p.log).read_text()
+    assert "error: process 1 of 2 could not join the run at 127.0.0.1:" in log and "within" in log, log
+    assert "Traceback" not in log and time.monotonic() - t0 < 60
+
+
+SFT = ["configs/sft_smoke.yaml", "trainer.max_steps=12", "trainer.save_every=2", "trainer.log_every=1",
        "trainer.eval_every=0", "trainer.progress=false", "trainer.async_checkpointing=false", "export_hf=false",
        "distributed.heartbeat_timeout_s=6"]
 
@@ -258,12 +270,12 @@ def test_sft_two_hosts_match_one_host_and_resume_after_a_host_dies(tmp_path, pro
     one = procs.start(args + [f"output_dir={tmp_path / 'one'}"], _env(8), tmp_path / "one.log")
     assert procs.wait([one], 300) == [0], procs.logs()
     ref = _rows(tmp_path / "one", "loss")
-    assert sorted(ref) == list(range(1, 41))
+    assert sorted(ref) == list(range(1, 13))
 
     two = tmp_path / "two"
     hosts = _hosts(procs, args + [f"output_dir={two}"], 2, 4, tmp_path, "run")
     deadline = time.monotonic() + 240
-    while not ((two / "metrics.jsonl").exists() and len(_rows(two, "loss")) >= 6):  # a few steps done
+    while not ((two / "metrics.jsonl").exists() and len(_rows(two, "loss")) >= 3):  # a few steps done
         assert time.monotonic() < deadline and hosts[0].poll() is None, procs.logs()
         time.sleep(0.05)
     os.killpg(hosts[1].pid, signal.SIGKILL)
@@ -274,14 +286,14 @@ def test_sft_two_hosts_match_one_host_and_resume_after_a_host_dies(tmp_path, pro
     assert "error: multi-host run: process 1 of 2 stopped answering" in log, procs.logs()
     assert waited < 30, waited
     done = len(_rows(two, "loss"))
-    assert done < 40, "the run finished before the kill: nothing was tested"
+    assert done < 12, "the run finished before the kill: nothing was tested"
 
     again = _hosts(procs, args + [f"output_dir={two}"], 2, 4, tmp_path, "resume")
     assert procs.wait(again, 300) == [0, 0], procs.logs()
     resumed = Path(again[0].log).read_text()
     assert "resumed from step" in resumed, resumed
     got = _rows(two, "loss")
-    assert sorted(got) == list(range(1, 41))
+    assert sorted(got) == list(range(1, 13))
     diff = max(abs(got[s] - ref[s]) for s in ref)
     print(f"\nkilled after {done} logged steps; other process exited in {waited:.1f}s; max |loss diff| {diff:.2e}")
     assert diff < 1e-5
@@ -306,15 +318,15 @@ def test_rl_two_hosts_match_one_host(tmp_path, procs, tiny_llama):
         "rollout.group_size=4", "rollout.max_new_tokens=8", f"rewards.functions=[{{name: '{tmp_path / 'reward.py'}:count_a'}}]",
         "rewards.correctness=null", "rewards.num_workers=0", "optim.lr=3e-3", "optim.decay=constant",
         "trainer.log_every=1", "trainer.save_every=0", "trainer.progress=false", "eval.at_start=false",
-        "trainer.max_steps=3", "export_hf=false")
+        "trainer.max_steps=2", "export_hf=false")
     one = procs.start(args + [f"output_dir={tmp_path / 'one'}"], _env(8), tmp_path / "one.log")
     assert procs.wait([one], 300) == [0], procs.logs()
     hosts = _hosts(procs, args + [f"output_dir={tmp_path / 'two'}"], 2, 4, tmp_path, "two")
     assert procs.wait(hosts, 400) == [0, 0], procs.logs()
     for key in ("reward/mean", "loss", "completion/length_mean"):
         a, b = _rows(tmp_path / "one", key), _rows(tmp_path / "two", key)
-        assert sorted(a) == sorted(b) == [1, 2, 3], key
+        assert sorted(a) == sorted(b) == [1, 2], key
         assert max(abs(a[s] - b[s]) for s in a) < 1e-5, (key, a, b)
     assert max(_rows(tmp_path / "one", "reward/mean").values()) > 0  # a reward with signal: the losses mean something
     samples = [json.loads(x) for x in open(tmp_path / "two" / "samples.jsonl")]
-    assert [s["step"] for s in samples] == [1, 2, 3]  # written once (by process 0)
+    assert [s["step"] for s in samples] == [1, 2]  # written once (by process 0)
