@@ -260,21 +260,47 @@ def initialize(cfg=None) -> bool:
     kwargs = {k: settings[k] for k in ("coordinator", "num_processes", "process_id") if settings[k] is not None}
     if "coordinator" in kwargs:
         kwargs["coordinator_address"] = kwargs.pop("coordinator")
-    t0 = time.monotonic()
+    where = settings["coordinator"] or "the detected coordinator"
+    who = f"process {settings['process_id']} of {settings['num_processes']}"
+
+    def message(reason: str) -> str:
+        return (f"{who} could not join the run at {where} within {settings['init_timeout_s']}s "
+                f"(distributed.init_timeout_s): {reason}. Start every process with the same coordinator address "
+                "and process count, and check that process 0's host is reachable on that port")
+
+    def give_up():  # JAX aborts natively when its own (later) deadline passes: say why first, in one line
+        print(f"error: {message(_why_not_joined(settings))}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(settings["init_timeout_s"], give_up)
+    timer.daemon = True
+    timer.start()
     try:
-        jax.distributed.initialize(**kwargs, initialization_timeout=settings["init_timeout_s"],
+        jax.distributed.initialize(**kwargs, initialization_timeout=settings["init_timeout_s"] + 30,
                                    heartbeat_timeout_seconds=settings["heartbeat_timeout_s"],
                                    shutdown_timeout_seconds=max(settings["heartbeat_timeout_s"], 30))
-    except Exception as e:  # noqa: BLE001 - a timeout or connection failure, reported in one line
-        text = " ".join(str(e).split())
-        where = settings["coordinator"] or "the detected coordinator"
-        raise DistributedError(
-            f"process {settings['process_id']} of {settings['num_processes']} could not join the run at {where} "
-            f"within {time.monotonic() - t0:.0f}s (distributed.init_timeout_s={settings['init_timeout_s']}): "
-            f"{text[:300]}. Start every process with the same coordinator address, and check that process 0's "
-            "host is reachable on that port") from None
+    except Exception as e:  # noqa: BLE001 - a bad address or a connection failure, reported in one line
+        raise DistributedError(message(" ".join(str(e).split())[:300])) from None
+    finally:
+        timer.cancel()
     _STATE["watchdog"] = Watchdog(settings["heartbeat_timeout_s"]).start()
     return True
+
+
+def _why_not_joined(settings: dict) -> str:
+    """A guess at why joining timed out: nobody listening at the coordinator's address, or processes missing."""
+    import socket
+
+    coordinator = settings.get("coordinator")
+    if settings.get("process_id") not in (None, 0) and coordinator:
+        host, _, port = coordinator.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                pass
+        except (OSError, ValueError):
+            return "nothing answers at that address (is process 0 running?)"
+    n = settings.get("num_processes")
+    return f"not all {n} processes joined" if n else "not all processes joined"
 
 
 def is_primary() -> bool:
