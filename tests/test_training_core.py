@@ -250,7 +250,7 @@ def test_checkpoint_keeps_last_n_and_ignores_unfinished(tmp_path, model_state):
 def _step_program(tr, batch):
     """The trainer's step as (jaxpr text, lowered StableHLO text) for `batch`."""
     fn = tr._build_step(tr.loss_fn)
-    args = (tr.params, tr.opt_state, tr.rest, tr.put_batch(batch), jnp.int32(0))
+    args = (tr.params, tr.opt_state, tr.rest, {}, tr.put_batch(batch), jnp.int32(0))  # {}: no frozen models
     return str(jax.make_jaxpr(fn)(*args)), fn.lower(*args).as_text()
 
 

@@ -10,24 +10,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=DIR trainer.max_steps=10")
 
 
-# `posttrain.cli.main` leaves `distributed.initialize` to this command: it reads the config's `distributed`.
+# `posttrain.cli.main` leaves `distributed.initialize` to the run skeleton (`posttrain.training.run.Run`),
+# which reads the config's `distributed` section first.
 DISTRIBUTED_FROM_CONFIG = True
 
 
 def run(args) -> int:
     from posttrain import distributed
     from posttrain.rl.loop import load_rl_config, run_rl
-    from posttrain.training.runlock import RunLock
 
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]
     cfg = load_rl_config(config, overrides)
-    distributed.initialize(cfg.distributed)  # before any device is touched; a no-op on one process
-    distributed.check_same_config(cfg)
-    with RunLock(cfg.output_dir):
-        result = run_rl(cfg)
-    distributed.finish()
+    result = run_rl(cfg)  # holds the output folder's run lock (posttrain.training.run.Run)
+    distributed.finish()  # multi-host: every process waits for the others (process 0's export), then leaves
     if not distributed.is_primary():
         return 0
     last = result.evals[-1] if result.evals else {}

@@ -11,21 +11,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="config overrides, e.g. model.path=tiny:llama data.train=FILE output_dir=DIR trainer.max_steps=N")
 
 
-# `posttrain.cli.main` leaves `distributed.initialize` to this command: it reads the config's `distributed`.
+# `posttrain.cli.main` leaves `distributed.initialize` to the run skeleton (`posttrain.training.run.Run`),
+# which reads the config's `distributed` section first.
 DISTRIBUTED_FROM_CONFIG = True
 
 
 def run(args) -> int:
     from posttrain import distributed
-    from posttrain.training.runlock import RunLock
     from posttrain.training.sft import load_sft_config, run_sft
 
     cfg = load_sft_config(args.config, args.overrides)
-    distributed.initialize(cfg.distributed)  # before any device is touched; a no-op on one process
-    distributed.check_same_config(cfg)
-    with RunLock(cfg.output_dir):
-        result = run_sft(cfg)
-    distributed.finish()
+    result = run_sft(cfg)  # holds the output folder's run lock (posttrain.training.run.Run)
+    distributed.finish()  # multi-host: every process waits for the others (process 0's export), then leaves
     if not distributed.is_primary():
         return 0
     done = f"sft: done at step {result.final_step}"

@@ -1,6 +1,6 @@
 """What an RL run holds besides its loop: data, rewards, model, trainer, learner, dispatcher, checkpoints, logs.
 
-`RLRun(cfg)` does every set-up step once (rewards are checked against the data before any model
+`RLRun(cfg)` does every set-up step once on the shared run skeleton (`posttrain.training.run.Run`) (rewards are checked against the data before any model
 loads); the loop (`posttrain.rl.loop`) then only calls named steps on it: `resume`, `prepare`,
 `after_step` (logs, held-out evaluation, checkpoint), `finish` (final evaluation, checkpoint, HF export).
 
@@ -70,17 +70,6 @@ def _encode_all(tok, records, cfg: RLConfig) -> list[list[int]]:
     return out
 
 
-def _mesh(cfg: RLConfig):
-    import jax
-
-    from posttrain import distributed
-
-    if len(jax.devices()) == 1:
-        return None
-    m = cfg.mesh
-    return distributed.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
-
-
 def policy_loss_kwargs(cfg: RLConfig, preset: dict) -> dict:
     from posttrain.algorithms.registry import loss_kwargs
 
@@ -99,27 +88,35 @@ class RLRun:
     """The set-up of one RL run and the named steps the loop calls (see the module docstring)."""
 
     def __init__(self, cfg: RLConfig):
-        from posttrain import distributed
-        from posttrain import tokenizer as tok_lib
+        from posttrain.config import ConfigError
+        from posttrain.training.run import Run
+
+        if not cfg.data.train:
+            raise ConfigError("data.train: no prompt set given (set data.train=FILE)")
+        self.cfg = cfg
+        # the shared skeleton: run lock, output folder + config.yaml, mesh; later trainer, checkpoints, logs
+        self.run = Run(cfg, "rl")
+        self.out = self.run.out
+        self.runner = None
+        self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.samples_file = self.trained_file = None
+        self._sampler = None
+        try:
+            self._setup(cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, cfg: RLConfig) -> None:
         from posttrain.algorithms.registry import ADVANTAGES, get
-        from posttrain.config import ConfigError, save_config
         from posttrain.data import read_prompts
         from posttrain.rl.dispatcher import Dispatcher
         from posttrain.rl.learner import FrozenScorer, Learner
         from posttrain.rl.loss import make_rl_loss
         from posttrain.sampling import SamplingParams
-        from posttrain.training.checkpoint import Checkpointer
-        from posttrain.training.optim import make_optimizer
-        from posttrain.training.sft import build_model
-        from posttrain.training.trainer import Trainer
 
-        if not cfg.data.train:
-            raise ConfigError("data.train: no prompt set given (set data.train=FILE)")
-        self.cfg = cfg
-        self.out = out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        if distributed.is_primary():
-            save_config(cfg, out / "config.yaml")
+        run = self.run
         self.preset = preset = cfg.algorithm.resolved()
         g, b = cfg.rollout.group_size, cfg.rollout.batch_prompts
         self.advantage_fn = get(ADVANTAGES, preset["advantage"])
@@ -140,24 +137,19 @@ class RLRun:
                 self.eval_records = self.eval_records[: cfg.data.eval_limit]
             self.runner.check_records(self.eval_records)
 
-        mesh = _mesh(cfg)
-        model, folder = build_model(cfg, mesh)
-        self.tok = tok_lib.load(folder)
+        chunk = cfg.trainer.loss_chunk_size or None
+        updates_per_step = cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
+        self.trainer = trainer = run.build_trainer(updates=cfg.trainer.max_steps * updates_per_step)
+        self.tok = run.tokenizer()
         self.prompt_ids = _encode_all(self.tok, self.records, cfg)
         self.eval_ids = _encode_all(self.tok, self.eval_records, cfg) if self.eval_records else None
 
-        chunk = cfg.trainer.loss_chunk_size or None
-        updates_per_step = cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
-        tx, schedule = make_optimizer(cfg.optim, cfg.trainer.max_steps * updates_per_step)
-        self.trainer = trainer = Trainer(model, tx, grad_accum=cfg.trainer.grad_accum, mesh=mesh, schedule=schedule,
-                                         seed=cfg.trainer.seed, logprob_chunk_size=chunk)
         ref_fn = None
         if kw["beta"] > 0:
             if trainer.has_lora:  # the base model with adapters off: no second copy of the weights
                 ref_fn = lambda batch, last: trainer.token_logprobs(batch, adapters=False, last=last)  # noqa: E731
             else:
-                ref_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=False))
-                ref_fn = FrozenScorer(build_model(ref_cfg, mesh)[0], trainer, chunk)
+                ref_fn = FrozenScorer(run.frozen_model(), trainer, chunk)
         self.learner = Learner(trainer, make_rl_loss(kw, chunk_size=chunk), ppo_epochs=cfg.algorithm.ppo_epochs,
                                minibatches=cfg.algorithm.minibatches, seed=cfg.trainer.seed,
                                recompute_old=cfg.algorithm.old_logprobs == "recompute",
@@ -170,12 +162,14 @@ class RLRun:
         self.sampling_params = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k, n=g, stop_token_ids=cfg.rollout.stop_token_ids, seed=cfg.trainer.seed % 2**32)
-        self.ckpt = Checkpointer(out / "checkpoints", keep=cfg.trainer.keep_checkpoints,
-                                 async_save=cfg.trainer.async_checkpointing)
-        self._sampler = None
-        self.history: list[dict[str, float]] = []
-        self.evals: list[dict[str, Any]] = []
-        self.logger = self.samples_file = self.trained_file = None
+
+    @property
+    def ckpt(self):
+        return self.run.ckpt
+
+    @property
+    def logger(self):
+        return self.run.logger
 
     # ------------------------------------------------------------------ pieces the sources use
     def local_sampler(self):
@@ -213,18 +207,16 @@ class RLRun:
     # ------------------------------------------------------------------ the loop's named steps
     def resume(self) -> int:
         """Restores the latest checkpoint (trainer, dispatcher) when resuming; opens the logs; returns the step."""
-        from posttrain import distributed
-        from posttrain.training.metrics import MetricsLogger
-
-        cfg, start = self.cfg, 0
-        meta = self.ckpt.restore_latest(self.trainer) if cfg.trainer.resume else None  # the newest that restores
+        start = 0
+        meta = self.run.restore()  # the newest checkpoint that restores (when trainer.resume)
         if meta is not None:
             self.dispatcher.load_state_dict(meta["data_state"]["dispatcher"])
             start = int(meta["metadata"]["rl_step"])
+        self.run.start_step = start
         # rows of steps after the checkpoint are dropped: those steps run again
-        self.logger = MetricsLogger(self.out, total_steps=cfg.trainer.max_steps, start_step=start,
-                                    progress=cfg.trainer.progress, description="rl",
-                                    row_files=("samples.jsonl", "trained.jsonl"))
+        self.run.open_logger(start, description="rl", row_files=("samples.jsonl", "trained.jsonl"))
+        from posttrain import distributed
+
         primary = distributed.is_primary()  # multi-host: process 0 writes the files, the others write nowhere
         self.samples_file = open(self.out / "samples.jsonl" if primary else os.devnull, "a", encoding="utf-8")
         self.trained_file = open(self.out / "trained.jsonl" if primary else os.devnull, "a", encoding="utf-8")
@@ -266,9 +258,7 @@ class RLRun:
         return m
 
     def save(self, step: int) -> None:
-        if self.ckpt.latest_step() != self.trainer.step_count:
-            self.ckpt.save(self.trainer, data_state={"dispatcher": self.dispatcher.state_dict()},
-                           metadata={"rl_step": step})
+        self.run.save(data_state={"dispatcher": self.dispatcher.state_dict()}, metadata={"rl_step": step})
 
     def evaluate(self, step: int) -> None:
         """Held-out greedy accuracy (and pass@k) with the trainer's current weights."""
@@ -297,10 +287,7 @@ class RLRun:
     def after_step(self, step: int, m: dict[str, float], ro: Rollouts, trained_uids: list[int]) -> None:
         """Ledger, metrics, samples, periodic evaluation and checkpoint of a finished step."""
         cfg = self.cfg
-        if not np.isfinite(m["loss"]):
-            from posttrain.training.errors import TrainingDivergedError
-
-            raise TrainingDivergedError.at(step, m["loss"], m.get("grad_norm"), self.ckpt)
+        self.run.check_finite(step, m, grad_norm=False, log=False)
         versions = np.asarray(ro.version_first)
         self.trained_file.write(json.dumps({
             "step": step, "uids": trained_uids, "records": [int(ro.record_index[j * ro.group_size])
@@ -321,22 +308,17 @@ class RLRun:
 
     def finish(self, step: int) -> Path | None:
         """Final evaluation and checkpoint; the HF export (LoRA merged)."""
-        from posttrain.models import lora as lora_lib
-        from posttrain.models.hf_io import save_pretrained
-
         self.evaluate(step)
         self.save(step)
         self.ckpt.wait()
-        if not self.cfg.export_hf:
-            return None
-        final = self.trainer.model()
-        if self.trainer.has_lora:
-            final = lora_lib.merge(final)
-        return save_pretrained(final, self.out / "hf", tokenizer=self.tok, dtype=self.cfg.export_dtype)
+        return self.run.export_hf(quiet=True)
 
     def close(self) -> None:
-        for f in (self.logger, self.samples_file, self.trained_file):
-            if f is not None:
-                f.close()
-        self.runner.close()
-        self.ckpt.close()  # waits for a pending save (bounded: a failed save is an error, never a hang)
+        try:
+            for f in (self.samples_file, self.trained_file):
+                if f is not None:
+                    f.close()
+            if self.runner is not None:
+                self.runner.close()
+        finally:
+            self.run.close()  # logs; waits for a pending save (bounded: never a hang); releases the run lock

@@ -1,4 +1,5 @@
-"""The shared trainer core: train state, jit step with gradient accumulation, optimizers, checkpoints, metrics, SFT.
+"""The shared trainer core: train state, jit step with gradient accumulation, optimizers, checkpoints, metrics, the run
+skeleton every command composes (`posttrain.training.run.Run`), SFT.
 
 Heavy modules (JAX) load on first attribute access, so importing the config classes stays cheap.
 """
@@ -12,6 +13,12 @@ _EXPORTS = {
     "LossFn": "posttrain.training.trainer",
     "flops_per_token": "posttrain.training.trainer",
     "reduce_metrics": "posttrain.training.trainer",
+    "uses_frozen": "posttrain.training.trainer",
+    "UsesFrozen": "posttrain.training.trainer",
+    "Run": "posttrain.training.run",
+    "FitResult": "posttrain.training.run",
+    "build_model": "posttrain.training.run",
+    "frozen_copy": "posttrain.training.run",
     "make_optimizer": "posttrain.training.optim",
     "make_schedule": "posttrain.training.optim",
     "decay_mask": "posttrain.training.optim",

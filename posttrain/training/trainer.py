@@ -19,6 +19,18 @@ globally normalised loss (not an average of per-micro-batch means). Micro-batch 
 j, j + k, j + 2k, ... so that, with the batch sharded over the data axes, every device holds a slice of
 every micro-batch.
 
+Frozen models (a DPO reference, a distillation teacher) are held by the trainer without optimizer state
+(`Trainer(frozen={"reference": model})` or `add_frozen`) and passed into the compiled step as *arguments*
+(never closed-over constants, so they are not baked into the program and can be sharded and swapped). A
+loss that uses them is wrapped with `uses_frozen(fn, "reference", ...)` and is called
+`fn(model, micro_batch, frozen)` with `frozen` a dict of name -> model (no gradient flows into them).
+The name "base" is always available on a LoRA model: the trained model with its adapters off (a DPO
+reference without a second copy of the weights).
+
+Rows that belong together (a DPO chosen/rejected pair, a group) stay in one micro-batch: with
+`rows_per_example=g` (an argument of `step`, or the loss's attribute of that name) the batch is read as
+B/g examples of g consecutive rows, and micro-batch j takes examples j, j + k, j + 2k, ... whole.
+
 The model is split once (`nnx.split`) into a static graph definition, the trained parameters (`wrt`:
 all `nnx.Param`s, or only the `nnx.LoRAParam` adapters when the model has LoRA) and the rest (frozen
 weights, quantised kernels); the step is a pure function of (params, optimizer state, rest, batch, step)
@@ -35,6 +47,7 @@ either the whole global batch on every process (RL: each process holds all rollo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -48,7 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from posttrain import distributed
 from posttrain.models import lora as lora_lib
 
-__all__ = ["LossFn", "Trainer", "reduce_metrics", "flops_per_token"]
+__all__ = ["LossFn", "Trainer", "reduce_metrics", "flops_per_token", "uses_frozen", "UsesFrozen"]
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array, dict[str, Any]]]
 
@@ -63,6 +76,25 @@ def reduce_metrics(metrics: dict[str, Any]) -> dict[str, jax.Array]:
         else:
             out[k] = jnp.asarray(v, jnp.float32)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class UsesFrozen:
+    """A loss that also takes frozen models: called `fn(model, batch, frozen)`, `frozen` = {name: model}
+    for `names` (see the module docstring). Hashable, so the trainer's compile cache keys on it."""
+
+    fn: Callable
+    names: tuple[str, ...]
+    rows_per_example: int = 1
+
+    def __call__(self, model, batch, frozen):
+        return self.fn(model, batch, frozen)
+
+
+def uses_frozen(fn: Callable, *names: str, rows_per_example: int = 1) -> UsesFrozen:
+    """Marks `fn(model, batch, frozen)` as a loss over the trainer's frozen models `names` ("base" = the
+    LoRA model with adapters off); `rows_per_example` keeps that many consecutive rows in one micro-batch."""
+    return UsesFrozen(fn, tuple(names), int(rows_per_example))
 
 
 def _as_f32(tree):
@@ -96,6 +128,7 @@ class Trainer:
       schedule: the learning-rate schedule, only to report `lr` in the metrics.
       seed: seeds the train state's RNG key (checkpointed; `next_rng()` hands out per-step keys).
       logprob_chunk_size: tokens per vocabulary-projection chunk in `token_logprobs` (None = whole).
+      frozen: name -> model held frozen (no optimizer state) for losses marked with `uses_frozen`.
       process_local_batches: batches hold only this process's rows of the global batch (multi-host data
         loading); otherwise every process passes the whole batch.
     """
@@ -103,7 +136,7 @@ class Trainer:
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, loss_fn: LossFn | None = None,
                  grad_accum: int = 1, mesh: Mesh | None = None, wrt=None, schedule: optax.Schedule | None = None,
                  seed: int = 0, logprob_chunk_size: int | None = None, donate: bool = True,
-                 process_local_batches: bool = False):
+                 frozen: dict[str, nnx.Module] | None = None, process_local_batches: bool = False):
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, found {grad_accum}")
         self.tx = tx
@@ -135,6 +168,45 @@ class Trainer:
         self._step_fns: dict[Any, Callable] = {}
         self._eval_fns: dict[Any, Callable] = {}
         self._logprob_fns: dict[tuple, Callable] = {}
+        self.frozen_graphdefs: dict[str, Any] = {}
+        self.frozen_states: dict[str, Any] = {}
+        for name, m in (frozen or {}).items():
+            self.add_frozen(name, m)
+
+    def add_frozen(self, name: str, model: nnx.Module) -> None:
+        """Holds `model` frozen under `name` (placed on the mesh; no optimizer state, not checkpointed: it
+        comes back from its own checkpoint). Its state is an argument of every step whose loss uses it."""
+        if name == "base":
+            raise ValueError("'base' names the LoRA model with adapters off; choose another name")
+        if self.mesh is not None:
+            distributed.shard_model(model, self.mesh)
+        self.frozen_graphdefs[name], self.frozen_states[name] = nnx.split(model)
+        self._step_fns.clear()
+        self._eval_fns.clear()
+
+    def _frozen_args(self, loss_fn) -> dict[str, Any]:
+        """The frozen states a loss needs (the arguments of its compiled step)."""
+        names = getattr(loss_fn, "names", None) if isinstance(loss_fn, UsesFrozen) else None
+        out = {}
+        for n in names or ():
+            if n == "base":
+                if not self.has_lora:
+                    raise ValueError("the frozen model 'base' (adapters off) needs a LoRA model")
+                continue
+            if n not in self.frozen_states:
+                raise ValueError(f"the loss needs the frozen model {n!r}; the trainer holds "
+                                 f"{sorted(self.frozen_states) or 'none'} (add it with add_frozen)")
+            out[n] = self.frozen_states[n]
+        return out
+
+    def _call_loss(self, loss_fn, model, params, rest, frozen_states, mb):
+        """Calls a loss with its frozen models rebuilt from their states (no gradients into them)."""
+        if not isinstance(loss_fn, UsesFrozen):
+            return loss_fn(model, mb)
+        frozen = {n: nnx.merge(self.frozen_graphdefs[n], jax.lax.stop_gradient(st)) for n, st in frozen_states.items()}
+        if "base" in loss_fn.names:
+            frozen["base"] = nnx.merge(self.graphdef_base, jax.lax.stop_gradient(params), rest)
+        return loss_fn(model, mb, frozen)
 
     # ------------------------------------------------------------------ state
     def _init_opt_state(self, params):
@@ -197,41 +269,43 @@ class Trainer:
         return {k: jax.device_put(np.asarray(v), distributed.batch_sharding(self.mesh, np.ndim(v)))
                 for k, v in batch.items()}
 
-    def _split(self, x: jax.Array) -> jax.Array:
-        """[B, ...] -> [k, B/k, ...] with micro-batch j = rows j, j+k, j+2k, ..."""
-        k = self.grad_accum
-        y = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    def _split(self, x: jax.Array, rows_per_example: int = 1) -> jax.Array:
+        """[B, ...] -> [k, B/k, ...] with micro-batch j = examples j, j+k, j+2k, ... (an example = g consecutive
+        rows, g = rows_per_example; g = 1: rows j, j+k, ...)."""
+        k, g = self.grad_accum, rows_per_example
+        e = x.shape[0] // g
+        y = x.reshape(e // k, k, g, *x.shape[1:]).swapaxes(0, 1).reshape(k, (e // k) * g, *x.shape[1:])
         if self.mesh is not None:
             spec = distributed.logical_to_spec((None, "batch") + (None,) * (x.ndim - 1), y.shape, self.mesh)
             y = jax.lax.with_sharding_constraint(y, NamedSharding(self.mesh, spec))
         return y
 
     # ------------------------------------------------------------------ the step
-    def _build_step(self, loss_fn: LossFn):
+    def _build_step(self, loss_fn: LossFn, rows_per_example: int = 1):
         graphdef, tx, schedule, k = self.graphdef, self.tx, self.schedule, self.grad_accum
 
-        def micro(params, rest, mb):
+        def micro(params, rest, frozen, mb):
             model = nnx.merge(graphdef, params, rest)
-            loss_sum, weight, metrics = loss_fn(model, mb)
+            loss_sum, weight, metrics = self._call_loss(loss_fn, model, params, rest, frozen, mb)
             return jnp.asarray(loss_sum, jnp.float32), (jnp.asarray(weight, jnp.float32), _as_f32(metrics))
 
         grad_fn = jax.value_and_grad(micro, has_aux=True)
 
-        def step_fn(params, opt_state, rest, batch, step):
+        def step_fn(params, opt_state, rest, frozen, batch, step):
             if k == 1:
-                (loss_sum, (weight, metrics)), grads = grad_fn(params, rest, batch)
+                (loss_sum, (weight, metrics)), grads = grad_fn(params, rest, frozen, batch)
                 grads = _as_f32(grads)
             else:
-                mbs = jax.tree.map(self._split, batch)
+                mbs = jax.tree.map(lambda x: self._split(x, rows_per_example), batch)
                 first = jax.tree.map(lambda x: x[0], mbs)
-                _, (w_shape, m_shape) = jax.eval_shape(lambda p, r, b: micro(p, r, b), params, rest, first)
+                _, (w_shape, m_shape) = jax.eval_shape(micro, params, rest, frozen, first)
                 zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)  # noqa: E731
                 init = (zeros(jax.eval_shape(lambda p: p, params)), jnp.zeros((), jnp.float32),
                         zeros(w_shape), zeros(m_shape))
 
                 def body(carry, mb):
                     g_acc, l_acc, w_acc, m_acc = carry
-                    (ls, (w, m)), g = grad_fn(params, rest, mb)
+                    (ls, (w, m)), g = grad_fn(params, rest, frozen, mb)
                     g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
                     m_acc = jax.tree.map(jnp.add, m_acc, m)
                     return (g_acc, l_acc + ls, w_acc + w, m_acc), None
@@ -271,52 +345,66 @@ class Trainer:
                                        NamedSharding(self.mesh, PartitionSpec()))
         return jax.jit(step_fn, **kwargs)
 
-    def _check_batch(self, batch):
+    def _check_batch(self, batch, rows_per_example: int = 1):
         sizes = {np.shape(v)[0] for v in batch.values()}
         if len(sizes) != 1:
             raise ValueError(f"batch arrays disagree on the batch size: { {k: np.shape(v) for k, v in batch.items()} }")
         b = sizes.pop() * (jax.process_count() if self.process_local_batches else 1)
-        if b % self.grad_accum:
-            raise ValueError(f"batch size {b} is not divisible by grad_accum={self.grad_accum}")
+        if b % rows_per_example:
+            raise ValueError(f"batch size {b} is not a whole number of examples of {rows_per_example} rows")
+        if (b // rows_per_example) % self.grad_accum:
+            what = f"{b // rows_per_example} examples" if rows_per_example > 1 else f"batch size {b}"
+            raise ValueError(f"{what} is not divisible by grad_accum={self.grad_accum}")
         return b
 
-    def step(self, batch: dict[str, Any], loss_fn: LossFn | None = None, *, fetch: bool = True) -> dict[str, Any]:
+    def step(self, batch: dict[str, Any], loss_fn: LossFn | None = None, *, fetch: bool = True,
+             rows_per_example: int | None = None) -> dict[str, Any]:
         """One optimizer update on `batch`; returns metrics (floats when `fetch`, device scalars otherwise).
 
         Metrics: loss (Σ loss_sum / Σ weight), grad_norm (before clipping), lr, weight, tokens (real
         tokens by attention_mask), skipped (1 if the update was not applied), plus the loss's own.
+        rows_per_example: consecutive rows that stay in one micro-batch (default: the loss's attribute, or 1).
         """
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
             raise ValueError("no loss function: pass loss_fn to Trainer(...) or to step(...)")
-        self._check_batch(batch)
-        fn = self._step_fns.get(loss_fn)
+        g = int(rows_per_example or getattr(loss_fn, "rows_per_example", 1) or 1)
+        self._check_batch(batch, g)
+        fn = self._step_fns.get((loss_fn, g))
         if fn is None:
-            fn = self._step_fns[loss_fn] = self._build_step(loss_fn)
+            fn = self._step_fns[(loss_fn, g)] = self._build_step(loss_fn, g)
         dev = self.put_batch(batch)
-        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, self.rest, dev,
-                                                   jnp.asarray(self.step_count, jnp.int32))
+        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, self.rest, self._frozen_args(loss_fn),
+                                                   dev, jnp.asarray(self.step_count, jnp.int32))
         self.step_count += 1
         if fetch:
-            return {k: float(v) for k, v in jax.device_get(metrics).items()}
+            return {k: float(v) for k, v in distributed.to_host(metrics).items()}
         return metrics
 
     # ------------------------------------------------------------------ evaluation and log-probs
     def eval_step(self, batch: dict[str, Any], loss_fn: LossFn | None = None) -> tuple[float, float]:
         """(Σ loss_sum, Σ weight) of `batch` under the current weights, without updating anything."""
+        ls, w, _ = self.eval_sums(batch, loss_fn)
+        return ls, w
+
+    def eval_sums(self, batch: dict[str, Any], loss_fn: LossFn | None = None) -> tuple[float, float, dict[str, Any]]:
+        """(Σ loss_sum, Σ weight, metrics) of `batch` without updating anything; metrics as the loss returns
+        them (a scalar, or a (numerator, denominator) pair), as floats: sum them over batches, then
+        `reduce_metrics`."""
         loss_fn = loss_fn or self.loss_fn
         fn = self._eval_fns.get(loss_fn)
         if fn is None:
             graphdef = self.graphdef
 
-            def eval_fn(params, rest, b):
+            def eval_fn(params, rest, frozen, b):
                 model = nnx.merge(graphdef, params, rest)
-                ls, w, _ = loss_fn(model, b)
-                return jnp.asarray(ls, jnp.float32), jnp.asarray(w, jnp.float32)
+                ls, w, m = self._call_loss(loss_fn, model, params, rest, frozen, b)
+                return jnp.asarray(ls, jnp.float32), jnp.asarray(w, jnp.float32), _as_f32(m)
 
             fn = self._eval_fns[loss_fn] = jax.jit(eval_fn)
-        ls, w = jax.device_get(fn(self.params, self.rest, self.put_batch(batch)))
-        return float(ls), float(w)
+        ls, w, m = distributed.to_host(fn(self.params, self.rest, self._frozen_args(loss_fn), self.put_batch(batch)))
+        m = {k: (tuple(float(x) for x in v) if isinstance(v, (tuple, list)) else float(v)) for k, v in m.items()}
+        return float(ls), float(w), m
 
     def logprob_fn(self, *, adapters: bool = True, last: int | None = None) -> Callable:
         """The jitted pure function (params, rest, input_ids, attention_mask, positions, segment_ids) ->
@@ -336,6 +424,27 @@ class Trainer:
 
             fn = self._logprob_fns[(adapters, last)] = jax.jit(lp)
         return fn
+
+    def frozen_token_logprobs(self, name: str, batch: dict[str, Any], *, last: int | None = None) -> jax.Array:
+        """Per-token log-probs [B, T-1] (or [B, last]) of the frozen model `name` ("base": the LoRA model with
+        adapters off), e.g. to precompute a DPO reference once."""
+        if name == "base":
+            return self.token_logprobs(batch, adapters=False, last=last)
+        key = ("frozen", name, last)
+        fn = self._logprob_fns.get(key)
+        if fn is None:
+            from posttrain.algorithms.sft import token_logprobs
+
+            graphdef, chunk = self.frozen_graphdefs[name], self.logprob_chunk_size
+
+            def lp(state, input_ids, attention_mask, positions, segment_ids):
+                return token_logprobs(nnx.merge(graphdef, state), input_ids, attention_mask=attention_mask,
+                                      positions=positions, segment_ids=segment_ids, chunk_size=chunk, last=last)
+
+            fn = self._logprob_fns[key] = jax.jit(lp)
+        dev = self.put_batch(batch)
+        return fn(self.frozen_states[name], dev["input_ids"], dev.get("attention_mask"), dev.get("positions"),
+                  dev.get("segment_ids"))
 
     def token_logprobs(self, batch: dict[str, Any], *, adapters: bool = True, params=None,
                        last: int | None = None) -> jax.Array:

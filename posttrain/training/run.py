@@ -1,0 +1,319 @@
+"""The run skeleton every training command composes: output folder, lock, mesh, model, trainer, checkpoints,
+logs, the supervised step loop and the HF export. A command (sft, dpo, distill, rl) is its data, its loss
+and its few special steps on top of one `Run`.
+
+    run = Run(cfg, "sft")                         # lock OUTPUT_DIR, write config.yaml, build the mesh
+    tok = run.tokenizer()                         # from the configured checkpoint (data before the model)
+    trainer = run.build_trainer(loss_fn)          # model (+LoRA/QLoRA), optimizer + schedule, Trainer
+    start = run.restore(data_iter)                # newest checkpoint that restores; the data position too
+    run.open_logger(start)                        # metrics.jsonl (rows after `start` dropped), TensorBoard
+    result = run.fit(data_iter, start, ...)       # or a command's own loop: run.check_finite / run.save
+    run.export_hf()                               # OUTPUT_DIR/hf, LoRA merged
+    run.close()                                   # logs, checkpoint writes, the lock
+
+`Run` is a context manager: `with Run(cfg, "dpo") as run: ...` closes it (and releases the lock) on any
+exit.
+
+Multi-host (one process per host, all running the same command): `Run` first joins the processes
+(`distributed.initialize` from the config's `distributed` section, the environment or the cluster) before
+anything touches a device, checks that every process resolved the same config, builds the mesh over all
+processes' devices and writes config.yaml once; `batch_rows` are this process's rows of each global batch
+(with `build_trainer(process_local_batches=True)` the trainer assembles them); the logger, samples and the
+HF export write on process 0, checkpoints on all. The command ends with `distributed.finish()` (the CLI). The config is any run config with the shared sections (`posttrain.training.config`): output_dir,
+model, optim, trainer, lora, mesh, export_hf, export_dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+__all__ = ["Run", "FitResult", "build_model", "frozen_copy"]
+
+
+def build_model(cfg, mesh=None):
+    """Loads the configured checkpoint (streamed straight into its shards when a mesh is given) and attaches
+    LoRA / QLoRA as configured; returns (model, folder)."""
+    from posttrain.models import lora
+    from posttrain.models.hf_io import from_pretrained, resolve_path
+    from posttrain.models.tiny import resolve_model_path
+
+    folder = resolve_path(resolve_model_path(cfg.model.path))  # a local folder, or a hub id downloaded
+    m = cfg.model
+    model = from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, mesh=mesh,
+                            scan_layers=m.scan_layers, remat=m.remat, attention_impl=m.attention_impl,
+                            kernels=m.kernels)
+    if cfg.lora.enabled:
+        lora.attach(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, target=cfg.lora.target, seed=cfg.trainer.seed,
+                    init=cfg.lora.init)
+        if cfg.lora.quantize:
+            lora.quantize_base(model, target=cfg.lora.target, qtype=cfg.lora.quantize,
+                               block_size=cfg.lora.block_size)
+    elif cfg.lora.quantize:
+        from posttrain.config import ConfigError
+
+        raise ConfigError("lora.quantize needs lora.enabled=true (a quantised base can only be trained through adapters)")
+    return model, folder
+
+
+def frozen_copy(cfg, mesh=None, path: str | None = None):
+    """A frozen model for a run (reference policy, teacher): the checkpoint at `path` (default: the run's
+    own model.path) with the run's numerics and no adapters; returns (model, folder)."""
+    m = cfg.model if path is None else dataclasses.replace(cfg.model, path=path)
+    frozen_cfg = dataclasses.replace(cfg, model=m, lora=dataclasses.replace(cfg.lora, enabled=False, quantize=None))
+    return build_model(frozen_cfg, mesh)
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What `Run.fit` did: per-step training losses (step, loss), the last evaluation's metrics, the steps."""
+
+    losses: list[tuple[int, float]]
+    last_eval: dict[str, float]
+    start_step: int
+    final_step: int
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+
+class Run:
+    """The set-up and bookkeeping shared by every training command (see the module docstring).
+
+    Args:
+      cfg: the run's typed config (shared sections of `posttrain.training.config`).
+      command: the command's name ("sft", "dpo", ...): the progress bar's label and the messages' prefix.
+      log: where messages go (default: the metrics logger's console, or print before it is open).
+      lock: take the output folder's run lock (`posttrain.training.runlock`) for the run's lifetime.
+    """
+
+    def __init__(self, cfg, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True):
+        from posttrain import distributed
+        from posttrain.config import save_config
+        from posttrain.training.runlock import RunLock
+
+        # before anything touches a device (the lock names its process): a no-op on one process
+        distributed.initialize(getattr(cfg, "distributed", None))
+        distributed.check_same_config(cfg)
+        self.cfg = cfg
+        self.command = command
+        self.out = Path(cfg.output_dir)
+        self._log = log
+        self.lock = RunLock(self.out).acquire() if lock else None
+        self.trainer = None
+        self.ckpt = None
+        self.logger = None
+        self.tok = None
+        self.folder: Path | None = None
+        self.start_step = 0
+        self.last_saved: int | None = None
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if distributed.is_primary():
+                save_config(cfg, self.out / "config.yaml")
+            self.mesh = self._make_mesh()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ set-up
+    def _make_mesh(self):
+        import jax
+
+        from posttrain import distributed
+
+        if jax.device_count() == 1:
+            return None
+        m = self.cfg.mesh
+        return distributed.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
+
+    def batch_rows(self, batch_size: int) -> list[int] | None:
+        """This process's rows of every global batch of `batch_size` rows (None: all, one process)."""
+        from posttrain import distributed
+
+        return distributed.process_batch_rows(self.mesh, batch_size)
+
+    def say(self, text: str) -> None:
+        if self._log is not None:
+            self._log(text)
+        elif self.logger is not None:
+            self.logger.message(text)
+        else:
+            print(text, flush=True)
+
+    def model_folder(self) -> Path:
+        """The configured checkpoint's local folder (a hub id is downloaded: a clear error offline)."""
+        if self.folder is None:
+            from posttrain.models.hf_io import resolve_path
+            from posttrain.models.tiny import resolve_model_path
+
+            self.folder = resolve_path(resolve_model_path(self.cfg.model.path))
+        return self.folder
+
+    def tokenizer(self):
+        """The checkpoint's tokenizer (loaded once): data can be encoded and checked before any model loads."""
+        if self.tok is None:
+            from posttrain import tokenizer as tokenizer_lib
+
+            self.tok = tokenizer_lib.load(self.model_folder())
+        return self.tok
+
+    def build_trainer(self, loss_fn=None, *, updates: int | None = None, **trainer_kwargs):
+        """The model (+LoRA/QLoRA), the optimizer and schedule over `updates` optimizer steps (default
+        trainer.max_steps) and the `Trainer`; also opens the checkpoint folder."""
+        from posttrain.training.checkpoint import Checkpointer
+        from posttrain.training.optim import make_optimizer
+        from posttrain.training.trainer import Trainer
+
+        tc = self.cfg.trainer
+        model, self.folder = build_model(self.cfg, self.mesh)
+        tx, schedule = make_optimizer(self.cfg.optim, updates or tc.max_steps)
+        self.trainer = Trainer(model, tx, loss_fn=loss_fn, grad_accum=tc.grad_accum, mesh=self.mesh, schedule=schedule,
+                               seed=tc.seed, logprob_chunk_size=tc.loss_chunk_size or None, **trainer_kwargs)
+        self.ckpt = Checkpointer(self.out / "checkpoints", keep=tc.keep_checkpoints,
+                                 async_save=tc.async_checkpointing, say=self._log)
+        return self.trainer
+
+    def frozen_model(self, path: str | None = None):
+        """A frozen model on this run's mesh (see `frozen_copy`): a reference policy or a teacher."""
+        return frozen_copy(self.cfg, self.mesh, path)[0]
+
+    # ------------------------------------------------------------------ resume, logs, checkpoints
+    def restore(self, data_iter=None) -> dict[str, Any] | None:
+        """Restores the newest checkpoint that restores when `trainer.resume` (and the data iterator's
+        position when the checkpoint has one and `data_iter` is given); sets `start_step` (the trainer's
+        step) and returns the checkpoint's meta (None on a fresh start)."""
+        meta = self.ckpt.restore_latest(self.trainer) if self.cfg.trainer.resume else None
+        if meta is not None:
+            if data_iter is not None and meta.get("data_state") is not None:
+                data_iter.set_state(meta["data_state"])
+            self.start_step = self.trainer.step_count
+        self.last_saved = self.ckpt.latest_step()
+        return meta
+
+    def open_logger(self, start: int | None = None, *, description: str | None = None,
+                    row_files: tuple[str, ...] = ("samples.jsonl",)):
+        """metrics.jsonl + TensorBoard + progress bar; rows of steps after `start` are dropped (they run again)."""
+        from posttrain.training.metrics import MetricsLogger
+
+        start = self.start_step if start is None else start
+        tc = self.cfg.trainer
+        self.logger = MetricsLogger(self.out, total_steps=tc.max_steps, start_step=start, progress=tc.progress,
+                                    description=description or ("train" if self.command == "sft" else self.command),
+                                    row_files=row_files)
+        return self.logger
+
+    def check_finite(self, step: int, metrics: dict[str, float], *, grad_norm: bool = True, log: bool = True) -> None:
+        """Raises `TrainingDivergedError` (after logging the step when `log`) when the loss (or, with `grad_norm`,
+        the gradient norm) is not finite."""
+        from posttrain.training.errors import TrainingDivergedError
+
+        gn = metrics.get("grad_norm")
+        bad = not math.isfinite(metrics["loss"]) or (grad_norm and gn is not None and not math.isfinite(gn))
+        if bad:
+            if log and self.logger is not None:
+                self.logger.log(step, metrics)
+            raise TrainingDivergedError.at(step, metrics["loss"], gn, self.ckpt)
+
+    def save(self, *, data_state: dict | None = None, metadata: dict | None = None) -> bool:
+        """Checkpoints the trainer (and the data position) unless this step is already saved; True if saved."""
+        step = self.trainer.step_count
+        if self.last_saved == step or self.ckpt.latest_step() == step:
+            return False
+        self.ckpt.save(self.trainer, data_state=data_state, metadata=metadata)
+        self.last_saved = self.trainer.step_count
+        return True
+
+    def export_hf(self, *, tokenizer=None, quiet: bool = False) -> Path | None:
+        """The final model (LoRA merged, QLoRA dequantised) as a Hugging Face folder OUTPUT_DIR/hf, when
+        `export_hf`; None otherwise."""
+        from posttrain.models import lora as lora_lib
+        from posttrain.models.hf_io import save_pretrained
+
+        if not self.cfg.export_hf:
+            return None
+        model = lora_lib.merge(self.trainer.model())
+        hf_dir = save_pretrained(model, self.out / "hf", tokenizer=tokenizer or self.tok, dtype=self.cfg.export_dtype)
+        if not quiet:
+            self.say(f"{self.command}: exported {hf_dir}")
+        return hf_dir
+
+    # ------------------------------------------------------------------ the supervised loop
+    def fit(self, data_iter: Iterator[dict], *, loss_fn=None, evaluate: Callable[[], dict[str, float]] | None = None,
+            stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
+            seq_len: int | None = None, step_kwargs: dict | None = None) -> FitResult:
+        """The step loop of a supervised command (sft, dpo, distill): batch -> trainer.step -> divergence
+        check -> logs (throughput, MFU) -> periodic evaluation -> periodic checkpoint (with the data
+        position), from `start_step + 1` to trainer.max_steps (or `stop_after`, as if interrupted).
+
+        evaluate() -> metrics (named eval_*/eval/*) runs every trainer.eval_every steps and at the last step.
+        batch_hook(step, batch) -> batch: applied to every host batch (tests). step_kwargs: passed to
+        `trainer.step` (e.g. rows_per_example).
+        """
+        import jax
+        import numpy as np
+
+        from posttrain.training.metrics import Throughput
+        from posttrain.training.trainer import flops_per_token
+
+        tc, trainer, logger = self.cfg.trainer, self.trainer, self.logger
+        start = self.start_step
+        throughput = Throughput(flops_per_token=flops_per_token(trainer.cfg, seq_len) if (trainer.cfg and seq_len)
+                                else 0.0, peak_flops=tc.peak_flops * jax.device_count())
+        losses: list[tuple[int, float]] = []
+        last_eval: dict[str, float] = {}
+        end = tc.max_steps if stop_after is None else min(tc.max_steps, stop_after)
+        step_kwargs = step_kwargs or {}
+        data_state = None
+        for step in range(start + 1, end + 1):
+            batch = next(data_iter)
+            if batch_hook is not None:
+                batch = batch_hook(step, batch)
+            metrics = trainer.step(batch, loss_fn, **step_kwargs)
+            losses.append((step, metrics["loss"]))
+            # processed tokens of the global batch (a multi-host process holds its rows of it)
+            throughput.add(metrics["tokens"], float(np.prod(np.shape(batch["input_ids"])))
+                           * (jax.process_count() if trainer.process_local_batches else 1))
+            self.check_finite(step, metrics)
+            record = None
+            if step == start + 1:  # the first step includes compilation: report it, keep it out of tokens/s
+                record = dict(metrics, first_step_time=throughput.summary()["step_time"])
+            elif step % tc.log_every == 0 or step == end:
+                record = dict(metrics, **throughput.summary())
+            if evaluate is not None and tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.max_steps):
+                last_eval = dict(evaluate())
+                record = dict(record or metrics, **last_eval)
+            if record is not None:
+                logger.log(step, record)
+            logger.advance(step)
+            if (tc.save_every > 0 and step % tc.save_every == 0) or step == end:
+                data_state = data_iter.get_state()
+                self.save(data_state=data_state, metadata={"loss": metrics["loss"]})
+        final = trainer.step_count
+        if self.last_saved != final and final > 0 and final != start:
+            self.save(data_state=data_iter.get_state())
+        self.ckpt.wait()
+        return FitResult(losses=losses, last_eval=last_eval, start_step=start, final_step=trainer.step_count)
+
+    @property
+    def finished(self) -> bool:
+        return self.trainer is not None and self.trainer.step_count >= self.cfg.trainer.max_steps
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Closes the logs, waits for checkpoint writes (bounded) and releases the lock; safe to call twice."""
+        try:
+            if self.logger is not None:
+                self.logger.close()
+            if self.ckpt is not None:
+                self.ckpt.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
