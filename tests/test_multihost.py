@@ -273,7 +273,8 @@ def test_sft_two_hosts_match_one_host_and_resume_after_a_host_dies(tmp_path, pro
     assert sorted(ref) == list(range(1, 13))
 
     two = tmp_path / "two"
-    hosts = _hosts(procs, args + [f"output_dir={two}"], 2, 4, tmp_path, "run")
+    cache = dict(POSTTRAIN_COMPILE_CACHE=tmp_path / "jax-cache")  # the restarted processes compile nothing
+    hosts = _hosts(procs, args + [f"output_dir={two}"], 2, 4, tmp_path, "run", **cache)
     deadline = time.monotonic() + 240
     while not ((two / "metrics.jsonl").exists() and len(_rows(two, "loss")) >= 3):  # a few steps done
         assert time.monotonic() < deadline and hosts[0].poll() is None, procs.logs()
@@ -288,7 +289,7 @@ def test_sft_two_hosts_match_one_host_and_resume_after_a_host_dies(tmp_path, pro
     done = len(_rows(two, "loss"))
     assert done < 12, "the run finished before the kill: nothing was tested"
 
-    again = _hosts(procs, args + [f"output_dir={two}"], 2, 4, tmp_path, "resume")
+    again = _hosts(procs, args + [f"output_dir={two}"], 2, 4, tmp_path, "resume", **cache)
     assert procs.wait(again, 300) == [0, 0], procs.logs()
     resumed = Path(again[0].log).read_text()
     assert "resumed from step" in resumed, resumed
