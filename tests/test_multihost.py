@@ -133,6 +133,24 @@ def test_settings_from_config_and_environment(monkeypatch):
         distributed.resolve_settings(DistributedConfig(process_id=5))
 
 
+def test_cluster_detection_under_slurm(monkeypatch):
+    """Inside a SLURM job step of several tasks, JAX's cluster detection supplies everything (auto); one task
+    is one process."""
+    from posttrain import distributed
+    from posttrain.training.config import DistributedConfig
+
+    for k in ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node[1-2]", SLURM_NTASKS="2", SLURM_PROCID="1",
+                 SLURM_LOCALID="0")
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    assert distributed.resolve_settings(DistributedConfig())["auto"] is True
+    assert distributed.resolve_settings(DistributedConfig(auto_detect=False)) is None
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.resolve_settings(DistributedConfig()) is None
+
+
 def test_config_digests_name_the_differing_section():
     from posttrain import distributed
     from posttrain.training.sft import load_sft_config
