@@ -1,22 +1,47 @@
-"""Device meshes and the one table of logical-axis rules that maps parameter and activation axes onto them.
+"""Device meshes, the one table of logical-axis rules that maps parameter and activation axes onto them, and
+multi-host start-up (JAX's multi-controller model: one process per host, all running the same program).
 
 Mesh axes: `data` (pure data parallelism), `fsdp` (data parallelism with parameters sharded, ZeRO-3
 style) and `tensor` (Megatron-style tensor parallelism). Every parameter carries logical axis
 names (flax's `out_sharding` metadata); `LOGICAL_RULES` turns each logical name into a mesh axis (or None = replicated).
 Meshes are built with Auto axis types (sharding propagated by the compiler), stated explicitly since
 `jax.make_mesh` defaults to Explicit axes in recent JAX.
+
+Multi-host: `initialize(cfg.distributed)` (every command, before any device is touched) connects the
+processes through JAX's coordination service; `jax.devices()` then lists every process's devices and the
+mesh spans all of them. `check_same_config` compares a hash of the resolved config across processes, and a
+watchdog ends a process with one clear line when another stops answering (instead of a hang). On one
+process all of this is a no-op. Helpers for code that reads arrays on the host (`to_host`: every process
+must call it, it runs a collective) and for writing files once (`is_primary`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from posttrain.config import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class MeshError(ConfigError):
+    """Mesh sizes that do not fit the devices (of all processes)."""
+
+
+class DistributedError(RuntimeError):
+    """A multi-host start-up or run problem: coordinator unreachable, configs differ, a process died."""
 
 # logical name -> mesh axis (or tuple of axes, or None). First match wins; a mesh axis is used once per array.
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -36,18 +61,32 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes; one size may be -1 (= the remaining devices)."""
+    """A (data, fsdp, tensor) mesh with Auto axes over every process's devices; one size may be -1 (= the
+    remaining devices). Sizes that do not divide the (global) device count are a `MeshError`."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
-        raise ValueError("at most one mesh axis size may be -1")
+        raise MeshError("at most one mesh axis size (mesh.data, mesh.fsdp, mesh.tensor) may be -1")
+    if any(s == 0 or s < -1 for s in sizes):
+        raise MeshError(f"mesh sizes must be >= 1 or -1, found {dict(zip(MESH_AXES, sizes))}")
     known = int(np.prod([s for s in sizes if s != -1]))
+    where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if jax.process_count() > 1 else ""
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices do not divide into mesh sizes {sizes}")
+            raise MeshError(f"mesh {dict(zip(MESH_AXES, sizes))}: {known} does not divide the {len(devices)} "
+                            f"devices{where}")
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}")
+        raise MeshError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, there are "
+                        f"{len(devices)}{where}; set the mesh sizes so that their product is the device count "
+                        "(or one of them to -1)")
+    if jax.process_count() > 1:
+        # Every process's devices must fill whole positions of the batch axes (data x fsdp) so that each
+        # process feeds its own rows of every global batch (and no mesh axis splits a host's devices unevenly).
+        local = len([d for d in devices if d.process_index == jax.process_index()])
+        if local == 0 or len(devices) % local:
+            raise MeshError(f"mesh {dict(zip(MESH_AXES, sizes))}: this process has {local} of the {len(devices)} "
+                             "devices; every process must hold the same number")
     arr = np.asarray(devices).reshape(sizes)
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
@@ -110,8 +149,314 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh))
 
 
+def process_batch_rows(mesh: Mesh | None, batch_size: int) -> list[int] | None:
+    """The rows of every [batch_size, ...] global batch that this process's devices hold (None: all of them,
+    one process). A batch size that the batch axes (data x fsdp) do not divide is a `ConfigError`."""
+    if mesh is None or jax.process_count() == 1:
+        return None
+    ways = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+    if batch_size % ways:
+        raise ConfigError(f"data.batch_size={batch_size} must be divisible by mesh.data x mesh.fsdp = {ways} in a "
+                          f"multi-host run (each device holds whole rows)")
+    index = batch_sharding(mesh, 1).addressable_devices_indices_map((batch_size,))
+    return sorted({r for sl in index.values() for r in range(*sl[0].indices(batch_size))})
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], mesh: Mesh | None) -> jax.Array:
     """`with_sharding_constraint` by logical names when a mesh is in use; identity otherwise."""
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, x.shape, mesh)))
+
+
+# ---------------------------------------------------------------------- multi-host
+ENV_COORDINATOR = ("POSTTRAIN_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
+ENV_NUM_PROCESSES = ("POSTTRAIN_NUM_PROCESSES", "JAX_NUM_PROCESSES")
+ENV_PROCESS_ID = ("POSTTRAIN_PROCESS_ID", "JAX_PROCESS_ID")
+
+_STATE: dict[str, Any] = {"initialized": False, "watchdog": None}
+
+
+def _env(names: tuple[str, ...]) -> str | None:
+    for n in names:
+        v = os.environ.get(n, "").strip()
+        if v:
+            return v
+    return None
+
+
+def _env_int(names: tuple[str, ...]) -> int | None:
+    v = _env(names)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"environment variable {names[0]}={v!r} is not an integer") from None
+
+
+def _detected_cluster():
+    """JAX's cluster environment (TPU pod slice, SLURM, Open MPI, ...) when one is present with more than one
+    process, else None."""
+    try:
+        from jax._src import clusters
+    except ImportError:  # pragma: no cover - JAX moved its cluster detection
+        return None
+    for env in clusters.ClusterEnv._cluster_types:
+        try:
+            if env.opt_in_only_method or not env.is_env_present():
+                continue
+            if int(env.get_process_count() or 1) > 1:
+                return env
+        except Exception:  # noqa: BLE001 - a half-configured environment is not a cluster
+            continue
+    return None
+
+
+def resolve_settings(cfg=None) -> dict[str, Any] | None:
+    """What `initialize` would connect with: {coordinator, num_processes, process_id, ...}, or None for a single
+    process. Config fields win over the environment; JAX's cluster detection fills in the rest (`auto`)."""
+    get = (lambda name, default=None: getattr(cfg, name, default)) if cfg is not None else (lambda n, d=None: d)
+    coordinator = get("coordinator") or _env(ENV_COORDINATOR)
+    num = get("num_processes")
+    num = num if num is not None else _env_int(ENV_NUM_PROCESSES)
+    pid = get("process_id")
+    pid = pid if pid is not None else _env_int(ENV_PROCESS_ID)
+    common = {"init_timeout_s": int(get("init_timeout_s", 300)), "heartbeat_timeout_s": int(get("heartbeat_timeout_s", 60))}
+    if num is not None and num <= 1 and coordinator is None:
+        return None
+    if coordinator is None and num is None and pid is None:
+        if not get("auto_detect", True) or _detected_cluster() is None:
+            return None
+        return {"coordinator": None, "num_processes": None, "process_id": None, "auto": True, **common}
+    missing = [name for name, v in (("coordinator", coordinator), ("num_processes", num), ("process_id", pid))
+               if v is None]
+    if missing and _detected_cluster() is None:
+        raise ConfigError(
+            "a multi-process run needs distributed.coordinator (host:port of process 0), distributed.num_processes "
+            f"and distributed.process_id (or POSTTRAIN_COORDINATOR, POSTTRAIN_NUM_PROCESSES, POSTTRAIN_PROCESS_ID); "
+            f"missing: {', '.join('distributed.' + m for m in missing)}")
+    if num is not None and pid is not None and not 0 <= pid < num:
+        raise ConfigError(f"distributed.process_id={pid} must be in [0, distributed.num_processes={num})")
+    return {"coordinator": coordinator, "num_processes": num, "process_id": pid, "auto": bool(missing), **common}
+
+
+def initialize(cfg=None) -> bool:
+    """Connects this process to the others (`jax.distributed.initialize`) when the config (a
+    `DistributedConfig`), the environment or the cluster says there are several; returns whether it did.
+
+    Must run before anything touches a device. A no-op on one process, and when called again. A coordinator
+    not reached within `init_timeout_s` is a `DistributedError`; afterwards a watchdog ends the process with
+    an error line when another process stops answering for `heartbeat_timeout_s` (see `Watchdog`).
+    """
+    if _STATE["initialized"]:
+        return jax.process_count() > 1
+    settings = resolve_settings(cfg)
+    _STATE["initialized"] = True
+    if settings is None:
+        return False
+    # CPU devices of several processes talk over TCP (gloo); GPUs and TPUs use their own collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = {k: settings[k] for k in ("coordinator", "num_processes", "process_id") if settings[k] is not None}
+    if "coordinator" in kwargs:
+        kwargs["coordinator_address"] = kwargs.pop("coordinator")
+    where = settings["coordinator"] or "the detected coordinator"
+    who = f"process {settings['process_id']} of {settings['num_processes']}"
+
+    def message(reason: str) -> str:
+        return (f"{who} could not join the run at {where} within {settings['init_timeout_s']}s "
+                f"(distributed.init_timeout_s): {reason}. Start every process with the same coordinator address "
+                "and process count, and check that process 0's host is reachable on that port")
+
+    def give_up():  # JAX aborts natively when its own (later) deadline passes: say why first, in one line
+        print(f"error: {message(_why_not_joined(settings))}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(settings["init_timeout_s"], give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=settings["init_timeout_s"] + 30,
+                                   heartbeat_timeout_seconds=settings["heartbeat_timeout_s"],
+                                   shutdown_timeout_seconds=max(settings["heartbeat_timeout_s"], 30))
+    except Exception as e:  # noqa: BLE001 - a bad address or a connection failure, reported in one line
+        raise DistributedError(message(" ".join(str(e).split())[:300])) from None
+    finally:
+        timer.cancel()
+    _STATE["watchdog"] = Watchdog(settings["heartbeat_timeout_s"]).start()
+    return True
+
+
+def _why_not_joined(settings: dict) -> str:
+    """A guess at why joining timed out: nobody listening at the coordinator's address, or processes missing."""
+    import socket
+
+    coordinator = settings.get("coordinator")
+    if settings.get("process_id") not in (None, 0) and coordinator:
+        host, _, port = coordinator.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                pass
+        except (OSError, ValueError):
+            return "nothing answers at that address (is process 0 running?)"
+    n = settings.get("num_processes")
+    return f"not all {n} processes joined" if n else "not all processes joined"
+
+
+def is_primary() -> bool:
+    """True on the process that writes shared files (metrics, samples, the HF export, config.yaml): process 0."""
+    return jax.process_index() == 0
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def to_host(tree):
+    """Numpy copies of a pytree of arrays, whole (gathered from every device of every process). With several
+    processes this is a collective: every process must call it at the same point of the program."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(jax.device_get(x))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
+def broadcast_json(value: Any) -> Any:
+    """Process 0's `value` (anything JSON-able) on every process (a collective; others pass anything)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if is_primary() else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+    buf = np.zeros(n, np.uint8)
+    buf[: len(data)] = data[:n]
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)
+    return json.loads(out.tobytes().decode())
+
+
+def config_digests(cfg) -> dict[str, str]:
+    """A digest of every top-level section of a resolved config (the `distributed` section left out: the
+    process ids differ by design)."""
+    from posttrain.config import to_dict
+
+    d = to_dict(cfg)
+    d.pop("distributed", None)
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            for k, v in d.items()}
+
+
+def check_same_config(cfg) -> None:
+    """Raises `DistributedError` naming the sections where this process's resolved config differs from
+    process 0's (every process calls it at start-up; a no-op on one process)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    mine = config_digests(cfg)
+    keys = sorted(mine)
+    local = np.frombuffer("".join(mine[k] for k in keys).encode(), np.uint8).reshape(1, -1)
+    # every process gets every process's digests, so each can say what differs (a collective)
+    allof = np.asarray(multihost_utils.process_allgather(local, tiled=True)).reshape(jax.process_count(), len(keys), 16)
+    bad: dict[int, list[str]] = {}
+    for p in range(1, jax.process_count()):
+        diff = [k for i, k in enumerate(keys) if not np.array_equal(allof[p, i], allof[0, i])]
+        if diff:
+            bad[p] = diff
+    if bad:
+        what = "; ".join(f"process {p}: {', '.join(v)}" for p, v in sorted(bad.items()))
+        raise DistributedError(f"the resolved config differs between processes ({what} differ from process 0's). "
+                               "Start every process with the same config file and key=value overrides")
+
+
+def barrier(name: str) -> None:
+    """Every process waits here for the others (no-op on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+class Watchdog:
+    """Ends this process with one error line when another process stops answering, before JAX's coordination
+    service aborts it (a native abort with a stack dump) and instead of waiting in a collective forever.
+
+    Every process bumps its own counter in the coordination service's key-value store once a second and reads
+    the others'; a counter that has not moved for `timeout_s` (or a coordinator that no longer answers) means
+    that process is gone: the run cannot go on, and all processes must be restarted (they resume from the last
+    checkpoint). `stop()` before a normal exit.
+    """
+
+    def __init__(self, timeout_s: float, interval_s: float = 1.0):
+        # Act a little before JAX's own heartbeat timeout fires.
+        self.timeout_s = max(1.0, float(timeout_s) - max(2.0 * interval_s, 0.2 * float(timeout_s)))
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Watchdog":
+        from jax._src import distributed as jd
+
+        state = jd.global_state
+        self._client = state.client
+        if self._client is None:
+            return self
+        # never jax.process_index() here: in this thread it could race the main thread's backend start-up
+        self.me, self.n = int(state.process_id), int(state.num_processes)
+        self._thread = threading.Thread(target=self._run, name="posttrain-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        me, n = self.me, self.n
+        seen: dict[int, tuple[str, float]] = {}
+        count = 0
+        started = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            try:
+                count += 1
+                self._client.key_value_set(f"posttrain/alive/{me}", str(count), allow_overwrite=True)
+                for p in range(n):
+                    if p == me:
+                        continue
+                    v = self._client.key_value_try_get(f"posttrain/alive/{p}")
+                    if p not in seen or seen[p][0] != v:
+                        seen[p] = (v, now)
+                    elif now - seen[p][1] > self.timeout_s:
+                        self._fail(f"process {p} of {n} stopped answering (nothing for {now - seen[p][1]:.0f}s)")
+            except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone, or a key never came
+                if "NOT_FOUND" in str(e) and now - started < self.timeout_s:
+                    continue
+                if self._stop.is_set():
+                    return
+                what = "the coordinator (process 0) stopped answering" if me != 0 else "the coordination service failed"
+                self._fail(f"{what} ({' '.join(str(e).split())[:160]})")
+
+    def _fail(self, what: str) -> None:
+        if self._stop.is_set():
+            return
+        print(f"error: multi-host run: {what}; this process (process {self.me}) stops too. Restart every "
+              "process with the same command to resume from the last checkpoint", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def finish() -> None:
+    """A multi-process run's normal end: every process waits for the others, stops its watchdog and leaves the
+    coordination service (a no-op on one process)."""
+    dog = _STATE.get("watchdog")
+    if jax.process_count() == 1 or dog is None:
+        return
+    barrier("posttrain-finish")
+    dog.stop()
+    _STATE["watchdog"] = None
+    jax.distributed.shutdown()

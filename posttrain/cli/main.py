@@ -46,6 +46,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     """Error types that are the user's to fix (bad input or environment); each is reported in one line."""
     from posttrain.config import ConfigError
     from posttrain.data.sources import DataError
+    from posttrain.distributed import DistributedError
     from posttrain.models.config import UnsupportedModelError
     from posttrain.models.hf_io import CheckpointError
     from posttrain.rewards.checks import RewardDataError, RewardFailedError
@@ -55,7 +56,8 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from posttrain.training.runlock import RunLockError
 
     out = [ConfigError, DataError, UnsupportedModelError, CheckpointError, TokenizerError, RewardDataError,
-           RewardFailedError, CheckpointSaveError, ResumeError, TrainingDivergedError, RunLockError, FleetError]
+           RewardFailedError, CheckpointSaveError, ResumeError, TrainingDivergedError, RunLockError, FleetError,
+           DistributedError]
     generate = sys.modules.get("posttrain.cli.generate")
     if generate is not None:
         out.append(generate.InputError)
@@ -172,6 +174,10 @@ def _main(argv: list[str] | None) -> int:
 
         compile_cache.enable()  # a second run of the same job compiles nothing
     try:
+        if not getattr(module, "DISTRIBUTED_FROM_CONFIG", False):  # sft/rl read their config's section first
+            from posttrain import distributed
+
+            distributed.initialize()  # multi-host from the environment / cluster; a no-op on one process
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -2,9 +2,15 @@
 
 Tokenisation and packing happen once, up front, on the host. The packed rows
 then go through `grain.MapDataset.source(rows)[shard_index::shard_count]
-.shuffle(seed).repeat(num_epochs).batch(batch_size)` and `.to_iter_dataset()`.
-Iterators expose Grain's `get_state()` / `set_state()` (a small JSON-able dict)
+.shuffle(seed).repeat(num_epochs)` (the row stream), cut into global batches of `batch_size` rows, and
+`.to_iter_dataset()`. Iterators expose Grain's `get_state()` / `set_state()` (a small JSON-able dict)
 so training checkpoints can save and restore the exact data position.
+
+Multi-host: every process of a run builds the same row stream and reads only its own rows of each global
+batch (`batch_rows`, from `posttrain.distributed.process_batch_rows`); the trainer assembles the global
+batch from the processes' parts (`jax.make_array_from_process_local_data`). Global batch j is rows
+[j*B, (j+1)*B) of the stream whatever the process count, so a run has the same data order (and the same
+checkpointed iterator state) on 1 or N processes.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
                       pack: bool = True, seed: int = 0, shuffle: bool = True,
                       num_epochs: int | None = None, shard_index: int = 0, shard_count: int = 1,
                       truncation: Literal["right", "drop"] = "right", split: str | None = None,
-                      source: str | None = None) -> SFTDataset:
+                      source: str | None = None, batch_rows: Sequence[int] | None = None) -> SFTDataset:
     """Tokenise and pack `records` (or a source for `read_records`) and build the batch pipeline.
 
     Shuffling is over packed rows, deterministic in `seed`, and differs per epoch.
@@ -78,6 +84,8 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
     `shard_count` hosts (`shard_index` is this host); the row count is first padded
     with empty rows to a multiple of `shard_count` so every host sees the same
     number of batches.
+    batch_rows: the rows of every global batch this process reads (a multi-host run's share; default all):
+    batches then have len(batch_rows) rows.
     """
     import grain
 
@@ -112,11 +120,21 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
     stats = {"num_records": len(records), **pstats.as_dict(), "num_filler_rows": num_filler,
              "shard_rows": len(shard), "shard_index": shard_index, "shard_count": shard_count}
 
-    ds = grain.MapDataset.source(shard)
+    stream = grain.MapDataset.source(shard)
     if shuffle:
-        ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(num_epochs)
-    ds = ds.batch(batch_size, batch_fn=lambda items: stack_rows(items, batch_size, pad_row))
+        stream = stream.shuffle(seed=seed)
+    stream = stream.repeat(num_epochs)
+    rows_of_batch = list(range(batch_size)) if batch_rows is None else [int(r) for r in batch_rows]
+    if not rows_of_batch or any(not 0 <= r < batch_size for r in rows_of_batch):
+        raise ValueError(f"batch_rows must be rows of a batch of {batch_size}, found {rows_of_batch}")
+    n = len(stream)
+    num_batches = -(-n // batch_size)  # a final partial batch is filled with padding rows
+
+    def read_batch(j: int) -> dict[str, np.ndarray]:
+        picked = [stream[i] if (i := j * batch_size + r) < n else pad_row for r in rows_of_batch]
+        return stack_rows(picked, len(rows_of_batch), pad_row)
+
+    ds = grain.MapDataset.range(num_batches).map(read_batch)
     iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     return SFTDataset(rows=shard, stats=stats, seq_len=seq_len, batch_size=batch_size,
                       num_epochs=num_epochs, dataset=iter_ds)

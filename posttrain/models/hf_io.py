@@ -1,9 +1,13 @@
 """Hugging Face checkpoints in and out: `from_pretrained` (local folder, hub id or .gguf) and `save_pretrained`.
 
 Loading streams: the model is first built abstractly (shapes only), then each of our parameters is
-read tensor by tensor from the safetensors files (memory-mapped), converted to our layout, and placed
-straight into its target sharding; at most one parameter (one weight across all layers) is on the host
-at a time, so a checkpoint is never held twice in host memory.
+read tensor by tensor from the safetensors files, converted to our layout, and placed straight into its
+target sharding; at most one parameter (one weight across all layers) is on the host at a time, so a
+checkpoint is never held twice in host memory. With a mesh, each parameter is built shard by shard
+(`jax.make_array_from_callback`): a process reads from safetensors only the slices its own devices hold
+(on a multi-host mesh, each host reads its part of every weight); a shard whose slice is not one
+contiguous block of the HF tensor (and GGUF tensors, which dequantize whole) is cut from the whole tensor.
+When saving, the weights are gathered from every process and process 0 writes the files.
 
 Layout: HF linear weights are [out, in]; ours are [*in, *out] with heads split out
 (q: [embed, heads, head_dim]; o: [heads, head_dim, embed]) and per-layer weights stacked on a leading axis.
@@ -153,10 +157,26 @@ class _TensorIndex:
         real = self._resolve(name)
         if real is None:
             raise KeyError(name)
+        return self._handle(real).get_tensor(real)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        real = self._resolve(name)
+        if real is None:
+            raise KeyError(name)
+        return tuple(self._handle(real).get_slice(real).get_shape())
+
+    def get_block(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """tensor[index] (slices with step 1), read without reading the rest of the tensor."""
+        real = self._resolve(name)
+        if real is None:
+            raise KeyError(name)
+        return self._handle(real).get_slice(real)[index]
+
+    def _handle(self, real: str):
         f = self.files[real]
         if f not in self._handles:
             self._handles[f] = self._open(f, framework="numpy")
-        return self._handles[f].get_tensor(real)
+        return self._handles[f]
 
     def file_of(self, name: str) -> str:
         real = self._resolve(name)
@@ -209,33 +229,92 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Me
     for path_, var in _param_entries(state):
         shape = tuple(var.get_value().shape)
         stacked = path_[0] == "layers"
-        layers = range(shape[0]) if stacked else [None]
         per_shape = shape[1:] if stacked else shape
-        host = np.empty(shape, dtype=pdtype)
-        for i in layers:
+        names: list[tuple[str, int] | None] = []  # per layer: (HF name, layout), None = not stored (tied head)
+        for i in (range(shape[0]) if stacked else [None]):
             name, n_in = _hf_name(path_, i)
             if path_[0] == "lm_head" and name not in index and cfg.tie_word_embeddings:
+                names.append(None)
                 continue
             if name not in index:
                 raise CheckpointError(f"{folder}: tensor {name!r} is missing from the checkpoint")
-            t = index.get(name)
-            want = _hf_shape(per_shape, n_in)
-            if tuple(t.shape) != want:
-                raise CheckpointError(
-                    f"{index.file_of(name)}: tensor {name!r} has shape {tuple(t.shape)}, expected {want} for this config"
-                )
-            arr = _to_ours(t, per_shape, n_in).astype(pdtype)
-            if stacked:
-                host[i] = arr
-            else:
-                host[...] = arr
-            del t, arr
+            if hasattr(index, "shape"):  # from the header; GGUF tensors are checked when read
+                _check_shape(index, name, index.shape(name), per_shape, n_in)
+            names.append((name, n_in))
         sharding = distributed.sharding_for_axes(var, shape, mesh)
-        var.set_value(jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host))
-        del host
+        whole: dict[str, np.ndarray] = {}  # tensors read whole (GGUF, non-contiguous blocks): read once
+        full = tuple(slice(0, d) for d in shape)
+        if sharding is None:
+            var.set_value(jnp.asarray(_read_param(index, names, per_shape, stacked, full, pdtype, whole)))
+            continue
+        blocks: dict[tuple, np.ndarray] = {}  # replicated shards ask for the same block: read it once
+
+        def block(idx, names=names, shape=shape, per_shape=per_shape, stacked=stacked, blocks=blocks, whole=whole):
+            idx = tuple(slice(*sl.indices(d)[:2]) for sl, d in zip(idx, shape))
+            key = tuple((sl.start, sl.stop) for sl in idx)
+            if key not in blocks:
+                blocks[key] = _read_param(index, names, per_shape, stacked, idx, pdtype, whole)
+            return blocks[key]
+
+        var.set_value(jax.make_array_from_callback(shape, sharding, block))
+        del blocks, whole
     model = nnx.merge(graphdef, state)
     model.mesh = mesh
     return model
+
+
+def _flat_range(index: tuple[slice, ...], dims: tuple[int, ...]) -> tuple[int, int] | None:
+    """[lo, hi) of the row-major flattening of `dims` that block `index` occupies, or None if the block is not
+    one contiguous range there."""
+    size = math.prod(sl.stop - sl.start for sl in index)
+    if size == 0:
+        return None
+    lo = int(np.ravel_multi_index([sl.start for sl in index], dims)) if dims else 0
+    hi = int(np.ravel_multi_index([sl.stop - 1 for sl in index], dims)) + 1 if dims else 1
+    return (lo, hi) if hi - lo == size else None
+
+
+def _check_shape(index, name: str, got, per_shape: tuple[int, ...], n_in: int) -> None:
+    want = _hf_shape(per_shape, n_in)
+    if tuple(got) != want:
+        raise CheckpointError(f"{index.file_of(name)}: tensor {name!r} has shape {tuple(got)}, expected {want} "
+                              "for this config")
+
+
+def _read_layer_block(index, name: str, n_in: int, per_shape: tuple[int, ...], idx: tuple[slice, ...],
+                      whole: dict[str, np.ndarray]) -> np.ndarray:
+    """Our-layout block `idx` of one HF tensor, reading only the HF rows/columns it covers when it can."""
+    out_shape = tuple(sl.stop - sl.start for sl in idx)
+    if hasattr(index, "get_block"):
+        if n_in == 0:  # stored as it is
+            return index.get_block(name, idx)
+        if n_in < 0:  # a bias flattened over heads
+            r = _flat_range(idx, per_shape)
+            if r is not None:
+                return index.get_block(name, (slice(*r),)).reshape(out_shape)
+        else:  # a linear kernel: HF [out, in] -> ours [*in, *out]
+            rin = _flat_range(idx[:n_in], per_shape[:n_in])
+            rout = _flat_range(idx[n_in:], per_shape[n_in:])
+            if rin is not None and rout is not None:
+                hf = index.get_block(name, (slice(*rout), slice(*rin)))
+                return np.ascontiguousarray(hf.T).reshape(out_shape)
+    if name not in whole:  # not one block of the HF tensor: cut from the whole one
+        t = index.get(name)
+        _check_shape(index, name, t.shape, per_shape, n_in)
+        whole[name] = _to_ours(t, per_shape, n_in)
+    return whole[name][idx]
+
+
+def _read_param(index, names, per_shape, stacked: bool, idx: tuple[slice, ...], dtype, whole) -> np.ndarray:
+    """Block `idx` of one of our parameters (all layers for a stacked one), in `dtype`."""
+    out = np.zeros(tuple(sl.stop - sl.start for sl in idx), dtype=dtype)
+    if stacked:
+        for k, i in enumerate(range(idx[0].start, idx[0].stop)):
+            if names[i] is not None:
+                out[k] = _read_layer_block(index, *names[i], per_shape, idx[1:], whole).astype(dtype)
+    elif names[0] is not None:
+        out[...] = _read_layer_block(index, *names[0], per_shape, idx, whole).astype(dtype)
+    return out
 
 
 # ---------------------------------------------------------------------- writing
@@ -244,8 +323,12 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
     """Writes config.json (+ generation_config.json) and model.safetensors (sharded above 2 GB) for `transformers`.
 
     LoRA adapters must be merged first (`posttrain.models.lora.merge`); unmerged adapters are an error.
+    In a multi-host run every process calls it (the weights are gathered from all of them, one at a time) and
+    process 0 writes the files.
     """
     from safetensors.numpy import save_file
+
+    from posttrain import distributed
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -257,7 +340,7 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
     np_dtype = np.dtype(dtype_of(dtype))
     tensors: list[tuple[str, np.ndarray]] = []
     for path_, var in _param_entries(state):
-        value = np.asarray(jax.device_get(var.get_value())).astype(np_dtype)
+        value = np.asarray(distributed.to_host(var.get_value())).astype(np_dtype)
         if path_[0] == "layers":
             for i in range(value.shape[0]):
                 name, n_in = _hf_name(path_, i)
@@ -273,6 +356,8 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
             size = 0
         shards[-1][name] = t
         size += t.nbytes
+    if not distributed.is_primary():
+        return out
     meta = {"format": "pt"}
     umask = os.umask(0)
     os.umask(umask)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from posttrain.training.config import LoraConfig, MeshConfig, ModelSection, OptimConfig, TrainerConfig
+from posttrain.training.config import DistributedConfig, LoraConfig, MeshConfig, ModelSection, OptimConfig, TrainerConfig
 
 
 @dataclasses.dataclass
@@ -193,6 +193,7 @@ class RLConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     curation: CurationConfig = dataclasses.field(default_factory=CurationConfig)
     fleet: FleetConfig = dataclasses.field(default_factory=FleetConfig)
     export_hf: bool = True

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from posttrain import distributed
+
 __all__ = ["Learner", "FrozenScorer"]
 
 
@@ -23,7 +25,6 @@ class FrozenScorer:
     or [B, C] for the last C tokens with `last=C` (the vocabulary projected there only)."""
 
     def __init__(self, model, trainer, chunk_size: int | None = None):
-        from posttrain import distributed
         from posttrain.algorithms.sft import token_logprobs
 
         if trainer.mesh is not None:
@@ -39,7 +40,7 @@ class FrozenScorer:
 
     def __call__(self, batch, last: int | None = None) -> np.ndarray:
         dev = self.put_batch({k: batch[k] for k in ("input_ids", "attention_mask", "positions")})
-        return np.asarray(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"], last))
+        return distributed.to_host(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"], last))
 
 
 class Learner:
@@ -58,9 +59,9 @@ class Learner:
             raise ValueError(f"{n} rollouts do not split into algorithm.minibatches={mb} x trainer.grad_accum={accum}")
         c = batch["completion_mask"].shape[1]  # the vocabulary is projected at the completion columns only
         if self.recompute_old or (policy_moved and self.correct_off_policy):
-            batch["old_logp"] = np.asarray(self.trainer.token_logprobs(batch, last=c))
+            batch["old_logp"] = distributed.to_host(self.trainer.token_logprobs(batch, last=c))
         if self.ref_fn is not None:
-            batch["ref_logp"] = np.asarray(self.ref_fn(batch, last=c))
+            batch["ref_logp"] = distributed.to_host(self.ref_fn(batch, last=c))
         rng = np.random.default_rng([self.seed, step])
         metrics: list[dict[str, float]] = []
         for _ in range(self.ppo_epochs):

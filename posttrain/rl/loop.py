@@ -31,8 +31,15 @@ def load_rl_config(path: str | Path | None, overrides=()) -> RLConfig:
 def make_source(run: RLRun):
     """The in-process sampler, or the Ray fleet when `fleet.workers` is set."""
     if run.cfg.fleet.enabled:
+        import jax
+
         from posttrain.rl.fleet import FleetSource
 
+        if jax.process_count() > 1:
+            from posttrain.config import ConfigError
+
+            raise ConfigError("fleet.workers: the Ray fleet runs with a one-process trainer; a multi-host trainer "
+                              "samples in-process on its global mesh (leave fleet.workers unset)")
         return FleetSource(run)
     from posttrain.rl.sources import InProcessSource
 

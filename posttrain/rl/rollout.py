@@ -127,6 +127,25 @@ def prompt_text(prompt: str | list[dict]) -> str:
     return "\n".join(str(m.get("content", "")) for m in prompt)
 
 
+def score_once(reward_runner, prompts: list[str], texts: list[str], fields: dict[str, list]):
+    """`reward_runner.score(...)`; in a multi-host run process 0 scores (every process holds the same
+    completions: the sampler's results are read whole on every process) and broadcasts the rewards, so reward
+    code runs once per sample and every process trains on the same numbers (a user's reward that times out or
+    is random cannot make the processes disagree)."""
+    from posttrain import distributed
+
+    if not distributed.is_multiprocess():
+        return reward_runner.score(prompts, texts, fields)
+    result = None
+    if distributed.is_primary():
+        total, per_reward, stats = reward_runner.score(prompts, texts, fields)
+        result = [np.asarray(total, np.float64).tolist(),
+                  {k: np.asarray(v, np.float64).tolist() for k, v in per_reward.items()}, dict(stats)]
+    total, per_reward, stats = distributed.broadcast_json(result)
+    return (np.asarray(total, np.float32), {k: np.asarray(v, np.float32) for k, v in per_reward.items()},
+            {k: float(v) for k, v in stats.items()})
+
+
 def generate_rollouts(
     sampler: Sampler,
     records: Sequence[dict[str, Any]] | Mapping[int, dict[str, Any]],
@@ -155,7 +174,7 @@ def generate_rollouts(
         if key != "prompt":
             fields[key] = [records[i].get(key) for i in rec_idx]
     fields["completion_lengths"] = [len(c.token_ids) for c in completions]
-    total, per_reward, stats = reward_runner.score(prompts, texts, fields)
+    total, per_reward, stats = score_once(reward_runner, prompts, texts, fields)
     version = int(getattr(sampler, "version", None) or 0)  # the weights' policy version (`Sampler.load_weights`)
     assert len(total) == n
     return Rollouts(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -214,8 +215,11 @@ class RLRun:
         self.run.start_step = start
         # rows of steps after the checkpoint are dropped: those steps run again
         self.run.open_logger(start, description="rl", row_files=("samples.jsonl", "trained.jsonl"))
-        self.samples_file = open(self.out / "samples.jsonl", "a", encoding="utf-8")
-        self.trained_file = open(self.out / "trained.jsonl", "a", encoding="utf-8")
+        from posttrain import distributed
+
+        primary = distributed.is_primary()  # multi-host: process 0 writes the files, the others write nowhere
+        self.samples_file = open(self.out / "samples.jsonl" if primary else os.devnull, "a", encoding="utf-8")
+        self.trained_file = open(self.out / "trained.jsonl" if primary else os.devnull, "a", encoding="utf-8")
         return start
 
     def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:

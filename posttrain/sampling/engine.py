@@ -47,6 +47,11 @@ and the weights are read from the model at every call (RL updates them in place 
 
 Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only, so the
 same seed gives the same completions whatever the slot count or scheduling.
+
+Multi-host: on a mesh over several processes every process runs this same host loop. Its decisions
+(admissions, cache growth, when a slot is done) depend only on the prompts and on what the host reads
+after each segment, which `distributed.to_host` gathers whole on every process (a collective), so every
+process issues the same compiled calls in the same order and ends with the same completions.
 """
 
 from __future__ import annotations
@@ -589,7 +594,8 @@ class Sampler:
                     stats["decode_segments"] += 1
                 else:  # every sample is complete after its first token
                     record, steps = None, 0
-                host = jax.device_get((pending[1] if pending else None, record, steps, ds.active))
+                # one read per segment; on a multi-host mesh a collective that every process runs alike
+                host = distributed.to_host((pending[1] if pending else None, record, steps, ds.active))
                 stats["decode_seconds"] += time.perf_counter() - t_dec
                 first, record, steps, active = host
                 steps = int(steps)

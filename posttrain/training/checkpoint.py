@@ -8,6 +8,10 @@ Temporary folders left by a killed save are removed when a `Checkpointer` opens 
 `restore_latest` falls back to the newest checkpoint that restores (a damaged one is moved aside as
 `<step>.unrestorable`, and the caller is told which one and why).
 
+Multi-host: every process calls `save` / `restore` (Orbax writes each process's shards and process 0 the
+metadata, into one folder that every host sees: a shared file system or a bucket); the trainer's arrays
+come back into their global shardings, so a run resumes exactly on the same or another process count.
+
 A failed save never hangs the process: directories are created synchronously (errors surface in `save`),
 background writes are bounded by `save_timeout_s`, and every failure (in `save`, `wait` or `close`) is a
 `CheckpointSaveError`; `close` gives up on a stuck writer after a bounded wait.
@@ -29,6 +33,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from posttrain import distributed
 from posttrain.training.errors import CheckpointSaveError, ResumeError
 from posttrain.training.optim import path_names
 
@@ -91,6 +96,7 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointSaveError(f"cannot create the checkpoint folder {self.directory}: {_short(e)}") from e
         self.removed_tmp = self.clean_stale()
+        distributed.barrier("posttrain-checkpoint-open")  # process 0 cleaned up before anyone lists the folder
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep and keep > 0 else None, create=True, enable_async_checkpointing=async_save,
             # Folders are created in the calling thread, so an unwritable folder fails `save` at once
@@ -188,6 +194,7 @@ class Checkpointer:
             if dst.exists():
                 shutil.rmtree(dst, ignore_errors=True)
             src.rename(dst)
+        distributed.barrier("posttrain-checkpoint-aside")
         self.manager.reload()
         return dst
 

@@ -18,6 +18,7 @@ __all__ = [
     "TrainerConfig",
     "LoraConfig",
     "MeshConfig",
+    "DistributedConfig",
     "SFTConfig",
 ]
 
@@ -161,6 +162,35 @@ class MeshConfig:
 
 
 @dataclasses.dataclass
+class DistributedConfig:
+    """Multi-host runs (JAX multi-controller): one process per host, all running the same command.
+
+    Unset fields come from the environment (`POSTTRAIN_COORDINATOR` or `JAX_COORDINATOR_ADDRESS`,
+    `POSTTRAIN_NUM_PROCESSES`, `POSTTRAIN_PROCESS_ID`), then from JAX's cluster detection (TPU pod slices,
+    SLURM, Open MPI) when `auto_detect`; with none of them the run is one process.
+    coordinator: host:port of process 0 (every process names the same one).
+    init_timeout_s: how long a process waits for all the others to reach the coordinator.
+    heartbeat_timeout_s: a process that stops answering for this long (killed, host lost) ends the run on
+      every other process with an error; restarting all of them resumes from the last checkpoint.
+    """
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto_detect: bool = True
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 60
+
+    def __post_init__(self):
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"distributed.num_processes must be >= 1, found {self.num_processes}")
+        if self.process_id is not None and self.process_id < 0:
+            raise ValueError(f"distributed.process_id must be >= 0, found {self.process_id}")
+        if self.init_timeout_s < 1 or self.heartbeat_timeout_s < 2:
+            raise ValueError("distributed.init_timeout_s must be >= 1 and distributed.heartbeat_timeout_s >= 2")
+
+
+@dataclasses.dataclass
 class SFTConfig:
     """Supervised fine-tuning run: everything `posttrain sft CONFIG.yaml` needs."""
 
@@ -171,5 +201,6 @@ class SFTConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     export_hf: bool = True
     export_dtype: Dtype | None = None

@@ -85,22 +85,26 @@ class MetricsLogger:
 
     A run that starts at `start_step` (a resume; 0 for a fresh start) first drops the rows of later steps
     from metrics.jsonl and from the other `row_files` (e.g. samples.jsonl): they are written again.
+    In a multi-host run only process 0 writes (and shows progress); on the others every method does nothing.
     """
 
     def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int = 0, progress: bool = True,
                  tensorboard: bool = True, description: str = "train", row_files: tuple[str, ...] = ("samples.jsonl",)):
+        import jax
+
         self.output_dir = Path(output_dir)
+        self.writer = self.progress = self.jsonl = None
+        if jax.process_index() != 0:
+            return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # A fresh start (step 0) drops every row, step-0 evaluations included: they are run again too.
         for name in ("metrics.jsonl", *row_files):
             truncate_after(self.output_dir / name, start_step if start_step > 0 else -1)
         self.jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self.writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
-        self.progress = None
         if progress:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                        TimeRemainingColumn)
@@ -111,6 +115,8 @@ class MetricsLogger:
             self.progress.start()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.jsonl is None:
+            return
         record = {"step": int(step), **{k: _jsonable(float(v)) for k, v in metrics.items()}}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
@@ -131,6 +137,8 @@ class MetricsLogger:
             self.progress.update(self.task, completed=step)
 
     def message(self, text: str) -> None:
+        if self.jsonl is None:
+            return
         if self.progress is not None:
             self.progress.console.print(text)
         else:
@@ -143,6 +151,6 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        if not self.jsonl.closed:
+        if self.jsonl is not None and not self.jsonl.closed:
             self.jsonl.close()
 

@@ -12,7 +12,14 @@ and its few special steps on top of one `Run`.
     run.close()                                   # logs, checkpoint writes, the lock
 
 `Run` is a context manager: `with Run(cfg, "dpo") as run: ...` closes it (and releases the lock) on any
-exit. The config is any run config with the shared sections (`posttrain.training.config`): output_dir,
+exit.
+
+Multi-host (one process per host, all running the same command): `Run` first joins the processes
+(`distributed.initialize` from the config's `distributed` section, the environment or the cluster) before
+anything touches a device, checks that every process resolved the same config, builds the mesh over all
+processes' devices and writes config.yaml once; `batch_rows` are this process's rows of each global batch
+(with `build_trainer(process_local_batches=True)` the trainer assembles them); the logger, samples and the
+HF export write on process 0, checkpoints on all. The command ends with `distributed.finish()` (the CLI). The config is any run config with the shared sections (`posttrain.training.config`): output_dir,
 model, optim, trainer, lora, mesh, export_hf, export_dtype.
 """
 
@@ -81,9 +88,13 @@ class Run:
     """
 
     def __init__(self, cfg, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True):
+        from posttrain import distributed
         from posttrain.config import save_config
         from posttrain.training.runlock import RunLock
 
+        # before anything touches a device (the lock names its process): a no-op on one process
+        distributed.initialize(getattr(cfg, "distributed", None))
+        distributed.check_same_config(cfg)
         self.cfg = cfg
         self.command = command
         self.out = Path(cfg.output_dir)
@@ -98,7 +109,8 @@ class Run:
         self.last_saved: int | None = None
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out / "config.yaml")
+            if distributed.is_primary():
+                save_config(cfg, self.out / "config.yaml")
             self.mesh = self._make_mesh()
         except BaseException:
             self.close()
@@ -120,6 +132,12 @@ class Run:
             return None
         m = self.cfg.mesh
         return distributed.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
+
+    def batch_rows(self, batch_size: int) -> list[int] | None:
+        """This process's rows of every global batch of `batch_size` rows (None: all, one process)."""
+        from posttrain import distributed
+
+        return distributed.process_batch_rows(self.mesh, batch_size)
 
     def say(self, text: str) -> None:
         if self._log is not None:
@@ -264,7 +282,9 @@ class Run:
                 batch = batch_hook(step, batch)
             metrics = trainer.step(batch, loss_fn, **step_kwargs)
             losses.append((step, metrics["loss"]))
-            throughput.add(metrics["tokens"], float(np.prod(np.shape(batch["input_ids"]))))
+            # processed tokens of the global batch (a multi-host process holds its rows of it)
+            throughput.add(metrics["tokens"], float(np.prod(np.shape(batch["input_ids"])))
+                           * (jax.process_count() if trainer.process_local_batches else 1))
             self.check_finite(step, metrics)
             record = None
             if step == start + 1:  # the first step includes compilation: report it, keep it out of tokens/s

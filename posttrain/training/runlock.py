@@ -3,6 +3,8 @@
 The lock is an `flock` on the file, so the kernel drops it when the holder exits in any way (SIGKILL
 included): a stale lock file never blocks a resume. A second run on the same folder gets `RunLockError`
 naming the first one's process (its pid, host, command and start time are written into the file).
+In a multi-host run each process holds its own lock (`.lock` for process 0, `.lock.<i>` for process i):
+the processes of one run share the folder, a second run is still refused.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ class RunLockError(RuntimeError):
 
 
 class RunLock:
-    def __init__(self, output_dir: str | os.PathLike, name: str = ".lock"):
+    def __init__(self, output_dir: str | os.PathLike, name: str | None = None):
+        if name is None:
+            import jax
+
+            name = ".lock" if jax.process_index() == 0 else f".lock.{jax.process_index()}"
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / name
         self._fd: int | None = None

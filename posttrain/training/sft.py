@@ -41,12 +41,12 @@ def load_sft_config(path: str | Path | None, overrides=()):
     return load_config(SFTConfig, path, list(overrides))
 
 
-def _eval_batches(cfg, tok):
+def _eval_batches(cfg, tok, rows=None):
     from posttrain.data import build_sft_dataset
 
     d = cfg.data
     ds = build_sft_dataset(d.eval, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack,
-                           shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split)
+                           shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split, batch_rows=rows)
     out = []
     for batch in ds:
         out.append(batch)
@@ -76,11 +76,12 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
     with Run(cfg, "sft", log=log) as run:
         # Data first: a bad data set fails before any model is loaded.
         tok = run.tokenizer()
+        rows = run.batch_rows(d.batch_size)  # multi-host: this process's rows of every global batch
         train_ds = build_sft_dataset(d.train, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size,
                                      pack=d.pack, seed=d.seed, shuffle=d.shuffle, num_epochs=None,
-                                     truncation=d.truncation, split=d.train_split)
-        eval_data = _eval_batches(cfg, tok) if (d.eval and tc.eval_every > 0) else []
-        trainer = run.build_trainer(make_sft_loss(tc.loss_chunk_size or None))
+                                     truncation=d.truncation, split=d.train_split, batch_rows=rows)
+        eval_data = _eval_batches(cfg, tok, rows) if (d.eval and tc.eval_every > 0) else []
+        trainer = run.build_trainer(make_sft_loss(tc.loss_chunk_size or None), process_local_batches=True)
         it = iter(train_ds)
         run.restore(it)
         start = run.start_step

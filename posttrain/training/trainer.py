@@ -38,6 +38,11 @@ with params and optimizer state donated. An update whose loss or gradient norm i
 batch has no weight, is not applied (the parameters stay as they were) and is flagged in the metrics
 (`skipped`), so a divergence can never reach a checkpoint. With a mesh, every parameter is placed by its
 logical axes (`posttrain.distributed`) and each batch is sharded over (data, fsdp).
+
+Multi-host: the mesh spans every process's devices and every process runs the same steps. A batch is
+either the whole global batch on every process (RL: each process holds all rollouts) or, with
+`process_local_batches`, this process's rows of it (SFT: each process reads its own share of the data,
+`posttrain.distributed.process_batch_rows`), assembled with `jax.make_array_from_process_local_data`.
 """
 
 from __future__ import annotations
@@ -124,12 +129,14 @@ class Trainer:
       seed: seeds the train state's RNG key (checkpointed; `next_rng()` hands out per-step keys).
       logprob_chunk_size: tokens per vocabulary-projection chunk in `token_logprobs` (None = whole).
       frozen: name -> model held frozen (no optimizer state) for losses marked with `uses_frozen`.
+      process_local_batches: batches hold only this process's rows of the global batch (multi-host data
+        loading); otherwise every process passes the whole batch.
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, loss_fn: LossFn | None = None,
                  grad_accum: int = 1, mesh: Mesh | None = None, wrt=None, schedule: optax.Schedule | None = None,
                  seed: int = 0, logprob_chunk_size: int | None = None, donate: bool = True,
-                 frozen: dict[str, nnx.Module] | None = None):
+                 frozen: dict[str, nnx.Module] | None = None, process_local_batches: bool = False):
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, found {grad_accum}")
         self.tx = tx
@@ -139,6 +146,7 @@ class Trainer:
         self.schedule = schedule
         self.logprob_chunk_size = logprob_chunk_size
         self.donate = donate
+        self.process_local_batches = process_local_batches and mesh is not None and jax.process_count() > 1
         self.has_lora = lora_lib.has_lora(model)
         self.wrt = wrt if wrt is not None else (nnx.LoRAParam if self.has_lora else nnx.Param)
         self.cfg = getattr(model, "cfg", None)
@@ -248,7 +256,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds: trained params, optimizer state, step, RNG key."""
         return {"params": self.params, "opt_state": self.opt_state,
-                "step": np.asarray(self.step_count, np.int64), "rng": self.rng}
+                "step": np.asarray(self.step_count, np.int64), "rng": np.asarray(self.rng)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), state["params"], self._param_shardings)
@@ -261,6 +269,11 @@ class Trainer:
         """Moves a host batch to the devices (sharded over data+fsdp when a mesh is set)."""
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
+        if self.process_local_batches:  # this process's rows -> the global array (every process calls this)
+            n = jax.process_count()
+            return {k: jax.make_array_from_process_local_data(
+                distributed.batch_sharding(self.mesh, np.ndim(v)), np.asarray(v),
+                (np.shape(v)[0] * n, *np.shape(v)[1:])) for k, v in batch.items()}
         return {k: jax.device_put(np.asarray(v), distributed.batch_sharding(self.mesh, np.ndim(v)))
                 for k, v in batch.items()}
 
@@ -344,7 +357,7 @@ class Trainer:
         sizes = {np.shape(v)[0] for v in batch.values()}
         if len(sizes) != 1:
             raise ValueError(f"batch arrays disagree on the batch size: { {k: np.shape(v) for k, v in batch.items()} }")
-        b = sizes.pop()
+        b = sizes.pop() * (jax.process_count() if self.process_local_batches else 1)
         if b % rows_per_example:
             raise ValueError(f"batch size {b} is not a whole number of examples of {rows_per_example} rows")
         if (b // rows_per_example) % self.grad_accum:
@@ -373,7 +386,7 @@ class Trainer:
                                                    dev, jnp.asarray(self.step_count, jnp.int32))
         self.step_count += 1
         if fetch:
-            return {k: float(v) for k, v in jax.device_get(metrics).items()}
+            return {k: float(v) for k, v in distributed.to_host(metrics).items()}
         return metrics
 
     # ------------------------------------------------------------------ evaluation and log-probs
@@ -397,7 +410,7 @@ class Trainer:
                 return jnp.asarray(ls, jnp.float32), jnp.asarray(w, jnp.float32), _as_f32(m)
 
             fn = self._eval_fns[loss_fn] = jax.jit(eval_fn)
-        ls, w, m = jax.device_get(fn(self.params, self.rest, self._frozen_args(loss_fn), self.put_batch(batch)))
+        ls, w, m = distributed.to_host(fn(self.params, self.rest, self._frozen_args(loss_fn), self.put_batch(batch)))
         m = {k: (tuple(float(x) for x in v) if isinstance(v, (tuple, list)) else float(v)) for k, v in m.items()}
         return float(ls), float(w), m
 
@@ -450,7 +463,7 @@ class Trainer:
         positions only: for an RL batch (`posttrain.rl.batch`), `last=batch["completion_mask"].shape[1]`
         gives the completion columns directly (what `completion_logprobs` slices out of the full result).
         """
-        dev = self.put_batch(batch)
+        dev = self.put_batch(batch)  # read it with `distributed.to_host` (a collective with several processes)
         return self.logprob_fn(adapters=adapters, last=last)(
             self.params if params is None else params, self.rest, dev["input_ids"], dev.get("attention_mask"),
             dev.get("positions"), dev.get("segment_ids"))

@@ -1,0 +1,351 @@
+"""Multi-host runs on one machine: N processes x M CPU devices (JAX's CPU collectives over loopback) stand in
+for N hosts, started as a user starts them (one `posttrain` command per host, with POSTTRAIN_* variables).
+
+The multi-process tests are slow (each process compiles its own programs on a shared 2-core machine); every
+process runs in its own process group with a time limit, and all of them are killed when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int, **extra) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), POSTTRAIN_COMPILE_CACHE="0")
+    for k in ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID"):
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Procs:
+    """Processes started in their own process groups; `kill()` ends every group (tests call it in `finally`)."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        f = open(log, "w")
+        p = subprocess.Popen(args, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        p.log = log  # type: ignore[attr-defined]
+        self.procs.append(p)
+        return p
+
+    def wait(self, procs, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"a process did not finish within {timeout:.0f}s:\n{self.logs()}")
+        return codes
+
+    def logs(self) -> str:
+        out = []
+        for p in self.procs:
+            text = Path(p.log).read_text(errors="replace")
+            text = "\n".join(x for x in text.splitlines() if not x.startswith(("[Gloo]", "WARNING")))
+            out.append(f"--- {p.log} (rc={p.returncode})\n{text[-3000:]}")
+        return "\n".join(out)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+
+
+@pytest.fixture
+def procs():
+    ps = Procs()
+    yield ps
+    ps.kill()
+
+
+def _posttrain(command: str, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "posttrain.cli.main", command, *overrides]
+
+
+def _hosts(procs: Procs, args: list[str], n: int, devices: int, folder: Path, tag: str, **env) -> list:
+    """Starts the command `n` times, as `n` hosts would (same command, POSTTRAIN_* variables per host)."""
+    port = _free_port()
+    return [procs.start(args, _env(devices, POSTTRAIN_COORDINATOR=f"127.0.0.1:{port}", POSTTRAIN_NUM_PROCESSES=n,
+                                   POSTTRAIN_PROCESS_ID=i, **env), folder / f"{tag}-{i}.log") for i in range(n)]
+
+
+def _rows(folder: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in map(json.loads, open(folder / "metrics.jsonl")) if key in r}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """The tiny:llama checkpoint, built once here so that concurrent processes do not race to build it."""
+    from posttrain.models.tiny import resolve_model_path
+
+    return resolve_model_path("tiny:llama", cache_dir=tmp_path_factory.mktemp("tiny"))
+
+
+# ---------------------------------------------------------------------- fast checks (one process)
+def test_settings_from_config_and_environment(monkeypatch):
+    from posttrain import distributed
+    from posttrain.config import ConfigError
+    from posttrain.training.config import DistributedConfig
+
+    for k in ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    assert distributed.resolve_settings(DistributedConfig(auto_detect=False)) is None  # one process: a no-op
+    monkeypatch.setenv("POSTTRAIN_COORDINATOR", "10.0.0.1:1234")
+    monkeypatch.setenv("POSTTRAIN_NUM_PROCESSES", "4")
+    with pytest.raises(ConfigError, match="missing: distributed.process_id"):
+        distributed.resolve_settings(DistributedConfig())
+    monkeypatch.setenv("POSTTRAIN_PROCESS_ID", "3")
+    s = distributed.resolve_settings(DistributedConfig(heartbeat_timeout_s=9))
+    assert (s["coordinator"], s["num_processes"], s["process_id"], s["heartbeat_timeout_s"]) == ("10.0.0.1:1234", 4, 3, 9)
+    # the config wins over the environment
+    assert distributed.resolve_settings(DistributedConfig(process_id=1))["process_id"] == 1
+    with pytest.raises(ConfigError, match=r"process_id=5 must be in \[0, distributed.num_processes=4\)"):
+        distributed.resolve_settings(DistributedConfig(process_id=5))
+
+
+def test_cluster_detection_under_slurm(monkeypatch):
+    """Inside a SLURM job step of several tasks, JAX's cluster detection supplies everything (auto); one task
+    is one process."""
+    from posttrain import distributed
+    from posttrain.training.config import DistributedConfig
+
+    for k in ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node[1-2]", SLURM_NTASKS="2", SLURM_PROCID="1",
+                 SLURM_LOCALID="0")
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    assert distributed.resolve_settings(DistributedConfig())["auto"] is True
+    assert distributed.resolve_settings(DistributedConfig(auto_detect=False)) is None
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.resolve_settings(DistributedConfig()) is None
+
+
+def test_config_digests_name_the_differing_section():
+    from posttrain import distributed
+    from posttrain.training.sft import load_sft_config
+
+    a = distributed.config_digests(load_sft_config(None, ["distributed.process_id=0"]))
+    b = distributed.config_digests(load_sft_config(None, ["distributed.process_id=1", "optim.lr=0.5"]))
+    assert "distributed" not in a and [k for k in a if a[k] != b[k]] == ["optim"]
+
+
+def test_mesh_that_does_not_divide_the_devices_is_a_clear_error():
+    from posttrain import distributed
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"needs 3 devices, there are 1"):
+        distributed.make_mesh(data=3, fsdp=1, tensor=1)
+    with pytest.raises(ConfigError, match="does not divide"):
+        distributed.make_mesh(data=1, fsdp=-1, tensor=2)
+
+
+def test_each_process_reads_its_rows_of_every_global_batch(tiny_llama):
+    """Process shares of every global batch, put together, are the one-process batches (same order)."""
+    from posttrain import tokenizer
+    from posttrain.data import build_sft_dataset
+
+    tok = tokenizer.load(tiny_llama)
+    records = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(21)]
+    kw = dict(seq_len=16, batch_size=4, pack=False, seed=3, num_epochs=2)
+    whole = list(build_sft_dataset(records, tok, **kw))
+    parts = [list(build_sft_dataset(records, tok, batch_rows=r, **kw)) for r in ([0, 1], [2, 3])]
+    assert len(whole) == len(parts[0]) == len(parts[1]) == 11  # 42 rows: the last batch is padded
+    for w, a, b in zip(whole, *parts):
+        for k in w:
+            np.testing.assert_array_equal(w[k], np.concatenate([a[k], b[k]]))
+
+
+def test_sharded_load_reads_only_the_blocks_a_shard_needs(tiny_llama):
+    """`from_pretrained` on a mesh builds each parameter from blocks: a shard's block of an HF tensor is read
+    as that block (rows/columns of the [out, in] tensor), never the whole tensor, and equals the whole read."""
+    from posttrain.models import hf_io
+
+    folder, cfg = hf_io.load_config(tiny_llama)
+    index = hf_io._TensorIndex(folder)
+    whole_reads = []
+    get = index.get
+    index.get = lambda name: whole_reads.append(name) or get(name)
+    q = "model.layers.1.self_attn.q_proj.weight"  # HF [heads*head_dim, embed] -> ours [embed, heads, head_dim]
+    per_shape = (cfg.hidden_size, cfg.num_heads, cfg.head_dim)
+    full = hf_io._to_ours(get(q), per_shape, 1)
+    for idx in [(slice(8, 16), slice(0, 4), slice(0, 16)), (slice(0, 64), slice(2, 4), slice(0, 16))]:
+        block = hf_io._read_layer_block(index, q, 1, per_shape, idx, {})
+        np.testing.assert_array_equal(block, full[idx])
+    assert whole_reads == []
+    # a block that is no contiguous range of the HF tensor (part of head_dim) is cut from the whole tensor
+    odd = (slice(0, 64), slice(0, 4), slice(0, 8))
+    np.testing.assert_array_equal(hf_io._read_layer_block(index, q, 1, per_shape, odd, {}), full[odd])
+    assert whole_reads == [q]
+
+
+# ---------------------------------------------------------------------- several processes
+SHARDS = textwrap.dedent(
+    """
+    import json, sys
+    from posttrain import distributed
+    from posttrain.training.sft import build_model, load_sft_config
+
+    pid = int(sys.argv[1])
+    cfg = load_sft_config(None, [f"model.path={sys.argv[2]}", f"optim.lr={sys.argv[3]}"])
+    distributed.initialize(cfg.distributed)  # from POSTTRAIN_* variables
+    out = {"devices": [len(__import__("jax").devices()), len(__import__("jax").local_devices())]}
+    try:
+        distributed.check_same_config(cfg)
+    except distributed.DistributedError as e:
+        out["config_error"] = str(e)
+    from posttrain.models import hf_io
+    blocks = []
+    get_block = hf_io._TensorIndex.get_block
+    hf_io._TensorIndex.get_block = lambda self, name, index: blocks.append((name, str(index))) or get_block(self, name, index)
+    model, _ = build_model(cfg, distributed.make_mesh())
+    k = model.layers.mlp.up_proj.kernel[...]  # [layers, embed, mlp]: embed over fsdp (8 devices, 2 processes)
+    out["kernel"] = [list(k.shape), str(k.sharding.spec),
+                     sorted({(s.index[1].start, s.index[1].stop) for s in k.addressable_shards})]
+    out["up_blocks"] = sorted({b for n, b in blocks if n == "model.layers.0.mlp.up_proj.weight"})
+    out["sum"] = float(distributed.to_host(k).sum())
+    distributed.finish()
+    print("RESULT" + json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_processes_shard_parameters_and_refuse_different_configs(tmp_path, procs, tiny_llama):
+    """Each process holds (and reads from safetensors) only its half of a weight sharded over the processes;
+    a config that differs between processes is an error naming the section."""
+    port = _free_port()
+    ps = [procs.start([sys.executable, "-c", SHARDS, str(i), tiny_llama, "0.001" if i == 0 else "0.002"],
+                      _env(4, POSTTRAIN_COORDINATOR=f"127.0.0.1:{port}", POSTTRAIN_NUM_PROCESSES=2,
+                           POSTTRAIN_PROCESS_ID=i), tmp_path / f"p{i}.log") for i in range(2)]
+    assert procs.wait(ps, 240) == [0, 0], procs.logs()
+    out = [json.loads(next(x for x in Path(p.log).read_text().splitlines() if x.startswith("RESULT"))[6:]) for p in ps]
+    for i, o in enumerate(out):
+        assert o["devices"] == [8, 4]
+        assert "optim differ from process 0's" in o["config_error"] and "process 1" in o["config_error"]
+        shape, spec, owned = o["kernel"]
+        assert spec == "P(None, 'fsdp', None)"
+        embed = shape[1]
+        # this process's devices hold embed rows [i * embed/2, (i+1) * embed/2): half of the weight
+        assert owned == [[i * embed // 2 + j * embed // 8, i * embed // 2 + (j + 1) * embed // 8] for j in range(4)]
+        # ... and read only those columns of HF's [mlp, embed] tensor from the safetensors file
+        assert o["up_blocks"] == sorted(str((slice(0, shape[2]), slice(a, b))) for a, b in owned)
+    assert out[0]["sum"] == out[1]["sum"]
+
+
+@pytest.mark.slow
+def test_unreachable_coordinator_is_a_clear_error_within_the_timeout(tmp_path, procs):
+    p = procs.start(_posttrain("sft", "configs/sft_smoke.yaml", f"output_dir={tmp_path / 'out'}",
+                               f"distributed.coordinator=127.0.0.1:{_free_port()}", "distributed.num_processes=2",
+                               "distributed.process_id=1", "distributed.init_timeout_s=3"), _env(4), tmp_path / "p.log")
+    t0 = time.monotonic()
+    assert procs.wait([p], 120) == [1], procs.logs()
+    log = Path(p.log).read_text()
+    assert "error: process 1 of 2 could not join the run at 127.0.0.1:" in log and "within" in log, log
+    assert "Traceback" not in log and time.monotonic() - t0 < 60
+
+
+SFT = ["configs/sft_smoke.yaml", "trainer.max_steps=12", "trainer.save_every=2", "trainer.log_every=1",
+       "trainer.eval_every=0", "trainer.progress=false", "trainer.async_checkpointing=false", "export_hf=false",
+       "distributed.heartbeat_timeout_s=6"]
+
+
+@pytest.mark.slow
+def test_sft_two_hosts_match_one_host_and_resume_after_a_host_dies(tmp_path, procs, tiny_llama):
+    """2 processes x 4 devices give the per-step losses of 1 process x 8; killing one process ends the other
+    with a clear error within the heartbeat timeout; restarting both resumes exactly from the last checkpoint."""
+    args = _posttrain("sft", *SFT, f"model.path={tiny_llama}")
+    one = procs.start(args + [f"output_dir={tmp_path / 'one'}"], _env(8), tmp_path / "one.log")
+    assert procs.wait([one], 300) == [0], procs.logs()
+    ref = _rows(tmp_path / "one", "loss")
+    assert sorted(ref) == list(range(1, 13))
+
+    two = tmp_path / "two"
+    cache = dict(POSTTRAIN_COMPILE_CACHE=tmp_path / "jax-cache")  # the restarted processes compile nothing
+    hosts = _hosts(procs, args + [f"output_dir={two}"], 2, 4, tmp_path, "run", **cache)
+    deadline = time.monotonic() + 240
+    while not ((two / "metrics.jsonl").exists() and len(_rows(two, "loss")) >= 3):  # a few steps done
+        assert time.monotonic() < deadline and hosts[0].poll() is None, procs.logs()
+        time.sleep(0.05)
+    os.killpg(hosts[1].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert procs.wait([hosts[0]], 60) == [1], procs.logs()
+    waited = time.monotonic() - killed_at
+    log = Path(hosts[0].log).read_text()
+    assert "error: multi-host run: process 1 of 2 stopped answering" in log, procs.logs()
+    assert waited < 30, waited
+    done = len(_rows(two, "loss"))
+    assert done < 12, "the run finished before the kill: nothing was tested"
+
+    again = _hosts(procs, args + [f"output_dir={two}"], 2, 4, tmp_path, "resume", **cache)
+    assert procs.wait(again, 300) == [0, 0], procs.logs()
+    resumed = Path(again[0].log).read_text()
+    assert "resumed from step" in resumed, resumed
+    got = _rows(two, "loss")
+    assert sorted(got) == list(range(1, 13))
+    diff = max(abs(got[s] - ref[s]) for s in ref)
+    print(f"\nkilled after {done} logged steps; other process exited in {waited:.1f}s; max |loss diff| {diff:.2e}")
+    assert diff < 1e-5
+
+
+REWARD = '''
+def count_a(prompts, completions, **fields):
+    return [sum(c == "a" for c in text[:8]) / 8 for text in completions]
+'''
+
+
+@pytest.mark.slow
+def test_rl_two_hosts_match_one_host(tmp_path, procs, tiny_llama):
+    """A short synchronous GRPO run: the sampler on the global mesh, rewards scored on process 0: rewards and
+    losses equal those of one process with the same 8 devices."""
+    (tmp_path / "reward.py").write_text(REWARD)
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": "x" * (1 + i % 4), "answer": "a"}) + "\n")
+    args = _posttrain(
+        "rl", f"model.path={tiny_llama}", f"data.train={tmp_path / 'prompts.jsonl'}", "rollout.batch_prompts=4",
+        "rollout.group_size=4", "rollout.max_new_tokens=8", f"rewards.functions=[{{name: '{tmp_path / 'reward.py'}:count_a'}}]",
+        "rewards.correctness=null", "rewards.num_workers=0", "optim.lr=3e-3", "optim.decay=constant",
+        "trainer.log_every=1", "trainer.save_every=0", "trainer.progress=false", "eval.at_start=false",
+        "trainer.max_steps=2", "export_hf=false")
+    one = procs.start(args + [f"output_dir={tmp_path / 'one'}"], _env(8), tmp_path / "one.log")
+    assert procs.wait([one], 300) == [0], procs.logs()
+    hosts = _hosts(procs, args + [f"output_dir={tmp_path / 'two'}"], 2, 4, tmp_path, "two")
+    assert procs.wait(hosts, 400) == [0, 0], procs.logs()
+    for key in ("reward/mean", "loss", "completion/length_mean"):
+        a, b = _rows(tmp_path / "one", key), _rows(tmp_path / "two", key)
+        assert sorted(a) == sorted(b) == [1, 2], key
+        assert max(abs(a[s] - b[s]) for s in a) < 1e-5, (key, a, b)
+    assert max(_rows(tmp_path / "one", "reward/mean").values()) > 0  # a reward with signal: the losses mean something
+    samples = [json.loads(x) for x in open(tmp_path / "two" / "samples.jsonl")]
+    assert [s["step"] for s in samples] == [1, 2]  # written once (by process 0)
