@@ -170,6 +170,26 @@ def test_mesh_that_does_not_divide_the_devices_is_a_clear_error():
         distributed.make_mesh(data=1, fsdp=-1, tensor=2)
 
 
+def test_commands_without_multi_host_support_refuse_several_processes(monkeypatch, tmp_path):
+    """dpo and distill run on one process: with several they stop with a clear error, not wrong batches."""
+    from posttrain import distributed
+    from posttrain.config import ConfigError
+    from posttrain.distill.run import load_distill_config, run_distill
+    from posttrain.training.dpo import load_dpo_config, run_dpo
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(distributed, "initialize", lambda cfg=None: True)
+    monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+    cfg = load_dpo_config(root / "configs" / "dpo_smoke.yaml", [f"output_dir={tmp_path / 'dpo'}"])
+    with pytest.raises(ConfigError, match="posttrain dpo runs on one process"):
+        run_dpo(cfg)
+    for mode in ("logit", "on_policy"):
+        cfg = load_distill_config(root / "configs" / "distill_smoke.yaml", [f"output_dir={tmp_path / mode}",
+                                                                           f"mode={mode}"])
+        with pytest.raises(ConfigError, match="posttrain distill runs on one process"):
+            run_distill(cfg)
+
+
 def test_each_process_reads_its_rows_of_every_global_batch(tiny_llama):
     """Process shares of every global batch, put together, are the one-process batches (same order)."""
     from posttrain import tokenizer

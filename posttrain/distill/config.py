@@ -14,8 +14,8 @@ import dataclasses
 from typing import Literal
 
 from posttrain.rl.config import EvalConfig, PromptData, RewardsSection, RolloutConfig
-from posttrain.training.config import (DataSection, Dtype, LoraConfig, MeshConfig, ModelSection, OptimConfig,
-                                       TrainerConfig)
+from posttrain.training.config import (DataSection, DistributedConfig, Dtype, LoraConfig, MeshConfig, ModelSection,
+                                       OptimConfig, TrainerConfig)
 
 __all__ = ["TeacherSection", "DistillLossConfig", "OnPolicySection", "DistillConfig"]
 
@@ -89,6 +89,7 @@ class DistillConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     export_hf: bool = True
     export_dtype: Dtype | None = None
 
@@ -104,4 +105,4 @@ class DistillConfig:
         return RLConfig(output_dir=self.output_dir, model=self.model, data=op.prompts, rollout=op.rollout,
                         algorithm=AlgorithmConfig(preset="grpo", beta=0.0, aggregation="token_mean"),
                         rewards=rewards, optim=self.optim, trainer=self.trainer, eval=op.eval, lora=self.lora,
-                        mesh=self.mesh, export_hf=self.export_hf, export_dtype=self.export_dtype)
+                        mesh=self.mesh, distributed=self.distributed, export_hf=self.export_hf, export_dtype=self.export_dtype)

@@ -82,7 +82,7 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
     loss = make_logit_distill_loss(make_token_loss(lc.kind, lc.beta, lc.temperature, lc.alpha,
                                                    tail=cfg.teacher.top_k_tail), chunk)
     k = cfg.teacher.top_k
-    with Run(cfg, "distill", log=log) as run:
+    with Run(cfg, "distill", log=log, multi_host=False) as run:
         # data and the teacher's tokenizer first: bad data or another vocabulary fail before any weight loads
         tok = run.tokenizer()
         check_same_vocabulary(tok, tok_lib.load(teacher_folder(cfg)), student=cfg.model.path, teacher=cfg.teacher.path)

@@ -23,6 +23,13 @@ def load_distill_config(path: str | Path | None, overrides=()):
 
 def run_distill(cfg, *, stop_after: int | None = None) -> str:
     """Runs (or resumes) the distillation `cfg` describes; returns a one-line summary."""
+    from posttrain import distributed
+
+    if distributed.initialize(cfg.distributed):
+        from posttrain.config import ConfigError
+
+        raise ConfigError("posttrain distill runs on one process; multi-host runs (several processes) are "
+                          "posttrain sft and posttrain rl (README: Several hosts)")
     if cfg.mode == "on_policy":
         from posttrain.distill.on_policy import run_on_policy
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from posttrain.data.preference import PreferenceFormat
-from posttrain.training.config import Dtype, LoraConfig, MeshConfig, ModelSection, OptimConfig, TrainerConfig
+from posttrain.training.config import (DistributedConfig, Dtype, LoraConfig, MeshConfig, ModelSection, OptimConfig,
+                                       TrainerConfig)
 
 __all__ = ["DPOConfig", "PreferenceData", "PreferenceAlgorithm", "DPOResult", "load_dpo_config", "run_dpo"]
 
@@ -97,6 +98,7 @@ class DPOConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     eval_at_start: bool = True  # evaluate the eval split before training (logged as step 0: the baseline)
     export_hf: bool = True
     export_dtype: Dtype | None = None
@@ -213,7 +215,7 @@ def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callab
     if a.nll_on_prompt and not spec.chosen_nll:
         raise ConfigError(f"algorithm.nll_on_prompt applies to loss 'orpo' only (loss is '{a.loss}')")
 
-    with Run(cfg, "dpo", log=log) as run:
+    with Run(cfg, "dpo", log=log, multi_host=False) as run:
         tok = run.tokenizer()
         # Data first: a bad data set fails before any model is loaded.
         train_pairs = _read_pairs(d.train, d.train_split, tok, cfg)

@@ -85,15 +85,23 @@ class Run:
       command: the command's name ("sft", "dpo", ...): the progress bar's label and the messages' prefix.
       log: where messages go (default: the metrics logger's console, or print before it is open).
       lock: take the output folder's run lock (`posttrain.training.runlock`) for the run's lifetime.
+      multi_host: the command runs on several processes (sft, rl); one that does not (yet) is refused there
+        with a clear error instead of training on wrong batches.
     """
 
-    def __init__(self, cfg, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True):
+    def __init__(self, cfg, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True,
+                 multi_host: bool = True):
         from posttrain import distributed
         from posttrain.config import save_config
         from posttrain.training.runlock import RunLock
 
         # before anything touches a device (the lock names its process): a no-op on one process
         distributed.initialize(getattr(cfg, "distributed", None))
+        if not multi_host and distributed.is_multiprocess():
+            from posttrain.config import ConfigError
+
+            raise ConfigError(f"posttrain {command} runs on one process; multi-host runs (several processes) are "
+                              "posttrain sft and posttrain rl (README: Several hosts)")
         distributed.check_same_config(cfg)
         self.cfg = cfg
         self.command = command
