@@ -69,6 +69,29 @@ def test_gguf_loads_like_the_hf_checkpoint(family, hf_checkpoint, tmp_path):
     assert from_pretrained(tmp_path, dtype="bfloat16").cfg.param_dtype == "bfloat16"  # a folder holding one
 
 
+def test_info_reads_a_gguf_file(hf_checkpoint, tmp_path, capsys):
+    import gguf
+    import transformers
+
+    from posttrain.cli.main import main
+
+    folder = hf_checkpoint("llama")
+    path = write_gguf(tmp_path / "m.gguf", "llama", hf_folder=folder)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(folder).parameters())
+    assert "LlamaForCausalLM" in out and f"{n:,}" in out and "F32 (" in out and "gguf architecture" in out
+    raw = np.zeros((2, 292), np.uint8)  # Q8_K: a type we cannot dequantize is an error for info too
+    q8k = gguf.GGMLQuantizationType.Q8_K
+    bad = write_gguf(tmp_path / "q8k.gguf", "llama", tensors={"token_embd.weight": raw},
+                     raw_types={"token_embd.weight": q8k}, metadata={"llama.block_count": 1})
+    assert main(["info", str(bad)]) == 1
+    assert "quantization type Q8_K" in capsys.readouterr().err
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:300])
+    assert main(["info", str(tmp_path / "cut.gguf")]) == 1
+    assert "truncated GGUF file" in capsys.readouterr().err
+
+
 def test_truncated_gguf_is_a_clear_error(hf_checkpoint, tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "llama", hf_folder=hf_checkpoint("llama"))
     data = path.read_bytes()
@@ -123,10 +146,14 @@ PROMPTS = [
     "What is 12 times 7?",
     "Give me a tip for learning to cook.",
 ]
-# Max abs logit difference allowed against transformers in float32. Logits here reach ~35 and the models
-# are 18-30 layers deep: the two float32 implementations differ by rounding alone by ~1e-4 (transformers'
-# own float32 logits are 6e-5 away from its float64 ones on SmolLM2), so the bound is set just above that.
-LOGIT_TOL = 2.5e-4
+# Max abs logit difference allowed against transformers in float32 (the issue's bound). Two float32
+# implementations of an 18-30 layer model each sit ~5e-5..1e-4 from the float64 result (rounding alone), so the
+# test also computes transformers in float64 and checks that our float32 logits are at least as close to it as
+# transformers' float32 ones. On Gemma 3 transformers' own float32 logits are 1.0e-4 from its float64 ones, so no
+# float32 implementation can be held to 1e-4 against them (a float64-exact one would be 1.0e-4 away): there the
+# bound is IRREDUCIBLE_TOL, and the float64 check carries the claim.
+LOGIT_TOL = 1e-4
+IRREDUCIBLE_TOL = {"gemma3-270m": 1.5e-4}
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
@@ -166,14 +193,39 @@ def _hf_logits(hf, ids, mask):
 
 
 @pytest.mark.slow
-def test_real_logits_match_transformers(real):
-    name, _, model, tok, hf = real
-    ids, mask = _padded([tok.encode(s) for s in SENTENCES], tok.pad_token_id)
+@pytest.mark.parametrize("kernels", ["cpu", "generic"])
+def test_real_logits_match_transformers(real, kernels):
+    import copy
+
+    import torch
+
+    from posttrain.models import from_pretrained
+
+    name, path, model, tok, hf = real
+    if kernels != model.cfg.kernels:
+        model = from_pretrained(path, kernels=kernels)
+    rows = [tok.encode(s) for s in SENTENCES]
+    ids, mask = _padded(rows, tok.pad_token_id)
     ref = _hf_logits(hf, ids, mask)
     ours = np.asarray(model(ids, attention_mask=mask))
-    diff = float(np.abs(ours - ref)[mask.astype(bool)].max())
-    print(f"{name}: max abs logit diff {diff:.2e} (max |logit| {np.abs(ref).max():.1f})")
-    assert diff < LOGIT_TOL
+    m = mask.astype(bool)
+    diff = float(np.abs(ours - ref)[m].max())
+    # float64 reference, one unpadded row at a time (transformers' eager attention gives NaN at real tokens
+    # next to left padding in float64: masked probabilities 0 times the NaN values of padded rows)
+    hf64 = copy.deepcopy(hf).double()
+    err_ours = err_hf = 0.0
+    for b, r in enumerate(rows):
+        with torch.no_grad():
+            exact = hf64(torch.tensor([r])).logits[0].numpy()
+        err_ours = max(err_ours, float(np.abs(ours[b][m[b]] - exact).max()))
+        err_hf = max(err_hf, float(np.abs(ref[b][m[b]] - exact).max()))
+    del hf64
+    print(f"{name} ({kernels}): max abs logit diff {diff:.2e} (max |logit| {np.abs(ref).max():.1f}); "
+          f"against float64: ours {err_ours:.2e}, transformers float32 {err_hf:.2e}")
+    assert err_ours <= 1.1 * err_hf, (err_ours, err_hf)  # at least as close to float64 as transformers is
+    assert diff < IRREDUCIBLE_TOL.get(name, LOGIT_TOL)
+    if kernels != "cpu":
+        return
     # perplexity of a fixed English paragraph (reported; a real model with a right tokenizer gives ~10-20)
     para = np.array([tok.encode(PARAGRAPH)])
     logits = np.asarray(model(para))[0, :-1].astype(np.float64)

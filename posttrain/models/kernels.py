@@ -6,7 +6,8 @@ backend and `generic` everywhere else. Model, attention and sampler code never l
 ask the kernel set of their config (`get(cfg)`).
 
 `generic` (GPU, TPU; also runs on CPU): what an accelerator compiler wants.
-- Linear maps are plain `jnp.tensordot` products with autodiff's backward (the remat policies see them).
+- Linear maps are plain `jnp.tensordot` products with autodiff's backward (the remat policies see them); on
+  XLA:CPU in float32, long contractions sum two half-length products (`product`: float32 parity).
 - The KV cache stores k and v as [slots, max_len, kv_heads, head_dim], the layout of
   `jax.nn.dot_product_attention`; no step transposes it.
 - Attention is `jax.nn.dot_product_attention`; with `attention_impl: auto` on a GPU in bf16/fp16 it asks
@@ -77,6 +78,51 @@ def get(cfg_or_name) -> "GenericKernels":
     return _SETS[resolve(name)]
 
 
+# ---------------------------------------------------------------------- float32 products on XLA:CPU
+#: float32 contractions over at least this many inputs accumulate in two halves on XLA's CPU backend ...
+SPLIT_ACCUMULATION_MIN = 512
+#: ... unless they have more outputs than this (LM heads: see `product`)
+SPLIT_ACCUMULATION_MAX_OUT = 16384
+
+
+def _splits_accumulation(x, w, n_in: int) -> bool:
+    k = math.prod(w.shape[:n_in])
+    return (_platform() == "cpu" and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and k >= SPLIT_ACCUMULATION_MIN and k % 2 == 0
+            and math.prod(w.shape[n_in:]) <= SPLIT_ACCUMULATION_MAX_OUT)
+
+
+def product(x, w, n_in: int, out_dtype=None):
+    """`jnp.tensordot(x, w, n_in)`; on XLA:CPU in float32 a long contraction is the sum of two half-length ones.
+
+    XLA:CPU's float32 matmul (YNNPACK) accumulates a contraction in one running sum. Llama-family models carry
+    "massive activations" on their first token (|x| ~ 2.8e3 entering SmolLM2's layer-12 MLP down projection,
+    outputs ~2.2e4): there one running sum over 1,536 products is off by ~5 ulp where PyTorch's CPU matmul is
+    within 1 ulp, and that error reaches every logit of the position. Two half-length sums added at the end
+    are within 1 ulp too. Measured on SmolLM2-135M's float32 logits against float64 (transformers): one
+    running sum 1.5e-4, halves for contractions >= 1,024 long 7.3e-5, >= 512 long 6.3e-5 (PyTorch: 6.0e-5).
+    LM heads (more than SPLIT_ACCUMULATION_MAX_OUT outputs) keep one product: their error is the rounding of
+    their float32 input (PyTorch's is the same), and halves of a tied [vocab, d] table would be copies.
+    Few rows (decode): x is regrouped [2, rows, k/2] and one product is batched over the halves; many rows:
+    two products on slices (the weight's halves are small against x).
+    """
+    if not _splits_accumulation(x, w, n_in):
+        return jnp.tensordot(x, w, axes=n_in, preferred_element_type=out_dtype)
+    k = math.prod(w.shape[:n_in])
+    h = k // 2
+    lead, outs = x.shape[: x.ndim - n_in], w.shape[n_in:]
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    if x2.shape[0] >= h:
+        y = (jnp.dot(x2[:, :h], w2[:h], preferred_element_type=out_dtype)
+             + jnp.dot(x2[:, h:], w2[h:], preferred_element_type=out_dtype))
+    else:
+        xs = x2.reshape(-1, 2, h).swapaxes(0, 1)
+        y2 = jax.lax.dot_general(xs, w2.reshape(2, h, -1), (((2,), (1,)), ((0,), (0,))),
+                                 preferred_element_type=out_dtype)
+        y = y2[0] + y2[1]
+    return y.reshape(*lead, *outs)
+
+
 # ---------------------------------------------------------------------- shared attention math
 def masked_probs(logits, mask, cfg):
     """softmax over keys of float32 q.k logits: scaled, soft-capped (Gemma 2) when configured, masked."""
@@ -122,8 +168,8 @@ class GenericKernels:
 
     # -------------------------------------------------------------- products
     def contract(self, x, w, n_in: int, out_dtype=None):
-        """x [..., *in] @ w [*in, *out] -> [..., *out], accumulated and returned in `out_dtype`."""
-        return jnp.tensordot(x, w, axes=n_in, preferred_element_type=out_dtype)
+        """x [..., *in] @ w [*in, *out] -> [..., *out], accumulated and returned in `out_dtype` (`product`)."""
+        return product(x, w, n_in, out_dtype)
 
     # -------------------------------------------------------------- KV cache layout
     k_axes = ("batch", "seq", "kv_heads", "head_dim")
@@ -184,8 +230,8 @@ def _warn_once(msg: str):
 # ---------------------------------------------------------------------- cpu
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def contract_cpu(x: jax.Array, w: jax.Array, n_in: int, out_dtype=None) -> jax.Array:
-    """`jnp.tensordot(x, w, n_in)` with the CPU-tuned backward pass (see the module docstring)."""
-    return jnp.tensordot(x, w, axes=n_in, preferred_element_type=out_dtype)
+    """`product(x, w, n_in)` with the CPU-tuned backward pass (see the module docstring)."""
+    return product(x, w, n_in, out_dtype)
 
 
 def _contract_fwd(x, w, n_in, out_dtype):
