@@ -222,7 +222,7 @@ def test_two_node_cluster_on_loopback_runs_a_worker_on_each(toy, tmp_path):
 def test_all_workers_dead_stops_with_a_checkpoint_and_names_them(toy):
     out = toy.dir / "dead"
     proc = _start(toy("dead", "trainer.max_steps=50", "fleet.workers=1", "fleet.max_restarts=0",
-                      "fleet.stall_timeout_s=8"))
+                      "fleet.stall_timeout_s=20"))
     _wait_for(lambda: _steps_done(out) >= 2, 240, "two steps", proc)
     for pid in _ray_pids("ray::RolloutWorker"):
         os.kill(pid, signal.SIGKILL)
