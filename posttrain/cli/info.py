@@ -12,8 +12,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import sys
-
     from rich.console import Console
     from rich.table import Table
 
@@ -21,15 +19,11 @@ def run(args) -> int:
     from posttrain.models.tiny import resolve_model_path
 
     console = Console()
-    try:
-        path = resolve_model_path(args.model)
-        if gguf_io.is_gguf_path(path):
-            rows = _gguf_rows(gguf_io.GGUFCheckpoint(path))
-        else:
-            rows = _hf_rows(*hf_io.load_config(path))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    path = resolve_model_path(args.model)  # bad files raise errors that posttrain.cli.main prints in one line
+    if gguf_io.is_gguf_path(path):
+        rows = _gguf_rows(gguf_io.GGUFCheckpoint(path))
+    else:
+        rows = _hf_rows(*hf_io.load_config(path))
     table = Table(title=f"{args.model}", show_header=False)
     for k, v in rows:
         table.add_row(k, str(v))

@@ -48,6 +48,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from posttrain.data.sources import DataError
     from posttrain.distributed import DistributedError
     from posttrain.models.config import UnsupportedModelError
+    from posttrain.models.gguf_io import GGUFError
     from posttrain.models.hf_io import CheckpointError
     from posttrain.rewards.checks import RewardDataError, RewardFailedError
     from posttrain.rl.fleet.cluster import FleetError
@@ -57,7 +58,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
 
     out = [ConfigError, DataError, UnsupportedModelError, CheckpointError, TokenizerError, RewardDataError,
            RewardFailedError, CheckpointSaveError, ResumeError, TrainingDivergedError, RunLockError, FleetError,
-           DistributedError]
+           DistributedError, GGUFError]
     generate = sys.modules.get("posttrain.cli.generate")
     if generate is not None:
         out.append(generate.InputError)

@@ -32,20 +32,6 @@ class LogitResult:
     trainer: Any = None
 
 
-def _eval_batches(cfg, tok) -> list[dict]:
-    from posttrain.data import build_sft_dataset
-
-    d = cfg.data
-    ds = build_sft_dataset(d.eval, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack,
-                           shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split)
-    out = []
-    for batch in ds:
-        out.append(batch)
-        if len(out) >= cfg.trainer.eval_batches:
-            break
-    return out
-
-
 def heldout_metrics(trainer, batches: list[dict], loss_fn) -> dict[str, float]:
     """The loss's per-token metrics over `batches` (sums over batches, then ratios), named eval/*."""
     from posttrain.training.trainer import reduce_metrics
@@ -73,6 +59,7 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
     from posttrain.distill.logit_loss import TopKStore, make_logit_distill_loss, teacher_topk_fn
     from posttrain.distill.teacher import check_same_vocabulary, load_teacher, teacher_folder
     from posttrain.training.run import Run
+    from posttrain.training.sft import eval_batches
     from posttrain.training.trainer import uses_frozen
 
     tc, d, lc = cfg.trainer, cfg.data, cfg.loss
@@ -89,7 +76,7 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
         ds_kw = dict(seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack, seed=d.seed, shuffle=d.shuffle,
                      num_epochs=None, truncation=d.truncation, split=d.train_split)
         train_ds = build_sft_dataset(d.train, tok, d.format, **ds_kw)
-        eval_data = _eval_batches(cfg, tok) if d.eval else []
+        eval_data = eval_batches(cfg, tok) if d.eval else []
         loss_fn = loss if k else uses_frozen(loss, "teacher")
         trainer = run.build_trainer(loss_fn)
         teacher = load_teacher(cfg, tok, trainer.cfg.vocab_size, run.mesh)

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["TrainingDivergedError", "ResumeError", "SFTResult", "load_sft_config", "run_sft", "build_model"]
+__all__ = ["TrainingDivergedError", "ResumeError", "SFTResult", "load_sft_config", "run_sft", "build_model", "eval_batches"]
 
 
 from posttrain.training.errors import ResumeError, TrainingDivergedError  # noqa: E402  (re-exported)
@@ -41,7 +41,8 @@ def load_sft_config(path: str | Path | None, overrides=()):
     return load_config(SFTConfig, path, list(overrides))
 
 
-def _eval_batches(cfg, tok, rows=None):
+def eval_batches(cfg, tok, rows=None) -> list[dict]:
+    """The first `trainer.eval_batches` batches of the SFT-format eval split (`rows`: this process's rows)."""
     from posttrain.data import build_sft_dataset
 
     d = cfg.data
@@ -80,7 +81,7 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
         train_ds = build_sft_dataset(d.train, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size,
                                      pack=d.pack, seed=d.seed, shuffle=d.shuffle, num_epochs=None,
                                      truncation=d.truncation, split=d.train_split, batch_rows=rows)
-        eval_data = _eval_batches(cfg, tok, rows) if (d.eval and tc.eval_every > 0) else []
+        eval_data = eval_batches(cfg, tok, rows) if (d.eval and tc.eval_every > 0) else []
         trainer = run.build_trainer(make_sft_loss(tc.loss_chunk_size or None), process_local_batches=True)
         it = iter(train_ds)
         run.restore(it)
