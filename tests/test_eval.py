@@ -11,6 +11,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from test_rl_options import ScriptedSampler as RLScriptedSampler
 
 from posttrain.rl.evaluate import answer_key, evaluate, maj_at_k, pass_at_k, per_problem
 
@@ -67,27 +68,13 @@ def test_answer_keys_group_equal_numbers():
     assert answer_key("  yes \n", "my_reward") == "yes" and answer_key("   ", "my_reward") is None
 
 
-class ScriptedSampler:
-    """A stand-in for `Sampler`: greedy calls return GREEDY[prompt], sampled calls SAMPLED[prompt][:n]."""
+class ScriptedSampler(RLScriptedSampler):
+    """test_rl_options' stand-in `Sampler` with samples that make pass@k and maj@k differ."""
 
     GREEDY = ["so \\boxed{1}", "so \\boxed{5}", "so \\boxed{5}"]
     SAMPLED = [["\\boxed{1}", "\\boxed{7}", "\\boxed{7}", "\\boxed{9}"],  # answer 1: 1 of 4 right, majority 7
                ["\\boxed{0}", "\\boxed{2}", "\\boxed{2}", "no answer"],  # answer 2: 2 right, majority 2
                ["\\boxed{3}", "\\boxed{3}", "\\boxed{4}", "\\boxed{3}"]]  # answer 3: 3 right, majority 3
-
-    def __init__(self):
-        self.calls = []
-
-    def generate(self, prompt_ids, params, **kw):
-        from posttrain.sampling import Completion
-
-        self.calls.append(params)
-        out = []
-        for p in range(len(prompt_ids)):
-            texts = [self.GREEDY[p]] if params.temperature == 0 else self.SAMPLED[p][: params.n]
-            out += [Completion(prompt_index=p, sample_index=i, token_ids=[3] * len(t), logprobs=[0.0] * len(t),
-                               sampling_logprobs=None, finish_reason="stop", text=t) for i, t in enumerate(texts)]
-        return out
 
 
 def test_evaluate_reports_pass_and_maj_at_k_and_rows():

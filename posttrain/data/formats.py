@@ -97,15 +97,22 @@ def _field(record: dict, field: str, fmt: str, index: int | None, source: str | 
     return record[field]
 
 
-def _check_messages(messages: Any, field: str, index: int | None, source: str | None) -> list[dict]:
+def check_messages(messages: Any, field: str, where: str, *, or_string: bool = False) -> list[dict]:
+    """`messages` when it is a non-empty list of {role, content} objects; else a DataError naming `where`
+    (file and line) and the field. or_string: the field may also be a string (said in the message)."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{_where(index, source)}: field '{field}' must be a non-empty list of messages, "
-                        f"found {type(messages).__name__}")
+        found = "an empty list" if isinstance(messages, list) else type(messages).__name__
+        raise DataError(f"{where}: field '{field}' must be a non-empty list of messages"
+                        f"{' or a string' if or_string else ''}, found {found}")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{_where(index, source)}: field '{field}' message {j} must be an object "
-                            f"with 'role' and 'content', found {m!r}")
+            raise DataError(f"{where}: field '{field}' message {j} must be an object with 'role' and 'content', "
+                            f"found {m!r}")
     return messages
+
+
+def _check_messages(messages: Any, field: str, index: int | None, source: str | None) -> list[dict]:
+    return check_messages(messages, field, _where(index, source))
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -27,7 +27,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from posttrain.data.formats import chat_assistant_mask
+from posttrain.data.formats import chat_assistant_mask, check_messages
 from posttrain.data.sources import DataError, read_records, source_name
 
 __all__ = ["PreferenceFormat", "PreferencePairs", "PreferenceDataset", "encode_pair", "encode_pairs",
@@ -57,14 +57,7 @@ def _is_messages(x: Any) -> bool:
 
 
 def _check_messages(x: Any, field: str, where: str) -> list[dict]:
-    if not isinstance(x, list) or not x:
-        raise DataError(f"{where}: field '{field}' must be a non-empty list of messages or a string, "
-                        f"found {type(x).__name__ if not isinstance(x, list) else 'an empty list'}")
-    for j, m in enumerate(x):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{where}: field '{field}' message {j} must be an object with 'role' and 'content', "
-                            f"found {m!r}")
-    return x
+    return check_messages(x, field, where, or_string=True)
 
 
 def _split_text_prompt(chosen: str, rejected: str) -> tuple[str, str, str]:
