@@ -129,7 +129,9 @@ def test_cache_growth_gives_the_same_completions(llama):
     """A cache that grows with the sequences (here in steps of 8 positions, so several times per call, also
     while continuous batching admits new prompts) gives what a full-length cache gives."""
     assert engine.cache_capacities(32, 8) == [8, 16, 24, 32] and engine.cache_capacities(30, 16) == [16, 30]
-    assert Sampler(llama).capacities(192) == [48, 96, 144, 192] and Sampler(llama).capacities(32) == [32]
+    # default steps: a quarter of max_len, never below MIN_CACHE_STEP (256) positions
+    assert Sampler(llama).capacities(192) == [192] and Sampler(llama).capacities(32) == [32]
+    assert Sampler(llama).capacities(512) == [256, 512] and Sampler(llama).capacities(2048) == [512, 1024, 1536, 2048]
     assert Sampler(llama, cache_step=0).capacities(192) == [192]
     prompts = _prompts(lengths=(3, 16, 7, 11, 4, 15, 9, 2, 13, 6), seed=1)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
