@@ -43,10 +43,11 @@ Continuous batching. The host loop alternates prefill of waiting prompts into fr
 segments, so a few long completions do not hold the other slots idle: a finished slot takes the next
 prompt. Prompts are admitted in order; a prompt's samples are admitted together (up to the slot count).
 
-Compilation. What is static: slots, the cache capacity, the prefill (rows, bucket) shape, top_k and
-segment_steps. Greedy-or-not, temperature, top_p, min_p, seed, max_new_tokens and the stop ids are traced
+Compilation. What is static: slots, the cache capacity, the prefill (rows, bucket) shape, greedy-or-not,
+top_k and segment_steps. Temperature, top_p, min_p, seed, max_new_tokens and the stop ids are traced
 values, so a sampler compiles one decode program per cache capacity and one prefill program per (rows,
-bucket, capacity) it meets; the programs are shared by every sampler of a model of the same structure,
+bucket, capacity) it meets, for greedy and for sampled calls (a greedy program holds no sampling code:
+its compilation is about a third shorter, which is most of a first call's cost on CPU); the programs are shared by every sampler of a model of the same structure,
 and the weights are read from the model at every call (RL updates them in place between calls).
 
 Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only, so the
@@ -177,7 +178,7 @@ def _seq_index(axis: int, rows, n: int):
 
 
 def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
-             stop_ids, greedy, temperature, top_p, min_p, *, top_k: int):
+             stop_ids, temperature, top_p, min_p, *, top_k: int, greedy: bool):
     """Prefills prompt rows ids [P, Lb] (real lengths `lens`) and installs them in the assigned slots.
 
     Assignment a copies prompt row asg_row[a] into slot asg_slot[a] (slot index S = padding, dropped) as
@@ -228,8 +229,8 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     return ds, (tok, lp, slp)
 
 
-def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, greedy, temperature, top_p, min_p, *,
-            top_k: int, budget: int):
+def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, temperature, top_p, min_p, *,
+            top_k: int, greedy: bool, budget: int):
     """Decode steps in one `while_loop` until no slot is active, `min_free` slots are free, or
     min(`max_steps`, `budget`) steps (`max_steps`, traced: the steps left before the cache is full).
 
@@ -328,8 +329,9 @@ def _compiled_for(graphdef):
         if entry[0] == graphdef:
             _COMPILED.append(_COMPILED.pop(i))
             return entry[1], entry[2]
-    prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("top_k",), donate_argnames=("ds",))
-    decode = jax.jit(functools.partial(_decode, graphdef), static_argnames=("top_k", "budget"),
+    prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("top_k", "greedy"),
+                      donate_argnames=("ds",))
+    decode = jax.jit(functools.partial(_decode, graphdef), static_argnames=("top_k", "greedy", "budget"),
                      donate_argnames=("ds",))
     _COMPILED.append((graphdef, prefill, decode))
     del _COMPILED[:-8]
@@ -525,10 +527,9 @@ class Sampler:
         stop_arr = np.full(max(8, _pow2(len(stop))), -1, np.int32)
         stop_arr[: len(stop)] = stop
         top_k = 0 if params.greedy or params.top_k >= self.cfg.vocab_size else params.top_k
-        scalars = dict(
-            greedy=np.bool_(params.greedy), temperature=np.float32(params.temperature if not params.greedy else 1.0),
-            top_p=np.float32(params.top_p), min_p=np.float32(params.min_p),
-        )
+        greedy = bool(params.greedy)
+        scalars = dict(temperature=np.float32(params.temperature if not greedy else 1.0),
+                       top_p=np.float32(params.top_p), min_p=np.float32(params.min_p))
         graphdef, state = nnx.split(self.model)
         prefill_fn, decode_fn = _compiled_for(graphdef)
         caps = self.capacities(max_len)
@@ -587,7 +588,7 @@ class Sampler:
                             waiting[0][1] = nxt + chunk
                     grow_to(length_bucket(max(len(prompts[p]) for p in rows), max_len) + 1)
                     ds, pending = self._run_prefill(prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new,
-                                                    params.seed, stop_arr, scalars, top_k, stats, key_ids)
+                                                    params.seed, stop_arr, scalars, top_k, greedy, stats, key_ids)
                     pending = (asg, pending)
                 min_free = target() if waiting else slots + 1
                 t_dec = time.perf_counter()
@@ -596,7 +597,7 @@ class Sampler:
                     lead = max(len(prompts[o[0]]) + max(len(toks.get(o, ())), 1) - 1 for o in owner if o is not None)
                     grow_to(lead + 1)
                     ds, record, steps = decode_fn(state, ds, np.int32(min_free), np.int32(cache_len - lead), stop_arr,
-                                                  **scalars, top_k=top_k, budget=self.segment_steps)
+                                                  **scalars, top_k=top_k, greedy=greedy, budget=self.segment_steps)
                     stats["decode_segments"] += 1
                 else:  # every sample is complete after its first token
                     record, steps = None, 0
@@ -640,7 +641,7 @@ class Sampler:
         return [finished[(p, i)] for p in range(len(prompts)) for i in range(n)]
 
     def _run_prefill(self, prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new, seed, stop_arr,
-                     scalars, top_k, stats, key_ids=None):
+                     scalars, top_k, greedy, stats, key_ids=None):
         n_rows = min(_pow2(len(rows)), slots)
         lb = length_bucket(max(len(prompts[p]) for p in rows), max_len)
         ids = np.zeros((n_rows, lb), np.int32)
@@ -656,7 +657,7 @@ class Sampler:
             a_row[a], a_slot[a], a_prompt[a], a_sample[a] = r, s, (p if key_ids is None else key_ids[p]), i
         t = time.perf_counter()
         ds, first = prefill_fn(state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, np.uint32(seed),
-                                 np.int32(max_new), stop_arr, **scalars, top_k=top_k)
+                                 np.int32(max_new), stop_arr, **scalars, top_k=top_k, greedy=greedy)
         if self.profile:
             jax.block_until_ready(first)
             stats["prefill_seconds"] += time.perf_counter() - t
