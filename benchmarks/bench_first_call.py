@@ -228,7 +228,8 @@ def tunix_available(python: str | None, grpo: bool = False) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{python}: {e}"
     if proc.returncode:
-        return f"{python} cannot import tunix: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        return f"{python} cannot import tunix: {last}"
     return None
 
 
@@ -254,6 +255,7 @@ def main(argv=None) -> int:
                     help="leave Tunix's Llama rope at its built-in theta 1e6 (tokens then differ from ours)")
     ap.add_argument("--grpo", action="store_true", help="also time the first GRPO step, ours vs Tunix")
     ap.add_argument("--programs", type=int, default=12, help="compiled programs listed per side")
+    ap.add_argument("--json", type=Path, help="also write every run's raw measurements (and compile events) here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -301,18 +303,22 @@ def main(argv=None) -> int:
                                       f"imports {r['imports']:5.2f} s (load avg {load0:.2f} -> {r['loadavg']:.2f})")
     for work in works:
         report(console, Table, work, runs[work], args.programs)
+    if args.json:
+        args.json.write_text(json.dumps(runs))
     return 0
 
 
 def report(console, Table, work: str, runs: dict[str, list[dict]], n_programs: int) -> None:
+    """The table of one work (min over rounds), ratios to Tunix, and each side's compiled programs."""
     title = {"generate": f"First generate call, fresh process: {SLOTS} prompts x {PROMPT_LEN} tokens, {NEW} new "
                          f"tokens, greedy, Llama-shaped 4 layers / hidden 256 / vocab {VOCAB}, CPU float32",
              "grpo": "First GRPO step, fresh process: 8 prompts x 4 samples, <= 64 new tokens, temperature 1, "
                      "beta 0, one AdamW update, same model shapes, CPU float32"}[work]
     second_name = {"generate": "second call s", "grpo": "second step s"}[work]
+    during = {"generate": "first call", "grpo": "load + first step"}[work]
     t = Table(title=title + f" (min over {len(next(iter(runs.values())))} rounds)")
-    for col in ("side", "first s", "per round", second_name, "load s", "imports s", "XLA compile s (first)",
-                "programs (first)", "load avg per round"):
+    for col in ("side", "first s", "per round", second_name, "load s", "imports s", f"XLA compile s ({during})",
+                f"XLA compiles ({during})", "load avg per round"):
         t.add_column(col, justify="left" if col == "side" else "right")
     mins = {}
     for name, rs in runs.items():
@@ -332,6 +338,9 @@ def report(console, Table, work: str, runs: dict[str, list[dict]], n_programs: i
             console.print(f"{name} / Tunix cold: first {o['first'] / tx['first']:.2f}x, "
                           f"load + first {(o['load'] + o['first']) / (tx['load'] + tx['first']):.2f}x, "
                           f"{second_name[:-2]} {o['second'] / tx['second']:.2f}x")
+        if work == "grpo":
+            console.print("mean completion length (tokens), per round: " + "; ".join(
+                f"{name} " + " / ".join(f"{r['completion_length']:.1f}" for r in rs) for name, rs in runs.items()))
         a, b = runs["ours cold"][0].get("tokens"), runs["Tunix cold"][0].get("tokens")
         if a and b:
             same = sum(x == y for x, y in zip(a, b))
@@ -340,7 +349,7 @@ def report(console, Table, work: str, runs: dict[str, list[dict]], n_programs: i
         c = compile_summary(rs[0]["compiles"])
         rows = sorted(c.items(), key=lambda kv: -(kv[1]["trace"] + kv[1]["lower"] + kv[1]["compile"]))
         tot = {k: sum(d[k] for d in c.values()) for k in ("trace", "lower", "compile", "n")}
-        console.print(f"{name}, round 1, during the first {'call' if work == 'generate' else 'step'}: "
+        console.print(f"{name}, round 1, during the {during}: "
                       f"{tot['n']} XLA compiles ({tot['compile']:.2f} s), tracing {tot['trace']:.2f} s, "
                       f"lowering {tot['lower']:.2f} s; slowest:")
         for fname, d in rows[:n_programs]:
