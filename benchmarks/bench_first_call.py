@@ -25,9 +25,18 @@ the first call (names, trace + lower + XLA compile seconds, from `jax.monitoring
     Tunix as shipped). Tunix runs one extra decode step (its while loop runs until its 192-token buffer is
     full, writing past it once): 128 decode steps vs our 127, under 1% of the steady state.
 
-`--grpo` adds the first GRPO step (see `grpo_worker_*`): 8 prompts x 4 samples, <= 64 new tokens,
-temperature 1, beta 0, one AdamW update, on the same model shapes, ours (`posttrain.rl.loop.run_rl`, as
-`bench_grpo.py`) cold and warm vs Tunix's `GRPOLearner` + `RLCluster` cold.
+`--grpo` adds the first GRPO step, `bench_grpo.py`'s work: its checkpoint (same shapes, HF-initialised weights,
+its word tokenizer), its 8 prompts of 32 tokens x 4 samples, <= 64 new tokens, temperature 1, stop at eos,
+its reward, beta 0, one AdamW update (lr 1e-5, clip 1.0, no weight decay), float32; two steps per process.
+  * ours: `bench_grpo.run_ours` (`posttrain.rl.loop.run_rl`), cold and warm cache as above. first = step 1's
+    rollout + train seconds (the loop's clocks); load = run_rl's set-up before step 1; second = step 2.
+  * Tunix: `tunix.rl.grpo.grpo_learner.GRPOLearner` (GRPOConfig(num_generations=4, num_iterations=1,
+    beta=0): loss "grpo", sequence-mean-token-mean, epsilon 0.2) on an `RLCluster` (vanilla rollout engine,
+    actor = rollout on one 1x1 Auto mesh, no reference model), optax clip_by_global_norm(1.0) + adamw;
+    RolloutConfig(temperature=1, top_p=1, max_prompt_length=32 (the prompts' length: no padding),
+    kv_cache_size=32+64); the same tokenizer without BOS (ours adds none to these prompts). load = model +
+    RLCluster + learner; first / second = `learner.train` start -> end of global step 1 -> of step 2.
+  The XLA compile columns count everything after the imports up to the end of step 1 (set-up included).
 
 Without `--tunix-python` (or when tunix cannot be imported there) only ours is measured. The figures are the
 minimum over rounds; the machine may be shared, so the 1-minute load average is printed beside each run.
