@@ -259,6 +259,12 @@ def test_no_recompilation_within_a_bucket(llama):
     counts = dict(engine.TRACE_COUNTS)
     sampler.generate(_prompts(lengths=(20, 21, 22)), SamplingParams(max_new_tokens=9, temperature=0.0, seed=4))
     assert dict(engine.TRACE_COUNTS) == counts
+    # so is top-p on or off: top_p=1 compiles programs without its sort, then any temperature reuses them
+    sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=0.8))
+    assert engine.TRACE_COUNTS["decode"] == counts["decode"] + 1
+    counts = dict(engine.TRACE_COUNTS)
+    sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=1.2, seed=2))
+    assert dict(engine.TRACE_COUNTS) == counts
 
 
 def test_bad_input(llama):

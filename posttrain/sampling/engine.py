@@ -44,11 +44,12 @@ segments, so a few long completions do not hold the other slots idle: a finished
 prompt. Prompts are admitted in order; a prompt's samples are admitted together (up to the slot count).
 
 Compilation. What is static: slots, the cache capacity, the prefill (rows, bucket) shape, greedy-or-not,
-top_k and segment_steps. Temperature, top_p, min_p, seed, max_new_tokens and the stop ids are traced
-values, so a sampler compiles one decode program per cache capacity and one prefill program per (rows,
-bucket, capacity) it meets, for greedy and for sampled calls (a greedy program holds no sampling code:
-its compilation is about a third shorter, which is most of a first call's cost on CPU); the programs are shared by every sampler of a model of the same structure,
-and the weights are read from the model at every call (RL updates them in place between calls).
+top_k, top-p on or off and segment_steps. Temperature, top_p's value, min_p, seed, max_new_tokens and the
+stop ids are traced values, so a sampler compiles one decode program per cache capacity and one prefill
+program per (rows, bucket, capacity) it meets, for each sampling mode it meets (greedy; sampling; sampling
+with top-p). A greedy program holds no sampling code and compiles in about half the time; compilation is
+most of a first call's cost on CPU. The programs are shared by every sampler of a model of the same
+structure, and the weights are read from the model at every call (RL updates them in place between calls).
 
 Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only, so the
 same seed gives the same completions whatever the slot count or scheduling.
@@ -178,7 +179,7 @@ def _seq_index(axis: int, rows, n: int):
 
 
 def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
-             stop_ids, temperature, top_p, min_p, *, top_k: int, greedy: bool):
+             stop_ids, temperature, top_p, min_p, *, top_k: int, greedy: bool, nucleus: bool):
     """Prefills prompt rows ids [P, Lb] (real lengths `lens`) and installs them in the assigned slots.
 
     Assignment a copies prompt row asg_row[a] into slot asg_slot[a] (slot index S = padding, dropped) as
@@ -202,7 +203,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     keys = _sample_keys(seed, asg_prompt, asg_sample)
     first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(asg_prompt))  # noqa: E731
     tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p,
-                                 kernels=cfg)
+                                 nucleus=nucleus, kernels=cfg)
     done = _is_stop(tok, stop_ids) | (max_new <= 1)
 
     k_idx, v_idx = _seq_index(ks.k_seq_axis, asg_slot, lb), _seq_index(ks.v_seq_axis, asg_slot, lb)
@@ -230,7 +231,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
 
 
 def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, temperature, top_p, min_p, *,
-            top_k: int, greedy: bool, budget: int):
+            top_k: int, greedy: bool, nucleus: bool, budget: int):
     """Decode steps in one `while_loop` until no slot is active, `min_free` slots are free, or
     min(`max_steps`, `budget`) steps (`max_steps`, traced: the steps left before the cache is full).
 
@@ -264,7 +265,7 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
                               cache=ds.cache, layer_states=layer_states)
         keys = lambda: _step_keys(ds.key, ds.n_generated)  # noqa: E731
         tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p,
-                                     kernels=model.cfg)
+                                     nucleus=nucleus, kernels=model.cfg)
         act = ds.active
         n_gen = ds.n_generated + act.astype(jnp.int32)
         done = _is_stop(tok, stop_ids) | (n_gen >= ds.max_new)
@@ -329,9 +330,9 @@ def _compiled_for(graphdef):
         if entry[0] == graphdef:
             _COMPILED.append(_COMPILED.pop(i))
             return entry[1], entry[2]
-    prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("top_k", "greedy"),
+    prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("top_k", "greedy", "nucleus"),
                       donate_argnames=("ds",))
-    decode = jax.jit(functools.partial(_decode, graphdef), static_argnames=("top_k", "greedy", "budget"),
+    decode = jax.jit(functools.partial(_decode, graphdef), static_argnames=("top_k", "greedy", "nucleus", "budget"),
                      donate_argnames=("ds",))
     _COMPILED.append((graphdef, prefill, decode))
     del _COMPILED[:-8]
@@ -528,6 +529,7 @@ class Sampler:
         stop_arr[: len(stop)] = stop
         top_k = 0 if params.greedy or params.top_k >= self.cfg.vocab_size else params.top_k
         greedy = bool(params.greedy)
+        static = dict(top_k=top_k, greedy=greedy, nucleus=not greedy and params.top_p < 1.0)
         scalars = dict(temperature=np.float32(params.temperature if not greedy else 1.0),
                        top_p=np.float32(params.top_p), min_p=np.float32(params.min_p))
         graphdef, state = nnx.split(self.model)
@@ -588,7 +590,7 @@ class Sampler:
                             waiting[0][1] = nxt + chunk
                     grow_to(length_bucket(max(len(prompts[p]) for p in rows), max_len) + 1)
                     ds, pending = self._run_prefill(prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new,
-                                                    params.seed, stop_arr, scalars, top_k, greedy, stats, key_ids)
+                                                    params.seed, stop_arr, scalars, static, stats, key_ids)
                     pending = (asg, pending)
                 min_free = target() if waiting else slots + 1
                 t_dec = time.perf_counter()
@@ -597,7 +599,7 @@ class Sampler:
                     lead = max(len(prompts[o[0]]) + max(len(toks.get(o, ())), 1) - 1 for o in owner if o is not None)
                     grow_to(lead + 1)
                     ds, record, steps = decode_fn(state, ds, np.int32(min_free), np.int32(cache_len - lead), stop_arr,
-                                                  **scalars, top_k=top_k, greedy=greedy, budget=self.segment_steps)
+                                                  **scalars, **static, budget=self.segment_steps)
                     stats["decode_segments"] += 1
                 else:  # every sample is complete after its first token
                     record, steps = None, 0
@@ -641,7 +643,7 @@ class Sampler:
         return [finished[(p, i)] for p in range(len(prompts)) for i in range(n)]
 
     def _run_prefill(self, prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new, seed, stop_arr,
-                     scalars, top_k, greedy, stats, key_ids=None):
+                     scalars, static, stats, key_ids=None):
         n_rows = min(_pow2(len(rows)), slots)
         lb = length_bucket(max(len(prompts[p]) for p in rows), max_len)
         ids = np.zeros((n_rows, lb), np.int32)
@@ -657,7 +659,7 @@ class Sampler:
             a_row[a], a_slot[a], a_prompt[a], a_sample[a] = r, s, (p if key_ids is None else key_ids[p]), i
         t = time.perf_counter()
         ds, first = prefill_fn(state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, np.uint32(seed),
-                                 np.int32(max_new), stop_arr, **scalars, top_k=top_k, greedy=greedy)
+                                 np.int32(max_new), stop_arr, **scalars, **static)
         if self.profile:
             jax.block_until_ready(first)
             stats["prefill_seconds"] += time.perf_counter() - t

@@ -1,9 +1,10 @@
 """Token choice inside compiled code: temperature, top-k / top-p / min-p filtering, sampling and log-probs.
 
-Everything works on float32 logits [rows, vocab]. Filters set removed tokens to -inf. Greedy-or-not and
-the k of top-k are static (`lax.top_k` needs k; a greedy program holds no sampling code at all, which
-makes it about a third smaller to compile); temperature, top_p and min_p are traced values, and `lax.cond`
-skips the sort of top-p when it is off, so changing them reuses the compiled program.
+Everything works on float32 logits [rows, vocab]. Filters set removed tokens to -inf. What changes the
+program is static: greedy-or-not (a greedy program holds no sampling code at all, which makes it about a
+third smaller to compile), the k of top-k (`lax.top_k` needs it) and whether top-p is on at all (its sort
+and cumulative sum over the vocabulary are among the costliest parts to compile); temperature, the top_p
+value and min_p are traced, so changing them reuses the compiled program.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from posttrain.algorithms.sft import logprobs_from_logits
 from posttrain.models import kernels as kernels_lib
 
 
-def filter_logits(x: jax.Array, top_k: int, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+def filter_logits(x: jax.Array, top_k: int, top_p: jax.Array, min_p: jax.Array, *, nucleus: bool = True) -> jax.Array:
     """Applies top-k (static k, 0 = off), then top-p, then min-p to (temperature-scaled) logits x [R, V].
 
     Removed tokens become -inf. Ties at a cut-off are kept (every token whose logit equals the k-th
-    largest stays, and so on). top_p >= 1 skips the sort at run time (`lax.cond`); min_p = 0 keeps all.
+    largest stays, and so on). nucleus=False (static) leaves top-p out of the program (top_p must then be
+    1); with it, top_p >= 1 still skips the sort at run time (`lax.cond`); min_p = 0 keeps all.
     """
     neg = jnp.asarray(-jnp.inf, x.dtype)
     if 0 < top_k < x.shape[-1]:
@@ -28,7 +30,7 @@ def filter_logits(x: jax.Array, top_k: int, top_p: jax.Array, min_p: jax.Array) 
     else:
         ordered = None
 
-    def nucleus(x):
+    def top_p_filter(x):
         srt = ordered if ordered is not None else -jnp.sort(-x, axis=-1)
         p = jax.nn.softmax(srt, axis=-1)
         mass_before = jnp.cumsum(p, axis=-1) - p
@@ -36,7 +38,8 @@ def filter_logits(x: jax.Array, top_k: int, top_p: jax.Array, min_p: jax.Array) 
         cutoff = jnp.take_along_axis(srt, count - 1, axis=-1)
         return jnp.where(x >= cutoff, x, neg)
 
-    x = jax.lax.cond(top_p < 1.0, nucleus, lambda x: x, x)
+    if nucleus:
+        x = jax.lax.cond(top_p < 1.0, top_p_filter, lambda x: x, x)
     # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)  (the softmax normaliser cancels; log 0 = -inf)
     x_max = jnp.max(x, axis=-1, keepdims=True)
     return jnp.where(x >= x_max + jnp.log(min_p), x, neg)
@@ -52,11 +55,12 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 
 def choose_tokens(logits: jax.Array, keys, top_k: int, greedy: bool, temperature, top_p, min_p, *,
-                  kernels="auto"):
+                  nucleus: bool = True, kernels="auto"):
     """Picks one token per row of float32 logits [R, V].
 
     keys: a function returning typed PRNG keys [R] (one per row; only called when sampling).
     greedy (a Python bool: static) takes the argmax of the raw logits; no sampling code is traced.
+    nucleus (static): whether top-p may be on (see `filter_logits`).
     Sampling draws exactly from softmax(filtered logits / temperature) with the kernel set's sampler
     (`kernels`: a name or a `ModelConfig`; `posttrain.models.kernels`: Gumbel-max for generic, an
     inverse CDF at one uniform number per row for cpu). Returns (tokens [R] int32, logprobs [R] under
@@ -67,7 +71,7 @@ def choose_tokens(logits: jax.Array, keys, top_k: int, greedy: bool, temperature
     if greedy:
         tok = first_argmax(logits)  # its max is merged by XLA with the log-prob's own
         return tok, logprobs_from_logits(logits, tok), jnp.zeros(tok.shape, jnp.float32)
-    x = filter_logits(logits / temperature, top_k, top_p, min_p)
+    x = filter_logits(logits / temperature, top_k, top_p, min_p, nucleus=nucleus)
     tok, lse = kernels_lib.get(kernels).categorical(x, keys)
     slp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - lse
     return tok, logprobs_from_logits(logits, tok), slp
