@@ -32,7 +32,7 @@ def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
     equals an ordinary one; that run with `grad_accum=2` equals the same with `grad_accum=1`."""
     from posttrain.sampling import Sampler
 
-    steps = ("trainer.max_steps=2", "export_hf=false", "algorithm.beta=0")
+    steps = ("trainer.max_steps=3", "export_hf=false", "algorithm.beta=0")
     ref = run_rl(toy("ref", *steps))
     generate, calls = Sampler.generate, []
 
@@ -44,12 +44,14 @@ def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
     monkeypatch.setattr(Sampler, "generate", off_policy)
     got = run_rl(toy("recompute", *steps, "algorithm.old_logprobs=recompute", "trainer.grad_accum=2",
                      "algorithm.is_level=none"))
-    assert len(calls) == 2
+    assert len(calls) == 3
     for a, b in zip(ref.history, got.history):
         assert abs(b["ratio_mean"] - 1.0) < 1e-6 and b["clip_fraction"] == 0.0
         assert b["reward/mean"] == a["reward/mean"]
         np.testing.assert_allclose([b["loss"], b["grad_norm"]], [a["loss"], a["grad_norm"]], rtol=1e-4, atol=1e-6)
-    assert got.history[-1]["loss"] != 0.0  # (step 1's loss is 0: zero-mean advantages at ratio 1)
+    # a step after the first has a loss (step 1's is 0: zero-mean advantages at ratio 1); which step depends on
+    # the samples, i.e. on the kernel set's sampler (a step whose groups all score alike has none)
+    assert any(h["loss"] != 0.0 for h in got.history[1:])
     # with the off-policy correction on (the default), every token's weight is min(pi_old / mu, 2) = min(e, 2) = 2:
     # the same update, twice as large, and the sampler/trainer mismatch is reported
     corrected = run_rl(toy("corrected", *steps, "algorithm.old_logprobs=recompute"))
