@@ -236,6 +236,27 @@ def test_reads_current_weights_without_recompiling(llama, hf_checkpoint):
     del nnx
 
 
+def test_committed_weights_compile_once(hf_checkpoint):
+    """A trainer's weights are committed to their device; the sampler's own state must be too from its first
+    call, else the second call (a decode output, committed, replacing the fresh state) compiles the prefill
+    again (an RL run's second step did; jit's trace counter does not see it: count the executables)."""
+    import jax
+    from flax import nnx
+
+    model = from_pretrained(hf_checkpoint("llama"))
+    device = jax.devices()[0]
+    for var in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        var[...] = jax.device_put(var[...], device)  # committed, as a jitted training step's outputs are
+    sampler = Sampler(model, max_slots=8, max_len=32)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=[])
+    sampler.generate(_prompts(lengths=(5, 9), seed=5), params)
+    prefill, decode = engine._compiled_for(nnx.split(model)[0])
+    sizes = prefill._cache_size(), decode._cache_size()
+    for seed in (1, 2):
+        sampler.generate(_prompts(lengths=(7, 3), seed=seed), params)
+    assert (prefill._cache_size(), decode._cache_size()) == sizes
+
+
 def test_no_recompilation_within_a_bucket(llama):
     sampler = Sampler(llama, max_slots=8, max_len=64)
     params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9)

@@ -474,7 +474,11 @@ class Sampler:
         if self._state is None or self._state_config != config:
             self._state = None  # free the old cache before allocating the new one
             cache_dims = (cfg.num_layers, slots, cfg.num_kv_heads, cache_len, cfg.head_dim)
-            self._state = _init_jit(cache_dims, jnp.dtype(cfg.compute_dtype), config[3], self.model.mesh, config[5])
+            state = _init_jit(cache_dims, jnp.dtype(cfg.compute_dtype), config[3], self.model.mesh, config[5])
+            # committed to its device(s) from the start, as every later call's state (a decode output) is: the
+            # programs are compiled for committed and uncommitted arguments apart, so an uncommitted first state
+            # would compile the prefill again on the second call (RL: every run's second step)
+            self._state = jax.device_put(state, jax.tree.map(lambda a: a.sharding, state))
             self._state_config = config
         return self._state
 
