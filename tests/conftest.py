@@ -31,14 +31,19 @@ def gsm8k():
     return require_data(GSM8K_DIR, "test.jsonl")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory):
-    """Identical step programs compile once per session: JAX's persistent compilation cache (process-wide)."""
+    """Identical programs compile once per session: JAX's persistent compilation cache (process-wide), on for
+    every test from the first (each run of a job jits fresh functions, so its second run would compile again).
+    Returns the environment variables that give a process the tests start (a CLI run, a Ray worker) the same cache."""
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
+    folder = tmp_path_factory.getbasetemp() / "jax-cache"
+    jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "dpo_smoke.yaml"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 def _cfg(out, *overrides):
     return load_dpo_config(SMOKE, [f"output_dir={out}", "trainer.progress=false", *overrides])
 

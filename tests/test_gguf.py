@@ -173,6 +173,27 @@ def real(request):
     return request.param, path, from_pretrained(path), load(path), hf
 
 
+@pytest.fixture(scope="module")
+def real_reference(real):
+    """transformers' logits of SENTENCES for `real`'s model, computed once and shared by both kernel sets:
+    (token rows, padded ids, mask, float32 padded-batch logits, float64 logits of each unpadded row)."""
+    import copy
+
+    import torch
+
+    _, _, _, tok, hf = real
+    rows = [tok.encode(s) for s in SENTENCES]
+    ids, mask = _padded(rows, tok.pad_token_id)
+    ref = _hf_logits(hf, ids, mask)
+    # float64, one unpadded row at a time (transformers' eager attention gives NaN at real tokens next to left
+    # padding in float64: masked probabilities 0 times the NaN values of padded rows)
+    hf64 = copy.deepcopy(hf).double()
+    with torch.no_grad():
+        exact = [hf64(torch.tensor([r])).logits[0].numpy() for r in rows]
+    del hf64
+    return rows, ids, mask, ref, exact
+
+
 def _padded(rows, pad):
     width = max(map(len, rows))
     ids = np.full((len(rows), width), pad, np.int64)
@@ -194,32 +215,20 @@ def _hf_logits(hf, ids, mask):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["cpu", "generic"])
-def test_real_logits_match_transformers(real, kernels):
-    import copy
-
-    import torch
-
+def test_real_logits_match_transformers(real, real_reference, kernels):
     from posttrain.models import from_pretrained
 
     name, path, model, tok, hf = real
     if kernels != model.cfg.kernels:
         model = from_pretrained(path, kernels=kernels)
-    rows = [tok.encode(s) for s in SENTENCES]
-    ids, mask = _padded(rows, tok.pad_token_id)
-    ref = _hf_logits(hf, ids, mask)
+    rows, ids, mask, ref, exact = real_reference
     ours = np.asarray(model(ids, attention_mask=mask))
     m = mask.astype(bool)
     diff = float(np.abs(ours - ref)[m].max())
-    # float64 reference, one unpadded row at a time (transformers' eager attention gives NaN at real tokens
-    # next to left padding in float64: masked probabilities 0 times the NaN values of padded rows)
-    hf64 = copy.deepcopy(hf).double()
     err_ours = err_hf = 0.0
-    for b, r in enumerate(rows):
-        with torch.no_grad():
-            exact = hf64(torch.tensor([r])).logits[0].numpy()
-        err_ours = max(err_ours, float(np.abs(ours[b][m[b]] - exact).max()))
-        err_hf = max(err_hf, float(np.abs(ref[b][m[b]] - exact).max()))
-    del hf64
+    for b in range(len(rows)):
+        err_ours = max(err_ours, float(np.abs(ours[b][m[b]] - exact[b]).max()))
+        err_hf = max(err_hf, float(np.abs(ref[b][m[b]] - exact[b]).max()))
     print(f"{name} ({kernels}): max abs logit diff {diff:.2e} (max |logit| {np.abs(ref).max():.1f}); "
           f"against float64: ours {err_ours:.2e}, transformers float32 {err_hf:.2e}")
     assert err_ours <= 1.1 * err_hf, (err_ours, err_hf)  # at least as close to float64 as transformers is

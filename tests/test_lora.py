@@ -21,11 +21,6 @@ ALL = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 @pytest.fixture(scope="module")
 def fresh():
     graphdef, state = nnx.split(init_model(CFG, seed=0))

@@ -20,11 +20,6 @@ from posttrain.data.sources import DataError, read_records
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 # ---------------------------------------------------------------------- the losses, by hand
 C, R = [-5.0, -8.0, -3.0], [-6.0, -7.0, -9.0]  # policy log π(y_w|x), log π(y_l|x)
 RC, RR = [-5.5, -7.0, -4.0], [-5.8, -7.5, -8.0]  # reference

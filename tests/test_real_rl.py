@@ -1,4 +1,4 @@
-"""The real-model RL recipe (configs/smollm2_rl_cpu.yaml) for 3 small steps on SmolLM2-135M-Instruct: finite loss,
+"""The real-model RL recipe (configs/smollm2_rl_cpu.yaml) for 2 small steps on SmolLM2-135M-Instruct: finite loss,
 adapters that moved the model, and an export that transformers loads."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_recipe_three_steps_on_the_real_model(tmp_path):
+def test_recipe_two_steps_on_the_real_model(tmp_path):
+    """Two steps: the second samples with the weights the first trained (published to the sampler). Generation is
+    most of the time, and most of it is dynamic sampling's resampling (~1 group in 5 has signal here)."""
     import torch
     import transformers
 
@@ -23,15 +25,16 @@ def test_recipe_three_steps_on_the_real_model(tmp_path):
 
     torch.set_num_threads(1)
     cfg = load_rl_config(REPO / "configs/smollm2_rl_cpu.yaml", [
-        f"output_dir={tmp_path / 'run'}", "trainer.max_steps=3", "rollout.batch_prompts=2", "rollout.group_size=4",
+        f"output_dir={tmp_path / 'run'}", "trainer.max_steps=2", "rollout.batch_prompts=2", "rollout.group_size=4",
         "rollout.max_slots=8", "rollout.max_new_tokens=16", "trainer.grad_accum=1", "eval.at_start=false",
         "data.eval_limit=4", "trainer.save_every=0", "trainer.progress=false", "optim.warmup_steps=0",
         # 2 groups a step often all score alike (no learning signal): resample those, so the adapters move
-        "algorithm.dynamic_sampling=true", "algorithm.max_resample_rounds=4",
+        # (up to 12 drops a step: a step is left without signal only if 14 groups in a row have none)
+        "algorithm.dynamic_sampling=true", "algorithm.max_resample_rounds=6",
     ])
     assert cfg.model.path == "pypi:smollm2-135m-instruct" and cfg.lora.enabled
     result = run_rl(cfg)
-    assert result.steps == 3 and all(np.isfinite(h["loss"]) for h in result.history)
+    assert result.steps == 2 and all(np.isfinite(h["loss"]) for h in result.history)
     assert max(h["grad_norm"] for h in result.history) > 0, result.history
     assert result.evals and 0.0 <= result.evals[-1]["eval/accuracy"] <= 1.0
 
@@ -43,6 +46,8 @@ def test_recipe_three_steps_on_the_real_model(tmp_path):
     with torch.no_grad():
         tuned = hf(torch.tensor(ids)).logits.numpy()
     assert np.isfinite(tuned).all()
+    print(f"\nmax |logit change| after {result.steps} steps: {np.abs(tuned - base).max():.2e}; history: "
+          f"{[(h['reward/mean'], h['grad_norm'], h.get('groups/dropped_no_signal')) for h in result.history]}")
     assert np.abs(tuned - base).max() > 1e-3  # the merged adapters changed the model
     assert np.abs(tuned - base).max() < 5.0  # ... without wrecking it
     assert transformers.AutoTokenizer.from_pretrained(str(result.hf_dir)).encode("2+3=5") == tok.encode("2+3=5")

@@ -26,11 +26,6 @@ SFT_DATA = ROOT / "tests" / "data" / "sft_tiny.jsonl"
 RL_DATA = ROOT / "tests" / "data" / "rl_prompts_tiny.jsonl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 @pytest.fixture(scope="module")
 def tiny():
     from posttrain.models.tiny import resolve_model_path

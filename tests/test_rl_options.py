@@ -20,11 +20,6 @@ from posttrain.rl.loop import load_rl_config, run_rl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 @pytest.mark.slow
 def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
     """`old_logprobs=recompute` re-scores the rollouts with the training forward: with the sampler's log-probs

@@ -21,11 +21,6 @@ DATA = ROOT / "tests" / "data" / "sft_tiny.jsonl"
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     from posttrain.models.tiny import resolve_model_path

@@ -18,11 +18,6 @@ from posttrain.training.trainer import Trainer, uses_frozen
 CFG = llama_like(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 def _tx():
     return make_optimizer(OptimConfig(name="sgd", lr=0.1, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
 

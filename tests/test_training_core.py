@@ -22,11 +22,6 @@ CFG = llama_like(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 @pytest.fixture(scope="module")
 def model_state():
     """One random model, split once; `fresh()` rebuilds identical copies cheaply."""

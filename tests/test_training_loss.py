@@ -19,11 +19,6 @@ from posttrain.training.trainer import Trainer, reduce_metrics
 LN2, LN3, LN4 = math.log(2), math.log(3), math.log(4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compile_cache(compile_cache):
-    return compile_cache
-
-
 def test_cross_entropy_hand_values():
     # One sequence, V=3. Position t scores token t+1 and is weighted by loss_mask[t+1].
     logits = jnp.array([[[0.0, 0.0, 0.0],           # predicts ids[1]=1: p=1/3 -> ln 3
