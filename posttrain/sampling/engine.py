@@ -47,7 +47,7 @@ Compilation. What is static: slots, the cache capacity, the prefill (rows, bucke
 top_k, top-p on or off and segment_steps. Temperature, top_p's value, min_p, seed, max_new_tokens and the
 stop ids are traced values, so a sampler compiles one decode program per cache capacity and one prefill
 program per (rows, bucket, capacity) it meets, for each sampling mode it meets (greedy; sampling; sampling
-with top-p). A greedy program holds no sampling code and compiles in about half the time; compilation is
+with top-p). A greedy program holds no sampling code and compiles in ~40% less time; compilation is
 most of a first call's cost on CPU. The programs are shared by every sampler of a model of the same
 structure, and the weights are read from the model at every call (RL updates them in place between calls).
 
