@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import enum
 import os
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Sequence, TypeVar, Union
+from typing import Any, Callable, Literal, Sequence, TypeVar, Union
 
 import yaml
 
@@ -32,6 +33,7 @@ __all__ = [
     "to_dict",
     "save_config",
     "yaml_load",
+    "at_least",
 ]
 
 T = TypeVar("T")
@@ -39,6 +41,13 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration problem: unknown key, ill-typed value, missing field, bad YAML."""
+
+
+def at_least(key: str, value: float | None, minimum: float, note: str = "") -> None:
+    """A section's `__post_init__` check: ValueError "KEY must be >= MINIMUM (NOTE), found VALUE" when `value`
+    is below `minimum` (None, an unset optional, passes); `from_dict` reports it as a ConfigError."""
+    if value is not None and value < minimum:
+        raise ValueError(f"{key} must be >= {minimum}{f' ({note})' if note else ''}, found {value}")
 
 
 # ---------------------------------------------------------------------------
@@ -173,150 +182,164 @@ def _is_scalar_type(tp: Any) -> bool:
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
+    """`value` (a YAML value, or an `_Override` from the command line) checked against annotation `tp` and
+    converted to it; a ConfigError names `key`. One function per kind of annotation below."""
     if tp is Any or tp is object:
         return _unwrap(value)
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-
+    origin = typing.get_origin(tp) or tp
     if origin in (Union, types.UnionType):
-        raw = _unwrap(value)
-        if raw is None and type(None) in args:
-            return None
-        members = [a for a in args if a is not type(None)]
-        # str last so `1` for `int | str` stays an int.
-        members.sort(key=lambda a: a is str)
-        for member in members:
-            try:
-                return _convert(member, value, key)
-            except ConfigError:
-                # A structured member (dataclass/container) reports its own, more precise error.
-                if len(members) == 1 and not _is_scalar_type(member):
-                    raise
-        raise _bad(key, tp, value)
-
+        return _to_union(tp, value, key)
     if origin is Literal:
-        raw = _unwrap(value)
-        for allowed in args:
-            if raw == allowed and type(raw) is type(allowed):
-                return allowed
-        if isinstance(value, _Override):  # `kind=1` for Literal["1", ...]
-            for allowed in args:
-                if isinstance(allowed, str) and value.text == allowed:
-                    return allowed
-        raise ConfigError(
-            f"config key '{key}': invalid value {raw!r}; accepted values: "
-            + ", ".join(repr(a) for a in args))
-
+        return _to_literal(tp, value, key)
     if tp is str:
-        # A scalar command-line value for a str field is taken verbatim (`run=0123` -> "0123").
-        if isinstance(value, _Override) and isinstance(value.parsed, (str, int, float, bool)):
-            return value.text
-        if isinstance(value, str):
-            return value
-        raise _bad(key, tp, value)
-
-    value = _unwrap(value)
-
+        return _to_str(value, key)
+    raw = _unwrap(value)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise _bad(key, tp, value, " (expected a mapping)")
-        return from_dict(tp, value, prefix=key)
-
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _bad(key, tp, value)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _bad(key, tp, value)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _bad(key, tp, value)
-    if tp is type(None):
-        if value is None:
-            return None
-        raise _bad(key, tp, value)
-    if tp in (Path, os.PathLike):
-        if isinstance(value, (str, Path)):
-            return Path(value)
-        raise _bad(key, tp, value)
-
-    if origin in (list, collections.abc.Sequence) or tp is list:
-        if not isinstance(value, (list, tuple)):
-            raise _bad(key, tp, value)
-        item_tp = args[0] if args else Any
-        return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple or tp is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise _bad(key, tp, value)
-        if not args or (len(args) == 2 and args[1] is Ellipsis):
-            item_tp = args[0] if args else Any
-            return tuple(_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise _bad(key, tp, value, f" (expected {len(args)} items)")
-        return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise _bad(key, tp, value)
-        k_tp, v_tp = args if args else (Any, Any)
-        out = {}
-        for k, v in value.items():
-            sub = f"{key}.{k}" if key else str(k)
-            out[_convert(k_tp, k, sub)] = _convert(v_tp, v, sub)
-        return out
-
+        return _to_dataclass(tp, raw, key)
+    if tp in _SCALARS:
+        accepts, convert = _SCALARS[tp]
+        if accepts(raw):
+            return convert(raw)
+        raise _bad(key, tp, raw)
+    if origin in _CONTAINERS:
+        return _CONTAINERS[origin](tp, raw, key)
     if isinstance(tp, type):
-        import enum
-
-        if issubclass(tp, enum.Enum):
-            for member in tp:
-                if value == member.value or value == member.name:
-                    return member
-            raise ConfigError(f"config key '{key}': invalid value {value!r}; accepted values: "
-                              + ", ".join(repr(m.value) for m in tp))
-        if isinstance(value, tp):
-            return value
-        raise _bad(key, tp, value)
+        return _to_class(tp, raw, key)
     raise ConfigError(f"config key '{key}': unsupported annotation {tp!r}")
 
 
+def _to_union(tp: Any, value: Any, key: str) -> Any:
+    args = typing.get_args(tp)
+    if _unwrap(value) is None and type(None) in args:
+        return None
+    # str last so `1` for `int | str` stays an int.
+    members = sorted((a for a in args if a is not type(None)), key=lambda a: a is str)
+    for member in members:
+        try:
+            return _convert(member, value, key)
+        except ConfigError:
+            # A structured member (dataclass/container) reports its own, more precise error.
+            if len(members) == 1 and not _is_scalar_type(member):
+                raise
+    raise _bad(key, tp, value)
+
+
+def _to_literal(tp: Any, value: Any, key: str) -> Any:
+    args, raw = typing.get_args(tp), _unwrap(value)
+    for allowed in args:
+        if raw == allowed and type(raw) is type(allowed):
+            return allowed
+    if isinstance(value, _Override):  # `kind=1` for Literal["1", ...]
+        for allowed in args:
+            if isinstance(allowed, str) and value.text == allowed:
+                return allowed
+    raise ConfigError(f"config key '{key}': invalid value {raw!r}; accepted values: " + ", ".join(map(repr, args)))
+
+
+def _to_str(value: Any, key: str) -> str:
+    # A scalar command-line value for a str field is taken verbatim (`run=0123` -> "0123").
+    if isinstance(value, _Override) and isinstance(value.parsed, (str, int, float, bool)):
+        return value.text
+    if isinstance(value, str):
+        return value
+    raise _bad(key, str, value)
+
+
+def _to_dataclass(tp: type, value: Any, key: str) -> Any:
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        raise _bad(key, tp, value, " (expected a mapping)")
+    return from_dict(tp, value, prefix=key)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# scalar annotation -> (which YAML values it accepts, conversion)
+_SCALARS: dict[Any, tuple[Callable[[Any], bool], Callable[[Any], Any]]] = {
+    bool: (lambda v: isinstance(v, bool), lambda v: v),
+    int: (lambda v: _is_number(v) and (isinstance(v, int) or v.is_integer()), int),
+    float: (_is_number, float),
+    type(None): (lambda v: v is None, lambda v: None),
+    Path: (lambda v: isinstance(v, (str, Path)), Path),
+    os.PathLike: (lambda v: isinstance(v, (str, Path)), Path),
+}
+
+
+def _to_list(tp: Any, value: Any, key: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise _bad(key, tp, value)
+    item_tp = (typing.get_args(tp) or (Any,))[0]
+    return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+
+
+def _to_tuple(tp: Any, value: Any, key: str) -> tuple:
+    if not isinstance(value, (list, tuple)):
+        raise _bad(key, tp, value)
+    args = typing.get_args(tp)
+    if not args or (len(args) == 2 and args[1] is Ellipsis):  # tuple or tuple[X, ...]: any length
+        return tuple(_to_list(tp, value, key))
+    if len(args) != len(value):
+        raise _bad(key, tp, value, f" (expected {len(args)} items)")
+    return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+
+
+def _to_mapping(tp: Any, value: Any, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(key, tp, value)
+    k_tp, v_tp = typing.get_args(tp) or (Any, Any)
+    out = {}
+    for k, v in value.items():
+        sub = f"{key}.{k}" if key else str(k)
+        out[_convert(k_tp, k, sub)] = _convert(v_tp, v, sub)
+    return out
+
+
+_CONTAINERS = {list: _to_list, collections.abc.Sequence: _to_list, tuple: _to_tuple, dict: _to_mapping}
+
+
+def _to_class(tp: type, value: Any, key: str) -> Any:
+    """An Enum (by value or name) or any other class (an instance of it)."""
+    if issubclass(tp, enum.Enum):
+        for member in tp:
+            if value == member.value or value == member.name:
+                return member
+        raise ConfigError(f"config key '{key}': invalid value {value!r}; accepted values: "
+                          + ", ".join(repr(m.value) for m in tp))
+    if isinstance(value, tp):
+        return value
+    raise _bad(key, tp, value)
+
+
 def from_dict(cls: type[T], data: dict | None, *, prefix: str = "") -> T:
-    """Build dataclass `cls` from a nested dict, checking keys and types (see module doc)."""
+    """Build dataclass `cls` from a nested dict, checking keys and types (see module doc).
+
+    A key listed in the class's `MOVED_KEYS` ({old key: its new full key}) is an error naming the new key.
+    """
     if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
         raise TypeError(f"{cls!r} is not a dataclass type")
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise _bad(prefix, cls, data, " (expected a mapping)")
-    hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
-    names = [f.name for f in fields]
-    for k in data:
-        if k not in names:
-            full = f"{prefix}.{k}" if prefix else str(k)
-            level = f"'{prefix}'" if prefix else "the top level"
-            raise ConfigError(
-                f"unknown config key '{full}'; valid keys at {level} ({cls.__name__}): {', '.join(names)}")
+    _check_keys(cls, data, prefix, [f.name for f in fields])
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     missing = []
     for f in fields:
         full = f"{prefix}.{f.name}" if prefix else f.name
+        sub = hints[f.name]
+        section = dataclasses.is_dataclass(sub) and isinstance(sub, type)
         if f.name in data:
             value = data[f.name]
-            sub = hints[f.name]
-            if (dataclasses.is_dataclass(sub) and isinstance(sub, type) and isinstance(value, dict)
-                    and f.default_factory is not dataclasses.MISSING):
+            if section and isinstance(value, dict) and f.default_factory is not dataclasses.MISSING:
                 # a section given in part keeps its field's own defaults (e.g. RL's optim lr), not the class's
                 value = _merged(to_dict(f.default_factory()), value)
             kwargs[f.name] = _convert(sub, value, full)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            sub = hints[f.name]
-            if dataclasses.is_dataclass(sub) and isinstance(sub, type):
+            if section:
                 # A required nested section that was not given: build it from defaults, so
                 # the error (if any) names the innermost missing keys.
                 kwargs[f.name] = from_dict(sub, {}, prefix=full)
@@ -330,6 +353,19 @@ def from_dict(cls: type[T], data: dict | None, *, prefix: str = "") -> T:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config '{prefix or cls.__name__}': {e}") from e
+
+
+def _check_keys(cls: type, data: dict, prefix: str, names: list[str]) -> None:
+    moved = getattr(cls, "MOVED_KEYS", {})
+    for k in data:
+        if k in names:
+            continue
+        full = f"{prefix}.{k}" if prefix else str(k)
+        if k in moved:
+            raise ConfigError(f"config key {full} moved to {moved[k]}")
+        level = f"'{prefix}'" if prefix else "the top level"
+        raise ConfigError(
+            f"unknown config key '{full}'; valid keys at {level} ({cls.__name__}): {', '.join(names)}")
 
 
 def _merged(base: dict, given: dict) -> dict:
@@ -382,8 +418,6 @@ def config_from_argv(cls: type[T], argv: Sequence[str]) -> T:
 
 def to_dict(cfg: Any) -> Any:
     """Plain nested dict/list/scalar form of a config (dataclasses, tuples, Paths, Enums converted)."""
-    import enum
-
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, dict):

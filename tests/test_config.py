@@ -1,7 +1,8 @@
 """Tests for posttrain.config: YAML + dotted overrides -> typed dataclass trees, errors, round trip."""
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from pathlib import Path
+from typing import Literal, Optional, Sequence
 
 import pytest
 
@@ -242,7 +243,7 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
             cfg.algorithm.resolved()  # the loss preset takes the settings given
         return
     n = cfg.rollout.batch_prompts * cfg.rollout.group_size  # the rollouts of one step
-    assert n % cfg.algorithm.minibatches == 0 and (n // cfg.algorithm.minibatches) % cfg.trainer.grad_accum == 0
+    assert n % cfg.learner.minibatches == 0 and (n // cfg.learner.minibatches) % cfg.trainer.grad_accum == 0
     assert cfg.algorithm.resolved()["advantage"] in ("grpo", "dr_grpo", "rloo")
     runner = RewardRunner([RewardSpec.coerce(r.name) for r in cfg.rewards.functions], num_workers=0)
     fields = {"prompt", "answer"}
@@ -265,3 +266,104 @@ def test_a_section_given_in_part_keeps_its_fields_defaults():
     assert (cfg.optim.lr, cfg.optim.decay, cfg.optim.warmup_steps) == (1e-6, "constant", 3)
     d = load_config(DistillConfig, None, ["on_policy.rollout.batch_prompts=4"])
     assert (d.on_policy.rollout.group_size, d.on_policy.rollout.batch_prompts, d.on_policy.rewards.functions) == (1, 4, [])
+
+
+# ---------------------------------------------------------------------- annotations of every kind
+class Color(__import__("enum").Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclass
+class Kinds:
+    pair: tuple[int, str] = (1, "a")
+    many: tuple[float, ...] = ()
+    where: "Path | None" = None
+    color: Color = Color.RED
+    num: "int | str" = 0
+    seq: "Sequence[int]" = field(default_factory=list)
+
+
+def test_every_kind_of_annotation():
+    """Tuples (fixed and any length), Path, Enum (value or name), unions (an int stays an int before str),
+    Sequence: converted, and each wrong value named with its dotted key and what was expected."""
+    cfg = load_config(Kinds, None, ["pair=[2, b]", "many=[1, 2.5]", "where=/tmp/x", "color=BLUE", "num=7", "seq=[3]"])
+    assert cfg == Kinds(pair=(2, "b"), many=(1.0, 2.5), where=Path("/tmp/x"), color=Color.BLUE, num=7, seq=[3])
+    assert load_config(Kinds, None, ["color=blue", "num=x7"]).num == "x7"
+    for override, needles in [("pair=[1]", ["'pair'", "tuple[int, str]", "(expected 2 items)"]),
+                              ("many=[1, x]", ["'many[1]'", "float", "'x'"]),
+                              ("color=green", ["'color'", "invalid value 'green'", "'red', 'blue'"]),
+                              ("where=[1]", ["'where'", "Path | None"]),
+                              ("seq=3", ["'seq'", "Sequence[int]", "3 (int)"])]:
+        with pytest.raises(ConfigError) as e:
+            load_config(Kinds, None, [override])
+        assert all(n in str(e.value) for n in needles), (override, str(e.value))
+
+
+# ---------------------------------------------------------------------- the run configs
+def _run_kinds():
+    from posttrain.distill.config import DistillConfig
+    from posttrain.rl.config import RLConfig
+    from posttrain.training.config import SFTConfig
+    from posttrain.training.dpo import DPOConfig
+
+    return {"sft": SFTConfig, "dpo": DPOConfig, "rl": RLConfig, "distill": DistillConfig}
+
+
+@pytest.mark.parametrize("kind, lr, decay, log_every, save_every", [
+    ("sft", 1e-4, "cosine", 10, 100), ("dpo", 5e-6, "cosine", 10, 100), ("rl", 1e-6, "constant", 1, 50),
+    ("distill", 1e-4, "cosine", 10, 100)])
+def test_each_run_kind_keeps_its_defaults_in_a_partial_section(kind, lr, decay, log_every, save_every, tmp_path):
+    """Every run config is a RunConfig (the shared sections declared once); a shared section given in part, by
+    an override or in a YAML file, keeps that run kind's defaults for the other keys."""
+    from posttrain.training.config import RunConfig
+
+    cls = _run_kinds()[kind]
+    assert issubclass(cls, RunConfig)
+    cfg = load_config(cls, None, [])
+    assert cfg.output_dir == f"outputs/{kind}"
+    assert (cfg.optim.lr, cfg.optim.decay, cfg.trainer.log_every, cfg.trainer.save_every) == (lr, decay, log_every,
+                                                                                           save_every)
+    p = tmp_path / "part.yaml"
+    p.write_text("optim:\n  warmup_steps: 3\ntrainer:\n  max_steps: 7\n")
+    for cfg in (load_config(cls, p, []), load_config(cls, None, ["optim.warmup_steps=3", "trainer.max_steps=7"])):
+        assert (cfg.optim.lr, cfg.optim.decay, cfg.optim.warmup_steps) == (lr, decay, 3)
+        assert (cfg.trainer.log_every, cfg.trainer.save_every, cfg.trainer.max_steps) == (log_every, save_every, 7)
+
+
+def test_learner_keys_moved_out_of_the_algorithm():
+    """The algorithm section holds the preset's settings only; an old config's learner key is a one-line error
+    naming the new key."""
+    import dataclasses
+
+    from posttrain.algorithms.registry import GRPOFamily
+    from posttrain.rl.config import AlgorithmConfig, LearnerConfig, RLConfig
+
+    algo = {f.name for f in dataclasses.fields(AlgorithmConfig)} - {"preset"}
+    assert algo <= {f.name for f in dataclasses.fields(GRPOFamily)}
+    cfg = load_config(RLConfig, None, ["learner.ppo_epochs=2", "learner.is_level=none", "algorithm.beta=0.1"])
+    assert cfg.learner == LearnerConfig(ppo_epochs=2, is_level="none") and cfg.algorithm.resolved()["beta"] == 0.1
+    for key in ("ppo_epochs", "minibatches", "old_logprobs", "is_level", "is_cap", "max_resample_rounds"):
+        with pytest.raises(ConfigError) as e:
+            load_config(RLConfig, None, [f"algorithm.{key}=2"])
+        assert str(e.value) == f"config key algorithm.{key} moved to learner.{key}"
+    with pytest.raises(ConfigError, match="learner.ppo_epochs must be >= 1, found 0"):
+        load_config(RLConfig, None, ["learner.ppo_epochs=0"])
+
+
+def test_distill_rl_config_takes_the_shared_sections():
+    """On-policy distillation's RL run has the distillation's shared sections (not RL's defaults) and its own
+    prompts, rollout, rewards and evaluation."""
+    from posttrain.distill.config import DistillConfig
+    from posttrain.training.config import RunConfig
+
+    d = load_config(DistillConfig, None, ["optim.warmup_steps=2", "lora.enabled=true", "trainer.max_steps=3",
+                                          "output_dir=/tmp/d", "export_dtype=bfloat16", "mesh.fsdp=2",
+                                          "on_policy.prompts.train=p.jsonl", "on_policy.rollout.group_size=2"])
+    rl = d.rl_config()
+    import dataclasses
+
+    for f in dataclasses.fields(RunConfig):
+        assert getattr(rl, f.name) == getattr(d, f.name), f.name
+    assert rl.optim.lr == 1e-4 and rl.data.train == "p.jsonl" and rl.rollout.group_size == 2
+    assert (rl.algorithm.beta, rl.algorithm.aggregation, rl.learner.ppo_epochs) == (0.0, "token_mean", 1)

@@ -248,7 +248,7 @@ SHARDS = textwrap.dedent(
     blocks = []
     get_block = hf_io._TensorIndex.get_block
     hf_io._TensorIndex.get_block = lambda self, name, index: blocks.append((name, str(index))) or get_block(self, name, index)
-    model, _ = build_model(cfg, distributed.make_mesh())
+    model, _ = build_model(cfg.model, cfg.lora, cfg.trainer.seed, distributed.make_mesh())
     k = model.layers.mlp.up_proj.kernel[...]  # [layers, embed, mlp]: embed over fsdp (8 devices, 2 processes)
     out["kernel"] = [list(k.shape), str(k.sharding.spec),
                      sorted({(s.index[1].start, s.index[1].stop) for s in k.addressable_shards})]

@@ -30,7 +30,7 @@ def test_recipe_two_steps_on_the_real_model(tmp_path):
         "data.eval_limit=4", "trainer.save_every=0", "trainer.progress=false", "optim.warmup_steps=0",
         # 2 groups a step often all score alike (no learning signal): resample those, so the adapters move
         # (up to 12 drops a step: a step is left without signal only if 14 groups in a row have none)
-        "algorithm.dynamic_sampling=true", "algorithm.max_resample_rounds=6",
+        "algorithm.dynamic_sampling=true", "learner.max_resample_rounds=6",
     ])
     assert cfg.model.path == "pypi:smollm2-135m-instruct" and cfg.lora.enabled
     result = run_rl(cfg)

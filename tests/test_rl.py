@@ -56,7 +56,7 @@ def test_grpo_learns_toy_pattern(toy):
 
 def test_resume_gives_identical_losses(toy):
     overrides = ("trainer.max_steps=6", "trainer.save_every=3", "trainer.async_checkpointing=false",
-                 "algorithm.minibatches=2", "algorithm.ppo_epochs=2")
+                 "learner.minibatches=2", "learner.ppo_epochs=2")
     full = run_rl(toy("full", *overrides))
     cfg = toy("resumed", *overrides)
     first = run_rl(cfg, stop_after=3)

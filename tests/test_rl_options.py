@@ -37,8 +37,8 @@ def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
                 for c in generate(self, prompts, params, **kw)]
 
     monkeypatch.setattr(Sampler, "generate", off_policy)
-    got = run_rl(toy("recompute", *steps, "algorithm.old_logprobs=recompute", "trainer.grad_accum=2",
-                     "algorithm.is_level=none"))
+    got = run_rl(toy("recompute", *steps, "learner.old_logprobs=recompute", "trainer.grad_accum=2",
+                     "learner.is_level=none"))
     assert len(calls) == 3
     for a, b in zip(ref.history, got.history):
         assert abs(b["ratio_mean"] - 1.0) < 1e-6 and b["clip_fraction"] == 0.0
@@ -49,7 +49,7 @@ def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
     assert any(h["loss"] != 0.0 for h in got.history[1:])
     # with the off-policy correction on (the default), every token's weight is min(pi_old / mu, 2) = min(e, 2) = 2:
     # the same update, twice as large, and the sampler/trainer mismatch is reported
-    corrected = run_rl(toy("corrected", *steps, "algorithm.old_logprobs=recompute"))
+    corrected = run_rl(toy("corrected", *steps, "learner.old_logprobs=recompute"))
     for a, c in zip(ref.history, corrected.history):
         assert c["is_weight_mean"] == pytest.approx(2.0) and c["is_truncated_frac"] == 1.0
         assert c["mismatch_kl"] == pytest.approx(np.e - 2.0, rel=1e-4)  # r - 1 - log r at r = e
@@ -76,7 +76,7 @@ def test_dynamic_sampling_resamples_and_falls_back(toy, tmp_path):  # noqa: F811
             f.write(json.dumps({"prompt": "x" * (1 + i % 4), "mode": "vary" if i in (2, 5, 6) else "flat"}) + "\n")
     res = run_rl(toy("dyn", "trainer.max_steps=2", "export_hf=false", f"data.train={tmp_path / 'modes.jsonl'}",
                      "data.shuffle=false", f"rewards.functions=[{{name: '{tmp_path / 'mode.py'}:by_mode'}}]",
-                     "algorithm.dynamic_sampling=true", "algorithm.max_resample_rounds=1", "algorithm.beta=0"))
+                     "algorithm.dynamic_sampling=true", "learner.max_resample_rounds=1", "algorithm.beta=0"))
     first, second = res.history
     trained = [json.loads(x)["records"] for x in (res.output_dir / "trained.jsonl").read_text().splitlines()]
     assert trained == [[2, 5, 6, 7], [12, 13, 14, 15]]
@@ -162,7 +162,7 @@ def test_cli_rl_chat_prompts_and_qlora_resume(tmp_path, monkeypatch, capsys):
             f"data.eval={tmp_path / 'prompts.jsonl'}", f"data.system_prompt={system}", "trainer.max_steps=2",
             "trainer.save_every=1", "trainer.keep_checkpoints=1", "trainer.progress=false", "eval.at_start=false",
             "data.eval_limit=6", "rewards.num_workers=0", "lora.enabled=true", "lora.quantize=nf4", "lora.block_size=32",
-            "optim.lr=1e-2", "algorithm.minibatches=2"]  # adapters that move: step 2 depends on step 1's update
+            "optim.lr=1e-2", "learner.minibatches=2"]  # adapters that move: step 2 depends on step 1's update
 
     # chat=true renders "Q" as system + user turns with the generation prompt: too long for a limit one short
     tok = tok_lib.load(resolve_model_path("tiny:llama"))

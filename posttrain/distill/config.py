@@ -1,5 +1,5 @@
-"""Typed config of a distillation run (`posttrain distill CONFIG.yaml key=value ...`), reusing the training and
-RL sections.
+"""Typed config of a distillation run (`posttrain distill CONFIG.yaml key=value ...`): the shared run sections
+(`RunConfig`) plus the teacher, the loss, SFT data and the on-policy sections (the RL run's).
 
 mode: logit      the student learns the teacher's next-token distributions on SFT data (`data`, same formats
                  and pipeline as `posttrain sft`), with the loss of `loss` (`posttrain.algorithms.distill`).
@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from posttrain.config import at_least
 from posttrain.rl.config import EvalConfig, PromptData, RewardsSection, RolloutConfig
-from posttrain.training.config import (DataSection, DistributedConfig, Dtype, LoraConfig, MeshConfig, ModelSection,
-                                       OptimConfig, TrainerConfig)
+from posttrain.training.config import DataSection, Dtype, RunConfig
 
 __all__ = ["TeacherSection", "DistillLossConfig", "OnPolicySection", "DistillConfig"]
 
@@ -36,8 +36,7 @@ class TeacherSection:
     top_k_tail: bool = False
 
     def __post_init__(self):
-        if self.top_k < 0:
-            raise ValueError(f"teacher.top_k must be >= 0 (0 = full logits), found {self.top_k}")
+        at_least("teacher.top_k", self.top_k, 0, "0 = full logits")
 
 
 @dataclasses.dataclass
@@ -75,23 +74,16 @@ class OnPolicySection:
 
 
 @dataclasses.dataclass
-class DistillConfig:
-    """A distillation run: everything `posttrain distill CONFIG.yaml` needs (`model` is the student)."""
+class DistillConfig(RunConfig):
+    """A distillation run: everything `posttrain distill CONFIG.yaml` needs (`model` is the student; the shared
+    sections: `RunConfig`)."""
 
     output_dir: str = "outputs/distill"
     mode: Literal["logit", "on_policy"] = "logit"
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
     teacher: TeacherSection = dataclasses.field(default_factory=TeacherSection)
     loss: DistillLossConfig = dataclasses.field(default_factory=DistillLossConfig)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     on_policy: OnPolicySection = dataclasses.field(default_factory=OnPolicySection)
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    export_hf: bool = True
-    export_dtype: Dtype | None = None
 
     def rl_config(self):
         """The RL run an on-policy distillation is: the student's policy-gradient updates with per-token
@@ -102,7 +94,5 @@ class DistillConfig:
         rewards = op.rewards
         if rewards.correctness not in [f.name for f in rewards.functions]:  # metrics only: no accuracy without it
             rewards = dataclasses.replace(rewards, correctness=None)
-        return RLConfig(output_dir=self.output_dir, model=self.model, data=op.prompts, rollout=op.rollout,
-                        algorithm=AlgorithmConfig(preset="grpo", beta=0.0, aggregation="token_mean"),
-                        rewards=rewards, optim=self.optim, trainer=self.trainer, eval=op.eval, lora=self.lora,
-                        mesh=self.mesh, distributed=self.distributed, export_hf=self.export_hf, export_dtype=self.export_dtype)
+        return RLConfig(**self.shared(), data=op.prompts, rollout=op.rollout, rewards=rewards, eval=op.eval,
+                        algorithm=AlgorithmConfig(preset="grpo", beta=0.0, aggregation="token_mean"))

@@ -72,14 +72,15 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
     with Run(cfg, "distill", log=log, multi_host=False) as run:
         # data and the teacher's tokenizer first: bad data or another vocabulary fail before any weight loads
         tok = run.tokenizer()
-        check_same_vocabulary(tok, tok_lib.load(teacher_folder(cfg)), student=cfg.model.path, teacher=cfg.teacher.path)
+        check_same_vocabulary(tok, tok_lib.load(teacher_folder(cfg.teacher)), student=cfg.model.path,
+                              teacher=cfg.teacher.path)
         ds_kw = dict(seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack, seed=d.seed, shuffle=d.shuffle,
                      num_epochs=None, truncation=d.truncation, split=d.train_split)
         train_ds = build_sft_dataset(d.train, tok, d.format, **ds_kw)
-        eval_data = eval_batches(cfg, tok) if d.eval else []
+        eval_data = eval_batches(d, tc.eval_batches, tok) if d.eval else []
         loss_fn = loss if k else uses_frozen(loss, "teacher")
         trainer = run.build_trainer(loss_fn)
-        teacher = load_teacher(cfg, tok, trainer.cfg.vocab_size, run.mesh)
+        teacher = load_teacher(cfg.teacher, cfg.model, tok, trainer.cfg.vocab_size, run.mesh)
         it = iter(train_ds)
         run.restore(it)
         run.open_logger()

@@ -41,7 +41,7 @@ class OnPolicyDistillRun(RLRun):
                               "distillation samples from the student itself (temperature 1.0)")
         # the tokenizers first: a teacher with another vocabulary fails before the run starts or any weight loads
         s_tok = tok_lib.load(resolve_path(resolve_model_path(dcfg.model.path)))
-        check_same_vocabulary(s_tok, tok_lib.load(teacher_folder(dcfg)), student=dcfg.model.path,
+        check_same_vocabulary(s_tok, tok_lib.load(teacher_folder(dcfg.teacher)), student=dcfg.model.path,
                               teacher=dcfg.teacher.path)
         self.dcfg = dcfg
         self._kl = 0.0
@@ -55,7 +55,7 @@ class OnPolicyDistillRun(RLRun):
 
         super()._setup(cfg)
         save_config(self.dcfg, self.out / "config.yaml")  # the distillation config, not the RL one
-        teacher = load_teacher(self.dcfg, self.tok, self.trainer.cfg.vocab_size, self.run.mesh)
+        teacher = load_teacher(self.dcfg.teacher, self.dcfg.model, self.tok, self.trainer.cfg.vocab_size, self.run.mesh)
         self.teacher = FrozenScorer(teacher, self.trainer, cfg.trainer.loss_chunk_size or None)
 
     def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:
@@ -68,7 +68,7 @@ class OnPolicyDistillRun(RLRun):
         log_ratio = (batch["old_logp"] - teacher_logp) * mask  # the sampler's log q minus the teacher's log p
         batch["advantages"] = (-log_ratio).astype(np.float32)
         self._kl = float(log_ratio.sum() / max(mask.sum(), 1.0))
-        if self.cfg.algorithm.is_level != "none":
+        if self.cfg.learner.is_level != "none":
             batch["behaviour_logp"] = batch["old_logp"].copy()
         return batch
 

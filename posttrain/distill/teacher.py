@@ -6,18 +6,21 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from posttrain.distill.config import TeacherSection
+from posttrain.training.config import ModelSection
+
 __all__ = ["teacher_folder", "check_same_vocabulary", "load_teacher"]
 
 
-def teacher_folder(cfg) -> Path:
+def teacher_folder(teacher: TeacherSection) -> Path:
     from posttrain.config import ConfigError
     from posttrain.models.hf_io import resolve_path
     from posttrain.models.tiny import resolve_model_path
 
-    if not cfg.teacher.path:
+    if not teacher.path:
         raise ConfigError("teacher.path: no teacher given (set teacher.path=DIR: a checkpoint with the student's "
                           "tokenizer)")
-    return resolve_path(resolve_model_path(cfg.teacher.path))
+    return resolve_path(resolve_model_path(teacher.path))
 
 
 def check_same_vocabulary(student_tok, teacher_tok, *, student: str, teacher: str,
@@ -39,17 +42,19 @@ def check_same_vocabulary(student_tok, teacher_tok, *, student: str, teacher: st
                           "distillation needs a teacher with the student's tokenizer")
 
 
-def load_teacher(cfg, student_tok, student_vocab: int, mesh=None):
+def load_teacher(teacher: TeacherSection, student: ModelSection, student_tok, student_vocab: int, mesh=None):
     """The frozen teacher model (no LoRA, no optimizer state; the run skeleton's `frozen_copy` with the
-    teacher's checkpoint and dtypes), after the vocabulary checks (the tokenizers before any weight is read)."""
+    teacher's checkpoint and dtypes, the student's other numerics), after the vocabulary checks (the
+    tokenizers before any weight is read)."""
     from posttrain import tokenizer as tok_lib
     from posttrain.training.run import frozen_copy
 
-    t = cfg.teacher
-    names = dict(student=cfg.model.path, teacher=t.path)
-    check_same_vocabulary(student_tok, tok_lib.load(teacher_folder(cfg)), **names)
-    numerics = dataclasses.replace(cfg.model, param_dtype=t.param_dtype, compute_dtype=t.compute_dtype or t.param_dtype)
-    model = frozen_copy(dataclasses.replace(cfg, model=numerics), mesh, t.path)[0]
+    t = teacher
+    names = dict(student=student.path, teacher=t.path)
+    check_same_vocabulary(student_tok, tok_lib.load(teacher_folder(t)), **names)
+    numerics = dataclasses.replace(student, path=t.path, param_dtype=t.param_dtype,
+                                   compute_dtype=t.compute_dtype or t.param_dtype)
+    model = frozen_copy(numerics, mesh)[0]
     check_same_vocabulary(student_tok, student_tok, student_vocab=student_vocab, teacher_vocab=model.cfg.vocab_size,
                           **names)
     return model

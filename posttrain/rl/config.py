@@ -1,15 +1,18 @@
-"""Typed config of an RL run (`posttrain rl CONFIG.yaml key=value ...`), reusing the training sections.
+"""Typed config of an RL run (`posttrain rl CONFIG.yaml key=value ...`): the shared run sections (`RunConfig`)
+plus prompts, rollouts, the algorithm, the learner, rewards, evaluation, curation and the fleet.
 
 The algorithm section starts from a named preset (`grpo`, `dr_grpo`, `dapo`, `gspo`, `rloo`: typed classes in
 `posttrain.algorithms.registry`, which hold the defaults) and any field set to a value overrides the preset's.
+How a rollout batch is trained on (epochs, minibatches, old log-probs, off-policy correction) is the learner's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from posttrain.training.config import DistributedConfig, LoraConfig, MeshConfig, ModelSection, OptimConfig, TrainerConfig
+from posttrain.config import at_least
+from posttrain.training.config import OptimConfig, RunConfig, TrainerConfig
 
 
 @dataclasses.dataclass
@@ -47,8 +50,37 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
+class LearnerConfig:
+    """How a rollout batch is trained on (`posttrain.rl.learner`).
+
+    ppo_epochs x minibatches: optimizer steps per rollout batch (minibatches per epoch).
+    old_logprobs: the proximal (old) log-probs are the sampler's, or recomputed by the trainer before the update.
+    is_level, is_cap: off-policy correction (`posttrain.algorithms.policy.truncated_is_weights`): the loss's
+      proximal log-probs are the trainer's (recomputed whenever the policy moved since sampling, or always with
+      old_logprobs=recompute), and each token (or sequence) is weighted by min(pi_old / pi_sampler, is_cap);
+      none = off.
+    max_resample_rounds: dynamic sampling: extra sampling rounds to fill the batch, at most.
+    """
+
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    old_logprobs: Literal["sampler", "recompute"] = "sampler"
+    is_level: Literal["token", "sequence", "none"] = "token"
+    is_cap: float = 2.0
+    max_resample_rounds: int = 3
+
+    def __post_init__(self):
+        at_least("learner.ppo_epochs", self.ppo_epochs, 1)
+        at_least("learner.minibatches", self.minibatches, 1)
+        at_least("learner.max_resample_rounds", self.max_resample_rounds, 0)
+
+
+@dataclasses.dataclass
 class AlgorithmConfig:
     """The GRPO-family algorithm: a preset plus overrides (None = keep the preset's value)."""
+
+    # keys that were here and live elsewhere now: an old config naming one gets a ConfigError naming the new key
+    MOVED_KEYS: ClassVar[dict[str, str]] = {f.name: f"learner.{f.name}" for f in dataclasses.fields(LearnerConfig)}
 
     preset: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
     advantage: Literal["grpo", "dr_grpo", "rloo"] | None = None
@@ -61,28 +93,15 @@ class AlgorithmConfig:
     dynamic_sampling: bool | None = None
     overlong_filtering: bool | None = None
     overlong_penalty: bool | None = None
-    max_resample_rounds: int = 3  # dynamic sampling: extra sampling rounds to fill the batch, at most
-    ppo_epochs: int = 1
-    minibatches: int = 1  # optimizer steps per rollout batch and epoch
-    old_logprobs: Literal["sampler", "recompute"] = "sampler"
-    # Off-policy correction (see `posttrain.algorithms.policy.truncated_is_weights`): the loss's proximal
-    # log-probs are the trainer's (recomputed whenever the policy moved since sampling, or always with
-    # old_logprobs=recompute), and each token is weighted by min(pi_old / pi_sampler, is_cap).
-    is_level: Literal["token", "sequence", "none"] = "token"
-    is_cap: float = 2.0
 
     def resolved(self):
         """The typed preset (`posttrain.algorithms.registry.GRPOFamily`, the one source of the defaults) with
         every field set here applied."""
         from posttrain.algorithms.registry import get_preset
 
-        overrides = {
-            k: v
-            for k, v in dataclasses.asdict(self).items()
-            if v is not None and k not in ("preset", "max_resample_rounds", "ppo_epochs", "minibatches", "old_logprobs",
-                                           "is_level", "is_cap")
-        }
-        return get_preset(self.preset, **overrides)
+        settings = dataclasses.asdict(self)
+        name = settings.pop("preset")
+        return get_preset(name, **{k: v for k, v in settings.items() if v is not None})
 
 
 @dataclasses.dataclass
@@ -125,8 +144,7 @@ class CurationConfig:
     skip_never_solved: bool = True
 
     def __post_init__(self):
-        if self.window < 0:
-            raise ValueError(f"curation.window must be >= 0 (0 = off), found {self.window}")
+        at_least("curation.window", self.window, 0, "0 = off")
 
 
 @dataclasses.dataclass
@@ -163,15 +181,14 @@ class FleetConfig:
     connect_timeout_s: float = 30.0
 
     def __post_init__(self):
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"fleet.workers must be >= 1 (leave it unset to sample in-process), found {self.workers}")
-        if self.max_staleness < 0:
-            raise ValueError(f"fleet.max_staleness must be >= 0 (0 = synchronous), found {self.max_staleness}")
+        at_least("fleet.workers", self.workers, 1, "leave it unset to sample in-process")
+        at_least("fleet.max_staleness", self.max_staleness, 0, "0 = synchronous")
         if not 1 <= self.publish_every <= self.max_staleness + 1:
             raise ValueError(f"fleet.publish_every must be in [1, fleet.max_staleness + 1 = {self.max_staleness + 1}], "
                              f"found {self.publish_every}")
-        if self.keep_versions < 1 or self.lease_groups < 0 or self.max_restarts < -1:
-            raise ValueError("fleet.keep_versions must be >= 1, fleet.lease_groups >= 0, fleet.max_restarts >= -1")
+        at_least("fleet.keep_versions", self.keep_versions, 1)
+        at_least("fleet.lease_groups", self.lease_groups, 0)
+        at_least("fleet.max_restarts", self.max_restarts, -1)
 
     @property
     def enabled(self) -> bool:
@@ -179,22 +196,17 @@ class FleetConfig:
 
 
 @dataclasses.dataclass
-class RLConfig:
-    """A GRPO-family RL run: everything `posttrain rl CONFIG.yaml` needs."""
+class RLConfig(RunConfig):
+    """A GRPO-family RL run: everything `posttrain rl CONFIG.yaml` needs (the shared sections: `RunConfig`)."""
 
     output_dir: str = "outputs/rl"
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6, decay="constant"))
+    trainer: TrainerConfig = dataclasses.field(default_factory=lambda: TrainerConfig(log_every=1, save_every=50))
     data: PromptData = dataclasses.field(default_factory=PromptData)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
     rewards: RewardsSection = dataclasses.field(default_factory=RewardsSection)
-    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6, decay="constant"))
-    trainer: TrainerConfig = dataclasses.field(default_factory=lambda: TrainerConfig(log_every=1, save_every=50))
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     curation: CurationConfig = dataclasses.field(default_factory=CurationConfig)
     fleet: FleetConfig = dataclasses.field(default_factory=FleetConfig)
-    export_hf: bool = True
-    export_dtype: Literal["float32", "bfloat16", "float16"] | None = None

@@ -56,7 +56,7 @@ class Learner:
         """Updates the policy on `batch` (built by `posttrain.rl.batch.build_rl_batch`); returns mean metrics."""
         n, mb, accum = len(batch["advantages"]), self.minibatches, self.trainer.grad_accum
         if n % mb or (n // mb) % accum:
-            raise ValueError(f"{n} rollouts do not split into algorithm.minibatches={mb} x trainer.grad_accum={accum}")
+            raise ValueError(f"{n} rollouts do not split into learner.minibatches={mb} x trainer.grad_accum={accum}")
         c = batch["completion_mask"].shape[1]  # the vocabulary is projected at the completion columns only
         if self.recompute_old or (policy_moved and self.correct_off_policy):
             batch["old_logp"] = distributed.to_host(self.trainer.token_logprobs(batch, last=c))

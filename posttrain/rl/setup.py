@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.rl.config import RLConfig
+from posttrain.rl.config import LearnerConfig, PromptData, RewardsSection, RLConfig, RolloutConfig
 from posttrain.rl.rollout import Rollouts
 
-__all__ = ["RLRun", "RLResult"]
+__all__ = ["RLRun", "RLResult", "sampling_params"]
 
 
 @dataclasses.dataclass
@@ -37,21 +37,32 @@ class RLResult:
     hf_dir: Path | None
 
 
-def _reward_runner(cfg: RLConfig, preset: dict):
+def _reward_runner(rewards: RewardsSection, preset: dict, max_new_tokens: int):
+    """The reward process pool of `rewards`, plus DAPO's overlong penalty (over the `max_new_tokens` budget) when
+    the algorithm `preset` adds it."""
     from posttrain.rewards.length import overlong_penalty
     from posttrain.rewards.runner import RewardRunner, RewardSpec
 
     specs = [dataclasses.replace(RewardSpec.coerce(r.name), weight=r.weight, kwargs=dict(r.kwargs))
-             for r in cfg.rewards.functions]
-    if preset.get("overlong_penalty") and not any(r.name == "overlong_penalty" for r in cfg.rewards.functions):
-        budget = cfg.rollout.max_new_tokens
+             for r in rewards.functions]
+    if preset.get("overlong_penalty") and not any(r.name == "overlong_penalty" for r in rewards.functions):
+        budget = max_new_tokens
         cache = max(1, int(round(preset.get("overlong_cache_fraction", 0.2) * budget)))
         specs.append(RewardSpec(name="overlong_penalty", fn=overlong_penalty(budget, cache), weight=1.0))
-    return RewardRunner(specs, timeout_s=cfg.rewards.timeout_s, failure_value=cfg.rewards.failure_value,
-                        num_workers=cfg.rewards.num_workers, max_failed_calls=cfg.rewards.max_failed_steps)
+    return RewardRunner(specs, timeout_s=rewards.timeout_s, failure_value=rewards.failure_value,
+                        num_workers=rewards.num_workers, max_failed_calls=rewards.max_failed_steps)
 
 
-def _encode_all(tok, records, cfg: RLConfig) -> list[list[int]]:
+def sampling_params(rollout: RolloutConfig, seed: int):
+    """The sampler's settings for a step's rollouts: `group_size` completions per prompt."""
+    from posttrain.sampling import SamplingParams
+
+    r = rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          n=r.group_size, stop_token_ids=r.stop_token_ids, seed=seed % 2**32)
+
+
+def _encode_all(tok, records, data: PromptData) -> list[list[int]]:
     """Prompt token ids of every record (chat template or text); an empty or too long prompt is an error
     naming its file and line."""
     from posttrain.config import ConfigError
@@ -60,27 +71,29 @@ def _encode_all(tok, records, cfg: RLConfig) -> list[list[int]]:
 
     out = []
     for i, r in enumerate(records):
-        ids = encode_prompt(tok, r["prompt"], chat=cfg.data.chat, system_prompt=cfg.data.system_prompt)
+        ids = encode_prompt(tok, r["prompt"], chat=data.chat, system_prompt=data.system_prompt)
         if not ids:
             raise DataError(f"{records.where(i)}: the prompt is empty")
-        if len(ids) > cfg.data.max_prompt_tokens:
+        if len(ids) > data.max_prompt_tokens:
             raise ConfigError(f"{records.where(i)}: the prompt has {len(ids)} tokens, more than "
-                              f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+                              f"data.max_prompt_tokens={data.max_prompt_tokens}")
         out.append(ids)
     return out
 
 
-def policy_loss_kwargs(cfg: RLConfig, preset: dict) -> dict:
+def policy_loss_kwargs(preset: dict, learner: LearnerConfig, max_new_tokens: int) -> dict:
+    """The policy loss's keyword arguments: the algorithm preset's, the length normaliser (default: the
+    generation budget) and the learner's off-policy correction."""
     from posttrain.algorithms.registry import loss_kwargs
 
     kw = loss_kwargs(preset)
     if kw.get("max_tokens") is None:
-        kw["max_tokens"] = cfg.rollout.max_new_tokens
+        kw["max_tokens"] = max_new_tokens
     kw["beta"] = float(kw.get("beta") or 0.0)
     if kw["beta"] == 0.0:
         kw.pop("kl_estimator", None)
-    if cfg.algorithm.is_level != "none":
-        kw.update(is_level=cfg.algorithm.is_level, is_cap=cfg.algorithm.is_cap)
+    if learner.is_level != "none":
+        kw.update(is_level=learner.is_level, is_cap=learner.is_cap)
     return kw
 
 
@@ -114,7 +127,6 @@ class RLRun:
         from posttrain.rl.dispatcher import Dispatcher
         from posttrain.rl.learner import FrozenScorer, Learner
         from posttrain.rl.loss import make_rl_loss
-        from posttrain.sampling import SamplingParams
 
         run = self.run
         self.preset = preset = cfg.algorithm.resolved()
@@ -123,11 +135,12 @@ class RLRun:
         if preset["advantage"] == "rloo" and g < 2:
             raise ValueError("rollout.group_size must be >= 2 for RLOO")
         self.dynamic_sampling = bool(preset.get("dynamic_sampling"))
-        self.max_drops_per_step = cfg.algorithm.max_resample_rounds * b
-        kw = policy_loss_kwargs(cfg, preset)
+        lc = cfg.learner
+        self.max_drops_per_step = lc.max_resample_rounds * b
+        kw = policy_loss_kwargs(preset, lc, cfg.rollout.max_new_tokens)
 
         # rewards first: a data set without a field a reward needs fails before any model is loaded
-        self.runner = _reward_runner(cfg, preset)
+        self.runner = _reward_runner(cfg.rewards, preset, cfg.rollout.max_new_tokens)
         self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
         self.runner.check_records(self.records)
         self.eval_records = None
@@ -138,11 +151,11 @@ class RLRun:
             self.runner.check_records(self.eval_records)
 
         chunk = cfg.trainer.loss_chunk_size or None
-        updates_per_step = cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
+        updates_per_step = lc.ppo_epochs * lc.minibatches
         self.trainer = trainer = run.build_trainer(updates=cfg.trainer.max_steps * updates_per_step)
         self.tok = run.tokenizer()
-        self.prompt_ids = _encode_all(self.tok, self.records, cfg)
-        self.eval_ids = _encode_all(self.tok, self.eval_records, cfg) if self.eval_records else None
+        self.prompt_ids = _encode_all(self.tok, self.records, cfg.data)
+        self.eval_ids = _encode_all(self.tok, self.eval_records, cfg.data) if self.eval_records else None
 
         ref_fn = None
         if kw["beta"] > 0:
@@ -150,18 +163,16 @@ class RLRun:
                 ref_fn = lambda batch, last: trainer.token_logprobs(batch, adapters=False, last=last)  # noqa: E731
             else:
                 ref_fn = FrozenScorer(run.frozen_model(), trainer, chunk)
-        self.learner = Learner(trainer, make_rl_loss(kw, chunk_size=chunk), ppo_epochs=cfg.algorithm.ppo_epochs,
-                               minibatches=cfg.algorithm.minibatches, seed=cfg.trainer.seed,
-                               recompute_old=cfg.algorithm.old_logprobs == "recompute",
-                               correct_off_policy=cfg.algorithm.is_level != "none", ref_fn=ref_fn)
+        self.learner = Learner(trainer, make_rl_loss(kw, chunk_size=chunk), ppo_epochs=lc.ppo_epochs,
+                               minibatches=lc.minibatches, seed=cfg.trainer.seed,
+                               recompute_old=lc.old_logprobs == "recompute",
+                               correct_off_policy=lc.is_level != "none", ref_fn=ref_fn)
         fc, cc = cfg.fleet, cfg.curation
         self.dispatcher = Dispatcher(len(self.records), seed=cfg.data.seed, shuffle=cfg.data.shuffle, batch_groups=b,
                                      max_staleness=fc.max_staleness if fc.enabled else 0,
                                      lease_timeout_s=fc.lease_timeout_s, curation_window=cc.window,
                                      skip_always_solved=cc.skip_always_solved, skip_never_solved=cc.skip_never_solved)
-        self.sampling_params = SamplingParams(
-            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k, n=g, stop_token_ids=cfg.rollout.stop_token_ids, seed=cfg.trainer.seed % 2**32)
+        self.sampling_params = sampling_params(cfg.rollout, cfg.trainer.seed)
 
     @property
     def ckpt(self):
@@ -231,7 +242,7 @@ class RLRun:
         adv = np.asarray(self.advantage_fn(ro.rewards, ro.group_size))
         weights = dapo.overlong_mask(ro.finish_reasons) if self.preset.get("overlong_filtering") else None
         batch = build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0)
-        if self.cfg.algorithm.is_level != "none":
+        if self.cfg.learner.is_level != "none":
             batch["behaviour_logp"] = batch["old_logp"].copy()
         return batch
 

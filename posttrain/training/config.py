@@ -1,7 +1,9 @@
-"""Typed config sections of a training run (model, data, optim, trainer, lora, mesh) and the SFT run config.
+"""Typed config sections of a training run (model, data, optim, trainer, lora, mesh), `RunConfig` (the sections
+every run has, once) and the SFT run config.
 
 Built from YAML plus `key=value` overrides with `posttrain.config.load_config(SFTConfig, path, overrides)`;
-unknown keys are rejected with the list of valid ones. DPO, distillation and RL configs reuse the sections.
+unknown keys are rejected with the list of valid ones. The DPO, distillation and RL configs are `RunConfig`s
+too: each adds its own sections, and redeclares a shared one only where its defaults differ (RL's optimizer).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from posttrain.config import at_least
 from posttrain.data.formats import DataFormatConfig
 
 __all__ = [
@@ -19,6 +22,8 @@ __all__ = [
     "LoraConfig",
     "MeshConfig",
     "DistributedConfig",
+    "DataSplits",
+    "RunConfig",
     "SFTConfig",
 ]
 
@@ -46,29 +51,34 @@ class ModelSection:
 
 
 @dataclasses.dataclass
-class DataSection:
-    """Training and validation data: sources, record format, sequence packing and batching.
+class DataSplits:
+    """What every data section of a trained-on-sequences run has: the train and optional eval sources (files,
+    datasets folders or hub names, with their splits), sequence length and batching.
 
-    batch_size is the global batch (rows per optimizer step, before gradient accumulation splits it).
+    batch_size is the global batch (examples per optimizer step, before gradient accumulation splits it).
     """
 
     train: str = ""
     eval: str | None = None
     train_split: str | None = None
     eval_split: str | None = None
-    format: DataFormatConfig = dataclasses.field(default_factory=DataFormatConfig)
     seq_len: int = 512
     batch_size: int = 8
-    pack: bool = True
     shuffle: bool = True
     seed: int = 0
-    truncation: Literal["right", "drop"] = "right"
 
     def __post_init__(self):
-        if self.seq_len < 2:
-            raise ValueError(f"data.seq_len must be >= 2, found {self.seq_len}")
-        if self.batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, found {self.batch_size}")
+        at_least("data.seq_len", self.seq_len, 2)
+        at_least("data.batch_size", self.batch_size, 1)
+
+
+@dataclasses.dataclass
+class DataSection(DataSplits):
+    """SFT-format training and validation data: the splits, the record format and sequence packing."""
+
+    format: DataFormatConfig = dataclasses.field(default_factory=DataFormatConfig)
+    pack: bool = True
+    truncation: Literal["right", "drop"] = "right"
 
 
 @dataclasses.dataclass
@@ -95,10 +105,8 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
-        if self.lr < 0:
-            raise ValueError(f"optim.lr must be >= 0, found {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, found {self.warmup_steps}")
+        at_least("optim.lr", self.lr, 0)
+        at_least("optim.warmup_steps", self.warmup_steps, 0)
 
 
 @dataclasses.dataclass
@@ -127,12 +135,9 @@ class TrainerConfig:
     progress: bool = True
 
     def __post_init__(self):
-        if self.max_steps < 1:
-            raise ValueError(f"trainer.max_steps must be >= 1, found {self.max_steps}")
-        if self.grad_accum < 1:
-            raise ValueError(f"trainer.grad_accum must be >= 1, found {self.grad_accum}")
-        if self.log_every < 1:
-            raise ValueError(f"trainer.log_every must be >= 1, found {self.log_every}")
+        at_least("trainer.max_steps", self.max_steps, 1)
+        at_least("trainer.grad_accum", self.grad_accum, 1)
+        at_least("trainer.log_every", self.log_every, 1)
 
 
 @dataclasses.dataclass
@@ -182,21 +187,24 @@ class DistributedConfig:
     heartbeat_timeout_s: int = 60
 
     def __post_init__(self):
-        if self.num_processes is not None and self.num_processes < 1:
-            raise ValueError(f"distributed.num_processes must be >= 1, found {self.num_processes}")
-        if self.process_id is not None and self.process_id < 0:
-            raise ValueError(f"distributed.process_id must be >= 0, found {self.process_id}")
-        if self.init_timeout_s < 1 or self.heartbeat_timeout_s < 2:
-            raise ValueError("distributed.init_timeout_s must be >= 1 and distributed.heartbeat_timeout_s >= 2")
+        at_least("distributed.num_processes", self.num_processes, 1)
+        at_least("distributed.process_id", self.process_id, 0)
+        at_least("distributed.init_timeout_s", self.init_timeout_s, 1)
+        at_least("distributed.heartbeat_timeout_s", self.heartbeat_timeout_s, 2)
 
 
 @dataclasses.dataclass
-class SFTConfig:
-    """Supervised fine-tuning run: everything `posttrain sft CONFIG.yaml` needs."""
+class RunConfig:
+    """The sections every training run has (sft, dpo, distill, rl), held once: where it writes, the model it
+    trains, the optimizer, the loop, adapters, the device mesh, multi-host settings and the HF export.
 
-    output_dir: str = "outputs/sft"
+    A run kind subclasses it, adds its own sections, and redeclares a shared field only to change its
+    default (e.g. RL's `optim`): a section given in part keeps that run kind's defaults for the rest
+    (`posttrain.config.from_dict`).
+    """
+
+    output_dir: str = "outputs/run"
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    data: DataSection = dataclasses.field(default_factory=DataSection)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -204,3 +212,15 @@ class SFTConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     export_hf: bool = True
     export_dtype: Dtype | None = None
+
+    def shared(self) -> dict:
+        """The shared sections by name: what a run of another kind built from this one takes over."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RunConfig)}
+
+
+@dataclasses.dataclass
+class SFTConfig(RunConfig):
+    """Supervised fine-tuning run: everything `posttrain sft CONFIG.yaml` needs."""
+
+    output_dir: str = "outputs/sft"
+    data: DataSection = dataclasses.field(default_factory=DataSection)

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from posttrain.data.preference import PreferenceFormat
-from posttrain.training.config import (DistributedConfig, Dtype, LoraConfig, MeshConfig, ModelSection, OptimConfig,
-                                       TrainerConfig)
+from posttrain.training.config import DataSplits, OptimConfig, RunConfig
 
 __all__ = ["DPOConfig", "PreferenceData", "PreferenceAlgorithm", "DPOResult", "load_dpo_config", "run_dpo"]
 
@@ -27,30 +26,16 @@ LossName = Literal["sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo", "orpo"]
 
 
 @dataclasses.dataclass
-class PreferenceData:
-    """Preference pairs: sources, record format, length and batching.
+class PreferenceData(DataSplits):
+    """Preference pairs: the splits (`DataSplits`), record format, length and batching.
 
     batch_size: pairs per optimizer step (each pair is two rows, chosen and rejected).
     truncation: a pair longer than seq_len: keep_start (cut the response's end), keep_end (cut the prompt's
       start), drop.
     """
 
-    train: str = ""
-    eval: str | None = None
-    train_split: str | None = None
-    eval_split: str | None = None
     format: PreferenceFormat = dataclasses.field(default_factory=PreferenceFormat)
-    seq_len: int = 512
-    batch_size: int = 8
-    shuffle: bool = True
-    seed: int = 0
     truncation: Literal["keep_start", "keep_end", "drop"] = "keep_start"
-
-    def __post_init__(self):
-        if self.seq_len < 2:
-            raise ValueError(f"data.seq_len must be >= 2, found {self.seq_len}")
-        if self.batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, found {self.batch_size}")
 
 
 @dataclasses.dataclass
@@ -87,21 +72,14 @@ class PreferenceAlgorithm:
 
 
 @dataclasses.dataclass
-class DPOConfig:
-    """Preference tuning run: everything `posttrain dpo CONFIG.yaml` needs."""
+class DPOConfig(RunConfig):
+    """Preference tuning run: everything `posttrain dpo CONFIG.yaml` needs (the shared sections: `RunConfig`)."""
 
     output_dir: str = "outputs/dpo"
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-6))
     data: PreferenceData = dataclasses.field(default_factory=PreferenceData)
     algorithm: PreferenceAlgorithm = dataclasses.field(default_factory=PreferenceAlgorithm)
-    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-6))
-    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     eval_at_start: bool = True  # evaluate the eval split before training (logged as step 0: the baseline)
-    export_hf: bool = True
-    export_dtype: Dtype | None = None
 
 
 @dataclasses.dataclass

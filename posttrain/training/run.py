@@ -19,8 +19,9 @@ Multi-host (one process per host, all running the same command): `Run` first joi
 anything touches a device, checks that every process resolved the same config, builds the mesh over all
 processes' devices and writes config.yaml once; `batch_rows` are this process's rows of each global batch
 (with `build_trainer(process_local_batches=True)` the trainer assembles them); the logger, samples and the
-HF export write on process 0, checkpoints on all. The command ends with `distributed.finish()` (the CLI). The config is any run config with the shared sections (`posttrain.training.config`): output_dir,
-model, optim, trainer, lora, mesh, export_hf, export_dtype.
+HF export write on process 0, checkpoints on all. The command ends with `distributed.finish()` (the CLI). The config is
+any `RunConfig` (`posttrain.training.config`: output_dir, model, optim, trainer, lora, mesh, distributed, export_hf,
+export_dtype); config.yaml is written whole.
 """
 
 from __future__ import annotations
@@ -30,40 +31,40 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from posttrain.training.config import LoraConfig, ModelSection, RunConfig
+
 __all__ = ["Run", "FitResult", "build_model", "frozen_copy"]
 
 
-def build_model(cfg, mesh=None):
-    """Loads the configured checkpoint (streamed straight into its shards when a mesh is given) and attaches
-    LoRA / QLoRA as configured; returns (model, folder)."""
-    from posttrain.models import lora
+def frozen_copy(model: ModelSection, mesh=None, path: str | None = None):
+    """The checkpoint at `path` (default: `model.path`; a hub id is downloaded) with the section's numerics and
+    no adapters, streamed straight into its shards when a mesh is given: a run's reference policy or teacher,
+    and what `build_model` attaches adapters to; returns (model, folder)."""
     from posttrain.models.hf_io import from_pretrained, resolve_path
     from posttrain.models.tiny import resolve_model_path
 
-    folder = resolve_path(resolve_model_path(cfg.model.path))  # a local folder, or a hub id downloaded
-    m = cfg.model
-    model = from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, mesh=mesh,
-                            scan_layers=m.scan_layers, remat=m.remat, attention_impl=m.attention_impl,
-                            kernels=m.kernels)
-    if cfg.lora.enabled:
-        lora.attach(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, target=cfg.lora.target, seed=cfg.trainer.seed,
-                    init=cfg.lora.init)
-        if cfg.lora.quantize:
-            lora.quantize_base(model, target=cfg.lora.target, qtype=cfg.lora.quantize,
-                               block_size=cfg.lora.block_size)
-    elif cfg.lora.quantize:
+    folder = resolve_path(resolve_model_path(path or model.path))  # a local folder, or a hub id downloaded
+    m = model
+    return from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, mesh=mesh,
+                           scan_layers=m.scan_layers, remat=m.remat, attention_impl=m.attention_impl,
+                           kernels=m.kernels), folder
+
+
+def build_model(model: ModelSection, lora: LoraConfig, seed: int, mesh=None):
+    """The trained model: the configured checkpoint (`frozen_copy`) with LoRA / QLoRA attached as `lora` says
+    (adapters initialised from `seed`); returns (model, folder)."""
+    from posttrain.models import lora as lora_lib
+
+    if lora.quantize and not lora.enabled:
         from posttrain.config import ConfigError
 
         raise ConfigError("lora.quantize needs lora.enabled=true (a quantised base can only be trained through adapters)")
-    return model, folder
-
-
-def frozen_copy(cfg, mesh=None, path: str | None = None):
-    """A frozen model for a run (reference policy, teacher): the checkpoint at `path` (default: the run's
-    own model.path) with the run's numerics and no adapters; returns (model, folder)."""
-    m = cfg.model if path is None else dataclasses.replace(cfg.model, path=path)
-    frozen_cfg = dataclasses.replace(cfg, model=m, lora=dataclasses.replace(cfg.lora, enabled=False, quantize=None))
-    return build_model(frozen_cfg, mesh)
+    net, folder = frozen_copy(model, mesh)
+    if lora.enabled:
+        lora_lib.attach(net, rank=lora.rank, alpha=lora.alpha, target=lora.target, seed=seed, init=lora.init)
+        if lora.quantize:
+            lora_lib.quantize_base(net, target=lora.target, qtype=lora.quantize, block_size=lora.block_size)
+    return net, folder
 
 
 @dataclasses.dataclass
@@ -81,7 +82,7 @@ class Run:
     """The set-up and bookkeeping shared by every training command (see the module docstring).
 
     Args:
-      cfg: the run's typed config (shared sections of `posttrain.training.config`).
+      cfg: the run's typed config (a `RunConfig`: the shared sections, and the command's own, written to config.yaml).
       command: the command's name ("sft", "dpo", ...): the progress bar's label and the messages' prefix.
       log: where messages go (default: the metrics logger's console, or print before it is open).
       lock: take the output folder's run lock (`posttrain.training.runlock`) for the run's lifetime.
@@ -89,14 +90,14 @@ class Run:
         with a clear error instead of training on wrong batches.
     """
 
-    def __init__(self, cfg, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True,
+    def __init__(self, cfg: RunConfig, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True,
                  multi_host: bool = True):
         from posttrain import distributed
         from posttrain.config import save_config
         from posttrain.training.runlock import RunLock
 
         # before anything touches a device (the lock names its process): a no-op on one process
-        distributed.initialize(getattr(cfg, "distributed", None))
+        distributed.initialize(cfg.distributed)
         if not multi_host and distributed.is_multiprocess():
             from posttrain.config import ConfigError
 
@@ -180,7 +181,7 @@ class Run:
         from posttrain.training.trainer import Trainer
 
         tc = self.cfg.trainer
-        model, self.folder = build_model(self.cfg, self.mesh)
+        model, self.folder = build_model(self.cfg.model, self.cfg.lora, tc.seed, self.mesh)
         tx, schedule = make_optimizer(self.cfg.optim, updates or tc.max_steps)
         self.trainer = Trainer(model, tx, loss_fn=loss_fn, grad_accum=tc.grad_accum, mesh=self.mesh, schedule=schedule,
                                seed=tc.seed, logprob_chunk_size=tc.loss_chunk_size or None, **trainer_kwargs)
@@ -190,7 +191,7 @@ class Run:
 
     def frozen_model(self, path: str | None = None):
         """A frozen model on this run's mesh (see `frozen_copy`): a reference policy or a teacher."""
-        return frozen_copy(self.cfg, self.mesh, path)[0]
+        return frozen_copy(self.cfg.model, self.mesh, path)[0]
 
     # ------------------------------------------------------------------ resume, logs, checkpoints
     def restore(self, data_iter=None) -> dict[str, Any] | None:

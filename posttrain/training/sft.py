@@ -14,6 +14,7 @@ from typing import Any, Callable
 __all__ = ["TrainingDivergedError", "ResumeError", "SFTResult", "load_sft_config", "run_sft", "build_model", "eval_batches"]
 
 
+from posttrain.training.config import DataSection, SFTConfig  # noqa: E402
 from posttrain.training.errors import ResumeError, TrainingDivergedError  # noqa: E402  (re-exported)
 from posttrain.training.run import Run, build_model  # noqa: E402  (build_model re-exported)
 
@@ -33,30 +34,29 @@ class SFTResult:
     trainer: Any = None
 
 
-def load_sft_config(path: str | Path | None, overrides=()):
+def load_sft_config(path: str | Path | None, overrides=()) -> SFTConfig:
     """SFTConfig from a YAML file and `key=value` overrides (unknown keys are a ConfigError)."""
     from posttrain.config import load_config
-    from posttrain.training.config import SFTConfig
 
     return load_config(SFTConfig, path, list(overrides))
 
 
-def eval_batches(cfg, tok, rows=None) -> list[dict]:
-    """The first `trainer.eval_batches` batches of the SFT-format eval split (`rows`: this process's rows)."""
+def eval_batches(d: DataSection, n: int, tok, rows=None) -> list[dict]:
+    """The first `n` (trainer.eval_batches) batches of the SFT-format eval split of `d` (`rows`: this process's
+    rows)."""
     from posttrain.data import build_sft_dataset
 
-    d = cfg.data
     ds = build_sft_dataset(d.eval, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack,
                            shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split, batch_rows=rows)
     out = []
     for batch in ds:
         out.append(batch)
-        if len(out) >= cfg.trainer.eval_batches:
+        if len(out) >= n:
             break
     return out
 
 
-def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
+def run_sft(cfg: SFTConfig, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
             log: Callable[[str], None] | None = None) -> SFTResult:
     """Runs (or resumes) SFT as `cfg` (an `SFTConfig`) says, on the shared run skeleton (`Run`).
 
@@ -81,7 +81,7 @@ def run_sft(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, di
         train_ds = build_sft_dataset(d.train, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size,
                                      pack=d.pack, seed=d.seed, shuffle=d.shuffle, num_epochs=None,
                                      truncation=d.truncation, split=d.train_split, batch_rows=rows)
-        eval_data = eval_batches(cfg, tok, rows) if (d.eval and tc.eval_every > 0) else []
+        eval_data = eval_batches(d, tc.eval_batches, tok, rows) if (d.eval and tc.eval_every > 0) else []
         trainer = run.build_trainer(make_sft_loss(tc.loss_chunk_size or None), process_local_batches=True)
         it = iter(train_ds)
         run.restore(it)

@@ -51,7 +51,10 @@ class FleetSource(RolloutSource):
         worker_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
             num_cpus=fc.worker_cpus, num_gpus=fc.worker_gpus or None, resources=dict(fc.worker_resources) or None,
             max_restarts=fc.max_restarts, max_task_retries=0)
-        self.workers = {f"worker-{i}": worker_cls.remote(run.cfg, f"worker-{i}", self.ps) for i in range(fc.workers)}
+        cfg = run.cfg
+        sections = dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards, preset=run.preset,
+                        seed=cfg.trainer.seed)
+        self.workers = {f"worker-{i}": worker_cls.remote(f"worker-{i}", self.ps, **sections) for i in range(fc.workers)}
         self.up: dict[str, dict] = {}  # name -> ready() info of workers known to be serving
         self.probes: dict = {h.ready.remote(): n for n, h in self.workers.items()}  # ref -> worker name
         self.probe_due: dict[str, float] = {}  # worker -> when to probe again after a failed probe

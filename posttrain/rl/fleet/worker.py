@@ -14,26 +14,33 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Mapping
+
+from posttrain.rl.config import RewardsSection, RolloutConfig
+from posttrain.training.config import LoraConfig, ModelSection
 
 __all__ = ["RolloutWorker"]
 
 
 class RolloutWorker:
-    def __init__(self, cfg, name: str, param_server):
+    """One rollout worker (module docstring). Built in Ray from plain, picklable config sections: the run's
+    `model` and `lora` (the trainer's structure, so published weights load as they are), `rollout`, `rewards`,
+    the resolved algorithm `preset` (a mapping: DAPO's overlong penalty) and the run's `seed`."""
+
+    def __init__(self, name: str, param_server, *, model: ModelSection, lora: LoraConfig, rollout: RolloutConfig,
+                 rewards: RewardsSection, preset: Mapping, seed: int):
         from posttrain import tokenizer as tok_lib
-        from posttrain.rl.setup import _reward_runner
-        from posttrain.sampling import Sampler, SamplingParams
-        from posttrain.training.sft import build_model
+        from posttrain.rl.setup import _reward_runner, sampling_params
+        from posttrain.sampling import Sampler
+        from posttrain.training.run import build_model
 
         self.name, self.ps = name, param_server
         self._state, self._since, self.busy_s = "starting", time.time(), 0.0
-        model, folder = build_model(cfg)  # the trainer's structure (LoRA included), on this process's devices
-        b, g = cfg.rollout.batch_prompts, cfg.rollout.group_size
-        self.sampler = Sampler(model, tok_lib.load(folder), max_slots=cfg.rollout.max_slots or b * g)
-        self.runner = _reward_runner(cfg, cfg.algorithm.resolved())
-        r = cfg.rollout
-        self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                     top_k=r.top_k, n=g, stop_token_ids=r.stop_token_ids, seed=cfg.trainer.seed % 2**32)
+        net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
+        slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
+        self.sampler = Sampler(net, tok_lib.load(folder), max_slots=slots)
+        self.runner = _reward_runner(rewards, preset, rollout.max_new_tokens)
+        self.params = sampling_params(rollout, seed)
         self.version = -1
         self._set("idle")
 
