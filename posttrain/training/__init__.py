@@ -30,6 +30,7 @@ _EXPORTS = {
     "TrainingDivergedError": "posttrain.training.sft",
     "ResumeError": "posttrain.training.sft",
     "SFTResult": "posttrain.training.sft",
+    "RunConfig": "posttrain.training.config",
     "SFTConfig": "posttrain.training.config",
     "ModelSection": "posttrain.training.config",
     "DataSection": "posttrain.training.config",
