@@ -25,7 +25,7 @@ import numpy as np
 from posttrain.rl.config import LearnerConfig, PromptData, RewardsSection, RLConfig, RolloutConfig
 from posttrain.rl.rollout import Rollouts
 
-__all__ = ["RLRun", "RLResult", "sampling_params"]
+__all__ = ["RLRun", "RLResult", "reward_runner", "sampling_params"]
 
 
 @dataclasses.dataclass
@@ -37,7 +37,7 @@ class RLResult:
     hf_dir: Path | None
 
 
-def _reward_runner(rewards: RewardsSection, preset: dict, max_new_tokens: int):
+def reward_runner(rewards: RewardsSection, preset: dict, max_new_tokens: int):
     """The reward process pool of `rewards`, plus DAPO's overlong penalty (over the `max_new_tokens` budget) when
     the algorithm `preset` adds it."""
     from posttrain.rewards.length import overlong_penalty
@@ -140,7 +140,7 @@ class RLRun:
         kw = policy_loss_kwargs(preset, lc, cfg.rollout.max_new_tokens)
 
         # rewards first: a data set without a field a reward needs fails before any model is loaded
-        self.runner = _reward_runner(cfg.rewards, preset, cfg.rollout.max_new_tokens)
+        self.runner = reward_runner(cfg.rewards, preset, cfg.rollout.max_new_tokens)
         self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
         self.runner.check_records(self.records)
         self.eval_records = None

@@ -30,7 +30,7 @@ class RolloutWorker:
     def __init__(self, name: str, param_server, *, model: ModelSection, lora: LoraConfig, rollout: RolloutConfig,
                  rewards: RewardsSection, preset: Mapping, seed: int):
         from posttrain import tokenizer as tok_lib
-        from posttrain.rl.setup import _reward_runner, sampling_params
+        from posttrain.rl.setup import reward_runner, sampling_params
         from posttrain.sampling import Sampler
         from posttrain.training.run import build_model
 
@@ -39,7 +39,7 @@ class RolloutWorker:
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
         slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
         self.sampler = Sampler(net, tok_lib.load(folder), max_slots=slots)
-        self.runner = _reward_runner(rewards, preset, rollout.max_new_tokens)
+        self.runner = reward_runner(rewards, preset, rollout.max_new_tokens)
         self.params = sampling_params(rollout, seed)
         self.version = -1
         self._set("idle")
