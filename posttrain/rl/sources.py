@@ -12,7 +12,7 @@ accounting) and shares the loop's interface:
 `InProcessSource` samples on the trainer's own devices, synchronously (staleness 0): the classic loop.
 The Ray fleet (`posttrain.rl.fleet.FleetSource`) is the asynchronous one. Dynamic sampling (DAPO) lives
 here, in `_complete`: a group whose rewards are all equal carries no learning signal and is dropped with
-that reason, up to `max_resample_rounds` x B drops per step, after which such groups are trained as they
+that reason, up to `learner.max_resample_rounds` x B drops per step, after which such groups are trained as they
 are (so a step always gets B groups and the compiled step its usual shapes).
 """
 
