@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from posttrain.models import from_pretrained
     from posttrain.models.tiny import resolve_model_path
     from posttrain.sampling import Sampler
-    from posttrain.tokenizer import load
+    from posttrain.models.tokenizer import load
 
     path = resolve_model_path(args.model)
     model, tok = from_pretrained(path), load(path)

@@ -148,7 +148,7 @@ def test_cli_rl_chat_prompts_and_qlora_resume(tmp_path, monkeypatch, capsys):
     """`posttrain rl configs/rl_smoke.yaml` with QLoRA on string prompts rendered with the chat template and a
     system prompt, held-out pass@2 at the end; the same run stopped after step 1 and resumed through `run_rl`
     logs the same step 2 (loss, rewards, evaluation), and metrics.jsonl holds the values the run returned."""
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.cli.main import main
     from posttrain.models.tiny import resolve_model_path
 

@@ -120,7 +120,7 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.data import read_prompts
     from posttrain.models import from_pretrained
     from posttrain.rewards.runner import RewardRunner, RewardSpec

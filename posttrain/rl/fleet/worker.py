@@ -20,7 +20,7 @@ __all__ = ["RolloutWorker"]
 
 class RolloutWorker:
     def __init__(self, cfg, name: str, param_server):
-        from posttrain import tokenizer as tok_lib
+        from posttrain.models import tokenizer as tok_lib
         from posttrain.rl.setup import _reward_runner
         from posttrain.sampling import Sampler, SamplingParams
         from posttrain.training.sft import build_model
