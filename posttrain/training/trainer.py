@@ -47,7 +47,6 @@ either the whole global batch on every process (RL: each process holds all rollo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Callable
 
