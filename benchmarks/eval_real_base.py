@@ -30,7 +30,7 @@ def encode(tok, records, system):
 
 def evaluate_set(sampler, tok, records, reward, system, max_new_tokens):
     from posttrain.rewards import RewardRunner
-    from posttrain.rl.evaluate import evaluate
+    from posttrain.eval.evaluate import evaluate
 
     ids = encode(tok, records, system)
     t = time.perf_counter()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_rl import toy  # noqa: F401 - the toy task fixture (reward: letters 'a' in the completion)
 
-from posttrain.rl.evaluate import evaluate, pass_at_k
+from posttrain.eval.evaluate import evaluate, pass_at_k
 from posttrain.rl.loop import load_rl_config, run_rl
 
 ROOT = Path(__file__).resolve().parents[1]

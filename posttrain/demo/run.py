@@ -100,7 +100,7 @@ def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int) -> dict:
     from posttrain.data import read_prompts
     from posttrain.models.hf_io import from_pretrained
     from posttrain.rewards.runner import RewardRunner, RewardSpec
-    from posttrain.rl.evaluate import evaluate
+    from posttrain.eval.evaluate import evaluate
     from posttrain.rl.rollout import encode_prompt
     from posttrain.sampling import Sampler
 

@@ -246,7 +246,7 @@ class RLRun:
 
     def evaluate(self, step: int) -> None:
         """Held-out greedy accuracy (and pass@k) with the trainer's current weights."""
-        from posttrain.rl.evaluate import evaluate
+        from posttrain.eval.evaluate import evaluate
 
         if self.eval_records is None:
             return
