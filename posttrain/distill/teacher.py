@@ -46,7 +46,7 @@ def load_teacher(teacher: TeacherSection, student: ModelSection, student_tok, st
     """The frozen teacher model (no LoRA, no optimizer state; the run skeleton's `frozen_copy` with the
     teacher's checkpoint and dtypes, the student's other numerics), after the vocabulary checks (the
     tokenizers before any weight is read)."""
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.training.run import frozen_copy
 
     t = teacher

@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.rl.config import LearnerConfig, PromptData, RewardsSection, RLConfig, RolloutConfig
+from posttrain.rl.config import LearnerConfig, PromptData, RLConfig
+from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rl.rollout import Rollouts
 
-__all__ = ["RLRun", "RLResult", "reward_runner", "sampling_params"]
+__all__ = ["RLRun", "RLResult"]
 
 
 @dataclasses.dataclass
@@ -35,31 +36,6 @@ class RLResult:
     history: list[dict[str, float]]
     evals: list[dict[str, Any]]
     hf_dir: Path | None
-
-
-def reward_runner(rewards: RewardsSection, preset: dict, max_new_tokens: int):
-    """The reward process pool of `rewards`, plus DAPO's overlong penalty (over the `max_new_tokens` budget) when
-    the algorithm `preset` adds it."""
-    from posttrain.rewards.length import overlong_penalty
-    from posttrain.rewards.runner import RewardRunner, RewardSpec
-
-    specs = [dataclasses.replace(RewardSpec.coerce(r.name), weight=r.weight, kwargs=dict(r.kwargs))
-             for r in rewards.functions]
-    if preset.get("overlong_penalty") and not any(r.name == "overlong_penalty" for r in rewards.functions):
-        budget = max_new_tokens
-        cache = max(1, int(round(preset.get("overlong_cache_fraction", 0.2) * budget)))
-        specs.append(RewardSpec(name="overlong_penalty", fn=overlong_penalty(budget, cache), weight=1.0))
-    return RewardRunner(specs, timeout_s=rewards.timeout_s, failure_value=rewards.failure_value,
-                        num_workers=rewards.num_workers, max_failed_calls=rewards.max_failed_steps)
-
-
-def sampling_params(rollout: RolloutConfig, seed: int):
-    """The sampler's settings for a step's rollouts: `group_size` completions per prompt."""
-    from posttrain.sampling import SamplingParams
-
-    r = rollout
-    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          n=r.group_size, stop_token_ids=r.stop_token_ids, seed=seed % 2**32)
 
 
 def _encode_all(tok, records, data: PromptData) -> list[list[int]]:
@@ -140,7 +116,7 @@ class RLRun:
         kw = policy_loss_kwargs(preset, lc, cfg.rollout.max_new_tokens)
 
         # rewards first: a data set without a field a reward needs fails before any model is loaded
-        self.runner = reward_runner(cfg.rewards, preset, cfg.rollout.max_new_tokens)
+        self.runner = reward_runner(cfg.rewards, cfg.rollout, preset)
         self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
         self.runner.check_records(self.records)
         self.eval_records = None
@@ -172,7 +148,7 @@ class RLRun:
                                      max_staleness=fc.max_staleness if fc.enabled else 0,
                                      lease_timeout_s=fc.lease_timeout_s, curation_window=cc.window,
                                      skip_always_solved=cc.skip_always_solved, skip_never_solved=cc.skip_never_solved)
-        self.sampling_params = sampling_params(cfg.rollout, cfg.trainer.seed)
+        self.sampling_params = rollout_sampling_params(cfg.rollout, cfg.trainer.seed)
 
     @property
     def ckpt(self):
@@ -273,7 +249,7 @@ class RLRun:
 
     def evaluate(self, step: int) -> None:
         """Held-out greedy accuracy (and pass@k) with the trainer's current weights."""
-        from posttrain.rl.evaluate import evaluate
+        from posttrain.eval.evaluate import evaluate
 
         if self.eval_records is None:
             return

@@ -29,8 +29,8 @@ class RolloutWorker:
 
     def __init__(self, name: str, param_server, *, model: ModelSection, lora: LoraConfig, rollout: RolloutConfig,
                  rewards: RewardsSection, preset: Mapping, seed: int):
-        from posttrain import tokenizer as tok_lib
-        from posttrain.rl.setup import reward_runner, sampling_params
+        from posttrain.models import tokenizer as tok_lib
+        from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
         from posttrain.sampling import Sampler
         from posttrain.training.run import build_model
 
@@ -39,8 +39,8 @@ class RolloutWorker:
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
         slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
         self.sampler = Sampler(net, tok_lib.load(folder), max_slots=slots)
-        self.runner = reward_runner(rewards, preset, rollout.max_new_tokens)
-        self.params = sampling_params(rollout, seed)
+        self.runner = reward_runner(rewards, rollout, preset)
+        self.params = rollout_sampling_params(rollout, seed)
         self.version = -1
         self._set("idle")
 
@@ -81,6 +81,3 @@ class RolloutWorker:
         self.busy_s += seconds
         return {"lease": lease_id, "rollouts": ro, "worker": self.name, "pull_s": pull_s, "seconds": seconds,
                 "tokens": int(ro.completion_lengths().sum())}
-
-    def pid(self) -> int:
-        return os.getpid()
