@@ -14,7 +14,7 @@ import dataclasses
 from typing import Literal
 
 from posttrain.config import at_least
-from posttrain.rl.config import EvalConfig, PromptData, RewardsSection, RolloutConfig
+from posttrain.rl.config import AlgorithmConfig, EvalConfig, PromptData, RewardsSection, RLConfig, RolloutConfig
 from posttrain.training.config import DataSection, Dtype, RunConfig
 
 __all__ = ["TeacherSection", "DistillLossConfig", "OnPolicySection", "DistillConfig"]
@@ -88,8 +88,6 @@ class DistillConfig(RunConfig):
     def rl_config(self):
         """The RL run an on-policy distillation is: the student's policy-gradient updates with per-token
         advantages (token-mean aggregation, no KL to a reference, one on-policy update per batch)."""
-        from posttrain.rl.config import AlgorithmConfig, RLConfig
-
         op = self.on_policy
         rewards = op.rewards
         if rewards.correctness not in [f.name for f in rewards.functions]:  # metrics only: no accuracy without it

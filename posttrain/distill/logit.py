@@ -18,6 +18,16 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
+from posttrain.algorithms.distill import make_token_loss
+from posttrain.algorithms.protocol import reduce_metrics, uses_frozen
+from posttrain.config import ConfigError
+from posttrain.data import build_sft_dataset
+from posttrain.distill.logit_loss import TopKStore, make_logit_distill_loss, teacher_topk_fn
+from posttrain.distill.teacher import check_same_vocabulary, load_teacher, teacher_folder
+from posttrain.models import tokenizer as tok_lib
+from posttrain.training.run import Run
+from posttrain.training.sft import eval_batches
+
 __all__ = ["LogitResult", "run_logit"]
 
 
@@ -34,8 +44,6 @@ class LogitResult:
 
 def heldout_metrics(trainer, batches: list[dict], loss_fn) -> dict[str, float]:
     """The loss's per-token metrics over `batches` (sums over batches, then ratios), named eval/*."""
-    from posttrain.training.trainer import reduce_metrics
-
     tot: dict[str, Any] = {}
     for b in batches:
         _, _, m = trainer.eval_sums(b, loss_fn)
@@ -52,16 +60,6 @@ def heldout_metrics(trainer, batches: list[dict], loss_fn) -> dict[str, float]:
 def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
               log: Callable[[str], None] | None = None) -> LogitResult:
     """Runs (or resumes) logit distillation as `cfg` (a `DistillConfig` with mode=logit) says."""
-    from posttrain.models import tokenizer as tok_lib
-    from posttrain.algorithms.distill import make_token_loss
-    from posttrain.config import ConfigError
-    from posttrain.data import build_sft_dataset
-    from posttrain.distill.logit_loss import TopKStore, make_logit_distill_loss, teacher_topk_fn
-    from posttrain.distill.teacher import check_same_vocabulary, load_teacher, teacher_folder
-    from posttrain.training.run import Run
-    from posttrain.training.sft import eval_batches
-    from posttrain.training.trainer import uses_frozen
-
     tc, d, lc = cfg.trainer, cfg.data, cfg.loss
     if d.batch_size % tc.grad_accum:
         raise ConfigError(f"data.batch_size={d.batch_size} must be divisible by trainer.grad_accum={tc.grad_accum}")

@@ -18,6 +18,7 @@ reads the step's arrays and the teacher is not held. A store whose meta does not
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +26,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from posttrain.algorithms.distill import teacher_topk
 
 __all__ = ["logit_distill_loss", "make_logit_distill_loss", "TopKStore"]
 
@@ -88,8 +92,6 @@ def logit_distill_loss(model, batch: dict[str, jax.Array], frozen: dict | None =
 
 def make_logit_distill_loss(token_loss: Callable, chunk_size: int | None = None):
     """`logit_distill_loss` with fixed settings (one hashable callable per run for the trainer's compile cache)."""
-    import functools
-
     return functools.partial(logit_distill_loss, token_loss=token_loss, chunk_size=chunk_size or None)
 
 
@@ -133,10 +135,6 @@ class TopKStore:
 def teacher_topk_fn(teacher, k: int, temperature: float = 1.0, chunk_size: int | None = None):
     """batch -> the teacher's k most likely next tokens per position, (temperature-T log-probs, ids) [B, T-1, k]
     (`posttrain.algorithms.distill.teacher_topk`), jitted over the teacher's state."""
-    from flax import nnx
-
-    from posttrain.algorithms.distill import teacher_topk
-
     graphdef, state = nnx.split(teacher)
 
     def fn(state, input_ids, attention_mask, positions, segment_ids):

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from posttrain import distributed
+from posttrain.config import ConfigError, load_config
+from posttrain.distill.config import DistillConfig
+from posttrain.distill.logit import run_logit
+from posttrain.distill.on_policy import run_on_policy
+
 __all__ = ["load_distill_config", "run_distill"]
 
 
 def load_distill_config(path: str | Path | None, overrides=()):
     """DistillConfig from a YAML file and `key=value` overrides (unknown keys are a ConfigError)."""
-    from posttrain.config import ConfigError, load_config
-    from posttrain.distill.config import DistillConfig
-
     cfg = load_config(DistillConfig, path, list(overrides))
     if cfg.mode == "logit" and not cfg.data.train:
         raise ConfigError("data.train: logit distillation needs SFT data (set data.train=FILE)")
@@ -23,22 +26,14 @@ def load_distill_config(path: str | Path | None, overrides=()):
 
 def run_distill(cfg, *, stop_after: int | None = None) -> str:
     """Runs (or resumes) the distillation `cfg` describes; returns a one-line summary."""
-    from posttrain import distributed
-
     if distributed.initialize(cfg.distributed):
-        from posttrain.config import ConfigError
-
         raise ConfigError("posttrain distill runs on one process; multi-host runs (several processes) are "
                           "posttrain sft and posttrain rl (README: Several hosts)")
     if cfg.mode == "on_policy":
-        from posttrain.distill.on_policy import run_on_policy
-
         res = run_on_policy(cfg, stop_after=stop_after)
         kl = [h["distill/reverse_kl"] for h in res.history]
         first = f", reverse KL on own samples {kl[0]:.4f} -> {kl[-1]:.4f}" if kl else ""
         return f"distill (on-policy): {res.steps} steps{first}; outputs in {res.output_dir}"
-    from posttrain.distill.logit import run_logit
-
     res = run_logit(cfg, stop_after=stop_after)
     last = f", last loss {res.losses[-1][1]:.4f}" if res.losses else ""
     return f"distill (logit): done at step {res.final_step}{last}; outputs in {res.output_dir}"

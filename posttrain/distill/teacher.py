@@ -6,17 +6,18 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from posttrain.config import ConfigError
 from posttrain.distill.config import TeacherSection
+from posttrain.models import tokenizer as tok_lib
+from posttrain.models.hf_io import resolve_path
+from posttrain.models.tiny import resolve_model_path
 from posttrain.training.config import ModelSection
+from posttrain.training.run import frozen_copy
 
 __all__ = ["teacher_folder", "check_same_vocabulary", "load_teacher"]
 
 
 def teacher_folder(teacher: TeacherSection) -> Path:
-    from posttrain.config import ConfigError
-    from posttrain.models.hf_io import resolve_path
-    from posttrain.models.tiny import resolve_model_path
-
     if not teacher.path:
         raise ConfigError("teacher.path: no teacher given (set teacher.path=DIR: a checkpoint with the student's "
                           "tokenizer)")
@@ -27,8 +28,6 @@ def check_same_vocabulary(student_tok, teacher_tok, *, student: str, teacher: st
                           student_vocab: int | None = None, teacher_vocab: int | None = None) -> None:
     """A ConfigError naming both checkpoints unless their tokenizers map the same strings to the same ids and
     (when given) their output layers have the same size."""
-    from posttrain.config import ConfigError
-
     problem = None
     sv, tv = student_tok.hf.get_vocab(), teacher_tok.hf.get_vocab()
     if sv != tv:
@@ -46,9 +45,6 @@ def load_teacher(teacher: TeacherSection, student: ModelSection, student_tok, st
     """The frozen teacher model (no LoRA, no optimizer state; the run skeleton's `frozen_copy` with the
     teacher's checkpoint and dtypes, the student's other numerics), after the vocabulary checks (the
     tokenizers before any weight is read)."""
-    from posttrain.models import tokenizer as tok_lib
-    from posttrain.training.run import frozen_copy
-
     t = teacher
     names = dict(student=student.path, teacher=t.path)
     check_same_vocabulary(student_tok, tok_lib.load(teacher_folder(t)), **names)

@@ -60,7 +60,7 @@ def find_gguf(path: str | os.PathLike) -> Path:
 
 def _supported_types() -> set[str]:
     """Plain float types, and the quantized types the pinned `gguf` package has a numpy dequantizer for."""
-    from gguf import quants
+    from gguf import quants  # lazy: only GGUF files need the gguf package
 
     return {"F32", "F16", "BF16"} | {t.name for t in quants._type_traits}
 
@@ -113,7 +113,7 @@ class _Blob:
         return self.take(self.scalar("<Q")).tobytes().decode("utf-8", errors="replace")
 
     def value(self, vtype: int):
-        import gguf
+        import gguf  # lazy: only GGUF files need the gguf package
 
         t = gguf.GGUFValueType(vtype)
         if t == gguf.GGUFValueType.STRING:
@@ -138,7 +138,7 @@ class GGUFCheckpoint:
     """
 
     def __init__(self, path: str | os.PathLike):
-        import gguf
+        import gguf  # lazy: only GGUF files need the gguf package
 
         self.path = find_gguf(path)
         size = self.path.stat().st_size
@@ -269,7 +269,7 @@ class GGUFCheckpoint:
 
     def get(self, hf_name: str) -> np.ndarray:
         """One tensor in HF layout ([out, in] for linear weights), dequantized to float32."""
-        from gguf import quants
+        from gguf import quants  # lazy: only GGUF files need the gguf package
 
         t = self.tensors[self._hf_names[hf_name]]
         raw = t.raw

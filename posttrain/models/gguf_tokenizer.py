@@ -39,7 +39,7 @@ class GGUFTokenizerError(ValueError):
 
 def build(ck: GGUFCheckpoint):
     """`transformers.PreTrainedTokenizerFast` for the tokenizer described by the GGUF `ck`."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers (~0.6 s) loads only when a tokenizer is built
 
     kind = ck.field("tokenizer.ggml.model")
     tokens = ck.field("tokenizer.ggml.tokens")
@@ -62,6 +62,7 @@ def build(ck: GGUFCheckpoint):
 
     bos = name("bos")
     if ck.field("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        # lazy: tokenizers loads only when a GGUF tokenizer is built
         from tokenizers import processors
 
         raw.post_processor = processors.TemplateProcessing(
@@ -76,6 +77,7 @@ def build(ck: GGUFCheckpoint):
 
 
 def _byte_level_bpe(ck: GGUFCheckpoint, tokens: list[str]):
+    # lazy: tokenizers loads only when a GGUF tokenizer is built
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     pre = ck.field("tokenizer.ggml.pre", "default")
@@ -102,6 +104,7 @@ def _byte_level_bpe(ck: GGUFCheckpoint, tokens: list[str]):
 
 
 def _sentencepiece_bpe(ck: GGUFCheckpoint, tokens: list[str], types: list[int]):
+    # lazy: tokenizers loads only when a GGUF tokenizer is built
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     if ck.field("tokenizer.ggml.add_space_prefix", True):
@@ -133,6 +136,7 @@ def _sentencepiece_bpe(ck: GGUFCheckpoint, tokens: list[str], types: list[int]):
 
 
 def _add_special(raw, by_id: dict[int, str], types: list[int]) -> None:
+    # lazy: tokenizers loads only when a GGUF tokenizer is built
     from tokenizers import AddedToken
 
     control = [AddedToken(by_id[i], special=True, normalized=False) for i, ty in enumerate(types) if ty == CONTROL]

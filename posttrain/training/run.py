@@ -31,7 +31,22 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import jax
+import numpy as np
+
+from posttrain import distributed
+from posttrain.config import ConfigError, save_config
+from posttrain.models import lora as lora_lib
+from posttrain.models import tokenizer as tokenizer_lib
+from posttrain.models.hf_io import from_pretrained, resolve_path, save_pretrained
+from posttrain.models.tiny import resolve_model_path
+from posttrain.training.checkpoint import Checkpointer
 from posttrain.training.config import LoraConfig, ModelSection, RunConfig
+from posttrain.training.errors import TrainingDivergedError
+from posttrain.training.metrics import MetricsLogger, Throughput
+from posttrain.training.optim import make_optimizer
+from posttrain.training.runlock import RunLock
+from posttrain.training.trainer import Trainer, flops_per_token
 
 __all__ = ["Run", "FitResult", "build_model", "frozen_copy"]
 
@@ -40,9 +55,6 @@ def frozen_copy(model: ModelSection, mesh=None, path: str | None = None):
     """The checkpoint at `path` (default: `model.path`; a hub id is downloaded) with the section's numerics and
     no adapters, streamed straight into its shards when a mesh is given: a run's reference policy or teacher,
     and what `build_model` attaches adapters to; returns (model, folder)."""
-    from posttrain.models.hf_io import from_pretrained, resolve_path
-    from posttrain.models.tiny import resolve_model_path
-
     folder = resolve_path(resolve_model_path(path or model.path))  # a local folder, or a hub id downloaded
     m = model
     return from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, mesh=mesh,
@@ -53,11 +65,7 @@ def frozen_copy(model: ModelSection, mesh=None, path: str | None = None):
 def build_model(model: ModelSection, lora: LoraConfig, seed: int, mesh=None):
     """The trained model: the configured checkpoint (`frozen_copy`) with LoRA / QLoRA attached as `lora` says
     (adapters initialised from `seed`); returns (model, folder)."""
-    from posttrain.models import lora as lora_lib
-
     if lora.quantize and not lora.enabled:
-        from posttrain.config import ConfigError
-
         raise ConfigError("lora.quantize needs lora.enabled=true (a quantised base can only be trained through adapters)")
     net, folder = frozen_copy(model, mesh)
     if lora.enabled:
@@ -92,15 +100,9 @@ class Run:
 
     def __init__(self, cfg: RunConfig, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True,
                  multi_host: bool = True):
-        from posttrain import distributed
-        from posttrain.config import save_config
-        from posttrain.training.runlock import RunLock
-
         # before anything touches a device (the lock names its process): a no-op on one process
         distributed.initialize(cfg.distributed)
         if not multi_host and distributed.is_multiprocess():
-            from posttrain.config import ConfigError
-
             raise ConfigError(f"posttrain {command} runs on one process; multi-host runs (several processes) are "
                               "posttrain sft and posttrain rl (README: Several hosts)")
         distributed.check_same_config(cfg)
@@ -133,10 +135,6 @@ class Run:
 
     # ------------------------------------------------------------------ set-up
     def _make_mesh(self):
-        import jax
-
-        from posttrain import distributed
-
         if jax.device_count() == 1:
             return None
         m = self.cfg.mesh
@@ -144,8 +142,6 @@ class Run:
 
     def batch_rows(self, batch_size: int) -> list[int] | None:
         """This process's rows of every global batch of `batch_size` rows (None: all, one process)."""
-        from posttrain import distributed
-
         return distributed.process_batch_rows(self.mesh, batch_size)
 
     def say(self, text: str) -> None:
@@ -159,27 +155,18 @@ class Run:
     def model_folder(self) -> Path:
         """The configured checkpoint's local folder (a hub id is downloaded: a clear error offline)."""
         if self.folder is None:
-            from posttrain.models.hf_io import resolve_path
-            from posttrain.models.tiny import resolve_model_path
-
             self.folder = resolve_path(resolve_model_path(self.cfg.model.path))
         return self.folder
 
     def tokenizer(self):
         """The checkpoint's tokenizer (loaded once): data can be encoded and checked before any model loads."""
         if self.tok is None:
-            from posttrain.models import tokenizer as tokenizer_lib
-
             self.tok = tokenizer_lib.load(self.model_folder())
         return self.tok
 
     def build_trainer(self, loss_fn=None, *, updates: int | None = None, **trainer_kwargs):
         """The model (+LoRA/QLoRA), the optimizer and schedule over `updates` optimizer steps (default
         trainer.max_steps) and the `Trainer`; also opens the checkpoint folder."""
-        from posttrain.training.checkpoint import Checkpointer
-        from posttrain.training.optim import make_optimizer
-        from posttrain.training.trainer import Trainer
-
         tc = self.cfg.trainer
         model, self.folder = build_model(self.cfg.model, self.cfg.lora, tc.seed, self.mesh)
         tx, schedule = make_optimizer(self.cfg.optim, updates or tc.max_steps)
@@ -209,8 +196,6 @@ class Run:
     def open_logger(self, start: int | None = None, *, description: str | None = None,
                     row_files: tuple[str, ...] = ("samples.jsonl",)):
         """metrics.jsonl + TensorBoard + progress bar; rows of steps after `start` are dropped (they run again)."""
-        from posttrain.training.metrics import MetricsLogger
-
         start = self.start_step if start is None else start
         tc = self.cfg.trainer
         self.logger = MetricsLogger(self.out, total_steps=tc.max_steps, start_step=start, progress=tc.progress,
@@ -221,8 +206,6 @@ class Run:
     def check_finite(self, step: int, metrics: dict[str, float], *, grad_norm: bool = True, log: bool = True) -> None:
         """Raises `TrainingDivergedError` (after logging the step when `log`) when the loss (or, with `grad_norm`,
         the gradient norm) is not finite."""
-        from posttrain.training.errors import TrainingDivergedError
-
         gn = metrics.get("grad_norm")
         bad = not math.isfinite(metrics["loss"]) or (grad_norm and gn is not None and not math.isfinite(gn))
         if bad:
@@ -242,9 +225,6 @@ class Run:
     def export_hf(self, *, tokenizer=None, quiet: bool = False) -> Path | None:
         """The final model (LoRA merged, QLoRA dequantised) as a Hugging Face folder OUTPUT_DIR/hf, when
         `export_hf`; None otherwise."""
-        from posttrain.models import lora as lora_lib
-        from posttrain.models.hf_io import save_pretrained
-
         if not self.cfg.export_hf:
             return None
         model = lora_lib.merge(self.trainer.model())
@@ -267,12 +247,6 @@ class Run:
         batch_hook(step, batch) -> batch: applied to every host batch (tests). step_kwargs: passed to
         `trainer.step` (e.g. rows_per_example).
         """
-        import jax
-        import numpy as np
-
-        from posttrain.training.metrics import Throughput
-        from posttrain.training.trainer import flops_per_token
-
         tc, trainer, logger = self.cfg.trainer, self.trainer, self.logger
         start = self.start_step
         throughput = Throughput(flops_per_token=flops_per_token(trainer.cfg, seq_len) if (trainer.cfg and seq_len)

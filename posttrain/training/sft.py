@@ -14,6 +14,9 @@ from typing import Any, Callable
 __all__ = ["TrainingDivergedError", "ResumeError", "SFTResult", "load_sft_config", "run_sft", "build_model", "eval_batches"]
 
 
+from posttrain.algorithms.sft import make_sft_loss  # noqa: E402
+from posttrain.config import ConfigError, load_config  # noqa: E402
+from posttrain.data import build_sft_dataset  # noqa: E402
 from posttrain.training.config import DataSection, SFTConfig  # noqa: E402
 from posttrain.training.errors import ResumeError, TrainingDivergedError  # noqa: E402  (re-exported)
 from posttrain.training.run import Run, build_model  # noqa: E402  (build_model re-exported)
@@ -36,16 +39,12 @@ class SFTResult:
 
 def load_sft_config(path: str | Path | None, overrides=()) -> SFTConfig:
     """SFTConfig from a YAML file and `key=value` overrides (unknown keys are a ConfigError)."""
-    from posttrain.config import load_config
-
     return load_config(SFTConfig, path, list(overrides))
 
 
 def eval_batches(d: DataSection, n: int, tok, rows=None) -> list[dict]:
     """The first `n` (trainer.eval_batches) batches of the SFT-format eval split of `d` (`rows`: this process's
     rows)."""
-    from posttrain.data import build_sft_dataset
-
     ds = build_sft_dataset(d.eval, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack,
                            shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split, batch_rows=rows)
     out = []
@@ -64,10 +63,6 @@ def run_sft(cfg: SFTConfig, *, stop_after: int | None = None, batch_hook: Callab
       with `trainer.resume` continues exactly from there.
     batch_hook(step, batch) -> batch: a test hook applied to every host batch (step counts from 1).
     """
-    from posttrain.algorithms.sft import make_sft_loss
-    from posttrain.config import ConfigError
-    from posttrain.data import build_sft_dataset
-
     tc, d = cfg.trainer, cfg.data
     if not d.train:
         raise ConfigError("data.train is required (a .jsonl/.json/.parquet file, a datasets folder or a hub name)")

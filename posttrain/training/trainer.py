@@ -59,6 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed
 from posttrain.algorithms.protocol import LossFn, UsesFrozen, reduce_metrics, uses_frozen
+from posttrain.algorithms.sft import token_logprobs
 from posttrain.models import lora as lora_lib
 from posttrain.models.weights import path_names
 
@@ -388,8 +389,6 @@ class Trainer:
         (the vocabulary projected at those positions only); `adapters=False` gives the base model."""
         fn = self._logprob_fns.get((adapters, last))
         if fn is None:
-            from posttrain.algorithms.sft import token_logprobs
-
             graphdef = self.graphdef if adapters else self.graphdef_base
             chunk = self.logprob_chunk_size
 
@@ -409,8 +408,6 @@ class Trainer:
         key = ("frozen", name, last)
         fn = self._logprob_fns.get(key)
         if fn is None:
-            from posttrain.algorithms.sft import token_logprobs
-
             graphdef, chunk = self.frozen_graphdefs[name], self.logprob_chunk_size
 
             def lp(state, input_ids, attention_mask, positions, segment_ids):
