@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
+
 ENV_VAR = "POSTTRAIN_COMPILE_CACHE"
 _OFF = ("0", "off", "false", "no", "none")
 
@@ -29,8 +31,6 @@ def enable(path: str | os.PathLike | None = None, *, min_compile_seconds: float 
         return None
     folder = Path(path or env or default_dir()).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
-    import jax
-
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

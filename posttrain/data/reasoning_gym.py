@@ -44,7 +44,7 @@ def parse_source(spec: str) -> tuple[str, dict]:
 @functools.lru_cache(maxsize=32)
 def dataset(spec: str):
     """The reasoning-gym dataset of a source string (cached: entries are generated lazily by index)."""
-    import reasoning_gym
+    import reasoning_gym  # lazy: reasoning_gym (~2 s) loads only for reasoning_gym: sources
 
     task, kwargs = parse_source(spec)
     try:

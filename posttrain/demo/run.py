@@ -15,8 +15,22 @@ import time
 from pathlib import Path
 
 import yaml
+from rich.console import Console
+from rich.table import Table
 
+from posttrain.data import read_prompts
 from posttrain.demo.task import make_splits, write_jsonl
+from posttrain.eval.evaluate import evaluate
+from posttrain.models import tokenizer as tok_lib
+from posttrain.models.config import llama_like
+from posttrain.models.hf_io import from_pretrained, save_pretrained
+from posttrain.models.tokenizer import build_tokenizer
+from posttrain.models.transformer import init_model
+from posttrain.rewards.runner import RewardRunner, RewardSpec
+from posttrain.rl.loop import load_rl_config, run_rl
+from posttrain.rl.rollout import encode_prompt
+from posttrain.sampling import Sampler
+from posttrain.training.sft import load_sft_config, run_sft
 
 
 @dataclasses.dataclass
@@ -49,11 +63,6 @@ class DemoSettings:
 
 def build_base_model(out: Path, s: DemoSettings, seed: int) -> Path:
     """A small random Llama-shaped model and the character tokenizer, saved as a HF checkpoint."""
-    from posttrain.models.config import llama_like
-    from posttrain.models.hf_io import save_pretrained
-    from posttrain.models.transformer import init_model
-    from posttrain.models.tokenizer import build_tokenizer
-
     folder = out / "model_init"
     tok = build_tokenizer(folder)
     cfg = llama_like(vocab_size=tok.vocab_size, hidden_size=s.hidden, intermediate_size=3 * s.hidden,
@@ -96,14 +105,6 @@ def rl_config(out: Path, model: Path, s: DemoSettings, seed: int) -> dict:
 
 def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int) -> dict:
     """Greedy held-out accuracy and mean reward of a HF checkpoint (the RL evaluator, `math_answer`)."""
-    from posttrain.models import tokenizer as tok_lib
-    from posttrain.data import read_prompts
-    from posttrain.models.hf_io import from_pretrained
-    from posttrain.rewards.runner import RewardRunner, RewardSpec
-    from posttrain.eval.evaluate import evaluate
-    from posttrain.rl.rollout import encode_prompt
-    from posttrain.sampling import Sampler
-
     model = from_pretrained(path)
     tok = tok_lib.load(path)
     records = read_prompts(str(heldout))
@@ -117,10 +118,10 @@ def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int) -> dict:
 
 
 def plot(out: Path, sft_dir: Path, rl_dir: Path, stages: list[dict]) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (~0.3 s) loads only to draw the demo's plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: pyplot after the Agg backend is chosen
 
     def rows(d: Path):
         return [json.loads(x) for x in open(d / "metrics.jsonl")] if (d / "metrics.jsonl").exists() else []
@@ -147,12 +148,6 @@ def plot(out: Path, sft_dir: Path, rl_dir: Path, stages: list[dict]) -> Path:
 
 
 def run_demo(output_dir: str | Path, seed: int = 0, settings: DemoSettings | None = None, console=None) -> dict:
-    from rich.console import Console
-    from rich.table import Table
-
-    from posttrain.rl.loop import load_rl_config, run_rl
-    from posttrain.training.sft import load_sft_config, run_sft
-
     s = settings or DemoSettings()
     console = console or Console()
     out = Path(output_dir)

@@ -149,7 +149,8 @@ def _worker_init(owner_pid: int, owner_start: str | None, interval_s: float = 1.
     threading.Thread(target=_watch_owner, args=(owner_pid, owner_start, interval_s), daemon=True,
                      name="owner-watch").start()
     with contextlib.suppress(Exception):
-        import math_verify  # noqa: F401  (pre-import so the first math_answer call is fast)
+        # lazy: pre-imported in each reward worker only, so that its first math_answer call is fast
+        import math_verify  # noqa: F401
 
 
 def _ping():

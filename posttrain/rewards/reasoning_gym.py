@@ -8,10 +8,12 @@ fields `rg_source` and `rg_index` that `reasoning_gym:` data sources carry.
 
 from __future__ import annotations
 
+from posttrain.data.reasoning_gym import dataset
 from posttrain.rewards.math_answer import extract_answer as extract_math_answer
 
 
 def extract(completion: str, fallback: str = "math") -> str | None:
+    # lazy: reasoning_gym (~2 s) loads only for its reward, in the reward workers
     from reasoning_gym.utils import extract_answer
 
     answer = extract_answer(completion, tag_name="answer")
@@ -22,8 +24,6 @@ def extract(completion: str, fallback: str = "math") -> str | None:
 
 def reasoning_gym_reward(prompts, completions, rg_source, rg_index, fallback: str = "math") -> list[float]:
     """Score in [0, 1] per completion from the task's `score_answer(answer, entry)`."""
-    from posttrain.data.reasoning_gym import dataset
-
     if fallback not in ("math", "none"):
         raise ValueError(f"reasoning_gym reward: fallback={fallback!r}; accepted: math, none")
     scores = []

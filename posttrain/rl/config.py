@@ -97,6 +97,7 @@ class AlgorithmConfig:
     def resolved(self):
         """The typed preset (`posttrain.algorithms.registry.GRPOFamily`, the one source of the defaults) with
         every field set here applied."""
+        # lazy: algorithms/ loads JAX; the config classes import without it
         from posttrain.algorithms.registry import get_preset
 
         settings = dataclasses.asdict(self)

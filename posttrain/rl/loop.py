@@ -16,33 +16,30 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import jax
+
+from posttrain.config import ConfigError, load_config
 from posttrain.rl.config import RLConfig
 from posttrain.rl.setup import RLResult, RLRun
+from posttrain.rl.sources import InProcessSource
 
 __all__ = ["run_rl", "load_rl_config", "make_source", "RLResult"]
 
 
 def load_rl_config(path: str | Path | None, overrides=()) -> RLConfig:
-    from posttrain.config import load_config
-
     return load_config(RLConfig, path, list(overrides))
 
 
 def make_source(run: RLRun):
     """The in-process sampler, or the Ray fleet when `fleet.workers` is set."""
     if run.cfg.fleet.enabled:
-        import jax
-
+        # lazy: posttrain.rl.fleet loads Ray (seconds): only fleet runs need it
         from posttrain.rl.fleet import FleetSource
 
         if jax.process_count() > 1:
-            from posttrain.config import ConfigError
-
             raise ConfigError("fleet.workers: the Ray fleet runs with a one-process trainer; a multi-host trainer "
                               "samples in-process on its global mesh (leave fleet.workers unset)")
         return FleetSource(run)
-    from posttrain.rl.sources import InProcessSource
-
     return InProcessSource(run)
 
 

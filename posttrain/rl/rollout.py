@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from posttrain import distributed
 from posttrain.sampling import Sampler, SamplingParams
 
 
@@ -128,8 +129,6 @@ def score_once(reward_runner, prompts: list[str], texts: list[str], fields: dict
     completions: the sampler's results are read whole on every process) and broadcasts the rewards, so reward
     code runs once per sample and every process trains on the same numbers (a user's reward that times out or
     is random cannot make the processes disagree)."""
-    from posttrain import distributed
-
     if not distributed.is_multiprocess():
         return reward_runner.score(prompts, texts, fields)
     result = None

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from posttrain.algorithms import dapo
 from posttrain.rl.rollout import Rollouts, generate_rollouts
 
 __all__ = ["RolloutSource", "InProcessSource"]
@@ -42,8 +43,6 @@ class RolloutSource:
         d, run = self.dispatcher, self.run
         accepted = d.complete(lease_id, rollouts.groups())
         if run.dynamic_sampling:
-            from posttrain.algorithms import dapo
-
             for uid in sorted(set(rollouts.uid)):
                 g = d.ready.get(uid)
                 if g is None or self._drops >= run.max_drops_per_step:

@@ -74,10 +74,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from posttrain import distributed
 from posttrain.models import kernels as kernels_lib
 from posttrain.models.attention import KVCache
+from posttrain.models.weights import flat_weights, load_flat_weights
 from posttrain.sampling.filters import choose_tokens
 from posttrain.sampling.params import Completion, SamplingParams
 
@@ -346,9 +349,6 @@ class _Progress:
         self.callback = progress if callable(progress) else None
         self.bar = None
         if progress is True:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self.bar = Progress(
                 TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("completions"),
                 TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), console=Console(stderr=True),
@@ -491,8 +491,6 @@ class Sampler:
         only its LoRA adapters). The values are copied, so the caller may donate or overwrite its own
         buffers afterwards; the swap happens between calls, never inside one.
         """
-        from posttrain.models.weights import flat_weights, load_flat_weights
-
         flat = weights if isinstance(weights, dict) else flat_weights(weights)
         load_flat_weights(self.model, flat)
         self.version = version

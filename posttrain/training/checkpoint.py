@@ -84,7 +84,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
                  save_timeout_s: int = 600, close_timeout_s: float = 30.0,
                  say: Callable[[str], None] | None = None):
-        import orbax.checkpoint as ocp
+        import orbax.checkpoint as ocp  # lazy: orbax (~0.2 s) loads only when a run opens its checkpoints
 
         self.directory = Path(directory).absolute()
         self._ocp = ocp

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
 __all__ = ["MetricsLogger", "Throughput", "truncate_after"]
 
 
@@ -90,8 +93,6 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int = 0, progress: bool = True,
                  tensorboard: bool = True, description: str = "train", row_files: tuple[str, ...] = ("samples.jsonl",)):
-        import jax
-
         self.output_dir = Path(output_dir)
         self.writer = self.progress = self.jsonl = None
         if jax.process_index() != 0:
@@ -102,13 +103,11 @@ class MetricsLogger:
             truncate_after(self.output_dir / name, start_step if start_step > 0 else -1)
         self.jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
+            # lazy: tensorboardX (~3 s here) loads only when TensorBoard logs are written
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
         if progress:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-
             self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
             self.task = self.progress.add_task(description, total=total_steps, completed=start_step, info="")

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 __all__ = ["RunLock", "RunLockError"]
 
 
@@ -28,8 +30,6 @@ class RunLockError(RuntimeError):
 class RunLock:
     def __init__(self, output_dir: str | os.PathLike, name: str | None = None):
         if name is None:
-            import jax
-
             name = ".lock" if jax.process_index() == 0 else f".lock.{jax.process_index()}"
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / name

@@ -23,7 +23,7 @@ class FleetError(RuntimeError):
 
 def require_ray():
     try:
-        import ray
+        import ray  # lazy: this module imports without Ray; a missing Ray becomes a FleetError
     except ImportError:
         raise FleetError("fleet.workers needs Ray, which is not installed: pip install 'ray==2.60.0' "
                          "(or reinstall posttrain: pip install -e .)") from None
@@ -68,7 +68,7 @@ def connect(fleet, *, num_cpus_needed: float) -> bool:
 
 
 def disconnect(started: bool) -> None:
-    import ray
+    import ray  # lazy: this module imports without Ray (require_ray reports it missing)
 
     if ray.is_initialized():
         ray.shutdown()

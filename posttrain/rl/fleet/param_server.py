@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+import ray
+
 __all__ = ["ParameterServer"]
 
 
@@ -23,9 +26,6 @@ class ParameterServer:
 
     def publish(self, version: int, weights: dict) -> bool:
         """Stores `weights` as `version` (False when it was already there)."""
-        import numpy as np
-        import ray
-
         version = int(version)
         if version in self.versions:
             return False

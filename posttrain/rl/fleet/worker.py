@@ -16,8 +16,15 @@ import socket
 import time
 from typing import Mapping
 
+import ray
+
+from posttrain.models import tokenizer as tok_lib
 from posttrain.rl.config import RewardsSection, RolloutConfig
+from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
+from posttrain.rl.rollout import generate_rollouts
+from posttrain.sampling import Sampler
 from posttrain.training.config import LoraConfig, ModelSection
+from posttrain.training.run import build_model
 
 __all__ = ["RolloutWorker"]
 
@@ -29,11 +36,6 @@ class RolloutWorker:
 
     def __init__(self, name: str, param_server, *, model: ModelSection, lora: LoraConfig, rollout: RolloutConfig,
                  rewards: RewardsSection, preset: Mapping, seed: int):
-        from posttrain.models import tokenizer as tok_lib
-        from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
-        from posttrain.sampling import Sampler
-        from posttrain.training.run import build_model
-
         self.name, self.ps = name, param_server
         self._state, self._since, self.busy_s = "starting", time.time(), 0.0
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
@@ -48,8 +50,6 @@ class RolloutWorker:
         self._state, self._since = state, time.time()
 
     def ready(self) -> dict:
-        import ray
-
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname(),
                 "node": ray.get_runtime_context().get_node_id(), "version": self.version}
 
@@ -57,8 +57,6 @@ class RolloutWorker:
         return {"state": self._state, "since": self._since, "version": self.version, "busy_s": self.busy_s}
 
     def _pull(self) -> float:
-        import ray
-
         t0 = time.perf_counter()
         self._set("pulling")
         version, refs = ray.get(self.ps.latest.remote())
@@ -70,8 +68,6 @@ class RolloutWorker:
 
     def rollout(self, lease_id: int, uids: list[int], records: dict, record_indices: list[int],
                 prompt_ids: list[list[int]]) -> dict:
-        from posttrain.rl.rollout import generate_rollouts
-
         t0 = time.perf_counter()
         pull_s = self._pull()
         self._set("generating")
