@@ -8,12 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_fleet import toy  # noqa: F401 - the toy task fixture for RL runs (reward: letters 'a')
 
 from posttrain.algorithms.policy import policy_loss
 from posttrain.models.config import llama_like
 from posttrain.models.transformer import init_model
 from posttrain.rl.batch import build_rl_batch
 from posttrain.rl.learner import Learner
+from posttrain.rl.loop import load_rl_config, run_rl
 from posttrain.rl.loss import make_rl_loss
 from posttrain.rl.rollout import Rollouts
 from posttrain.training.config import OptimConfig
@@ -139,3 +141,23 @@ def test_old_logprobs_are_the_samplers_while_the_policy_has_not_moved():
     learner, trainer, seen = _learner(recompute_old=True)
     learner.update(_batch(trainer, seed=1), step=1, policy_moved=False)
     np.testing.assert_allclose(seen[0]["old_logp"] * mask, fresh * mask, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- end to end: the fleet at staleness 1
+@pytest.mark.slow
+def test_fleet_trains_one_version_stale_groups_against_recomputed_old_logprobs(toy):  # noqa: F811
+    """One worker, `max_staleness=1`, weights published every 2 steps: step 2 trains groups sampled with
+    version 0 while the trainer holds version 1 (staleness 1 by construction, not by timing). Its old
+    log-probs are recomputed (ratio pi / pi_old exactly 1 at the single update) and differ from the sampler's
+    (a nonzero `mismatch_kl`); step 1, on-policy, has neither."""
+    from test_fleet import ledger, metric_rows
+
+    res = run_rl(load_rl_config(None, toy("stale", "trainer.max_steps=2", "fleet.workers=1", "fleet.max_staleness=1",
+                                          "fleet.publish_every=2", "optim.lr=3e-2")))
+    assert res.steps == 2
+    assert [r["staleness_max"] for r in ledger(toy.dir / "stale")] == [0, 1]
+    rows = metric_rows(toy.dir / "stale")
+    print({s: {k: rows[s][k] for k in ("ratio_mean", "mismatch_kl", "is_weight_mean")} for s in rows})
+    assert rows[2]["fleet/staleness_max"] == 1 and rows[2]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert rows[2]["mismatch_kl"] > 1e-5 > rows[1]["mismatch_kl"]
+    assert rows[2]["is_weight_mean"] != pytest.approx(1.0, abs=1e-5)
