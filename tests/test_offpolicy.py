@@ -161,3 +161,29 @@ def test_fleet_trains_one_version_stale_groups_against_recomputed_old_logprobs(t
     assert rows[2]["fleet/staleness_max"] == 1 and rows[2]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert rows[2]["mismatch_kl"] > 1e-5 > rows[1]["mismatch_kl"]
     assert rows[2]["is_weight_mean"] != pytest.approx(1.0, abs=1e-5)
+
+
+def test_reference_logprobs_are_the_frozen_models_at_the_completion_tokens():
+    """beta > 0: the reference log-probs (`FrozenScorer`, vocabulary projected at the completion columns only)
+    are the frozen model's for the completion tokens: the step's KL is k3 against an independent pass, and 0
+    when the reference is the policy's own initial weights."""
+    from posttrain.algorithms.kl import kl_penalty
+    from posttrain.algorithms.sft import token_logprobs
+    from posttrain.rl.learner import FrozenScorer
+
+    for ref_seed in (1, 0):
+        learner, trainer, seen = _learner()
+        reference = init_model(CFG, seed=ref_seed)
+        learner.ref_fn = FrozenScorer(reference, trainer)
+        learner.loss_fn = make_rl_loss({**LOSS, "beta": 0.1, "kl_estimator": "k3"})
+        batch = _batch(trainer, seed=2)
+        mask = batch["completion_mask"]
+        c = mask.shape[1]
+        pi = np.asarray(trainer.token_logprobs(batch, last=c))
+        ref = np.asarray(token_logprobs(reference, batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        positions=batch["positions"]))[:, -c:]
+        metrics = learner.update(batch, step=1, policy_moved=False)
+        np.testing.assert_allclose(seen[0]["ref_logp"] * mask, ref * mask, rtol=1e-5, atol=1e-5)
+        expected = np.sum(np.asarray(kl_penalty(pi, ref, "k3")) * mask) / mask.sum()
+        assert metrics["kl"] == pytest.approx(expected, rel=1e-3, abs=1e-7)
+        assert (metrics["kl"] > 1e-3) if ref_seed else (metrics["kl"] < 1e-6)
