@@ -61,3 +61,16 @@ def test_stored_topk_of_the_whole_vocabulary_is_the_full_teacher_loss(models):
     stored_sum, stored_n, _ = loss(student, {**batch, "teacher_logp": np.asarray(v), "teacher_ids": np.asarray(i)})
     assert float(stored_n) == float(full_n)
     np.testing.assert_allclose(float(stored_sum), float(full_sum), rtol=1e-4)
+
+
+def test_a_teacher_equal_to_the_student_agrees_everywhere_and_diverges_nowhere(models):
+    student, _ = models
+    batch = _batch(seed=2)
+    loss = make_logit_distill_loss(make_token_loss("forward_kl", alpha=1.0))
+    v, i = teacher_topk_fn(student, 4)(batch)
+    stored = {"teacher_logp": np.asarray(v), "teacher_ids": np.asarray(i)}
+    for frozen, extra in (({"teacher": student}, {}), (None, stored)):  # the full teacher, its stored top-k
+        _, n, m = loss(student, {**batch, **extra}, frozen)
+        agree, count = m["distill/top1_agreement"]
+        assert float(agree) == float(count) == float(n) == 18
+        assert abs(float(m["distill/divergence"][0])) < 1e-4
