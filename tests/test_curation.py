@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import write_toy_task
 
@@ -115,3 +116,22 @@ def test_cli_run_whose_every_record_gets_curated_finishes(tmp_path, compile_cach
     last = [r for r in rows if "loss" in r][-1]
     assert last["step"] == 6 and last["curation/exhausted_passes"] >= 1 and last["curation/leased_curated"] >= 8
     assert last["fleet/dropped/curated_never_solved"] >= 16
+
+
+def test_pass_rates_are_each_groups_fraction_of_correct_samples():
+    """What curation is fed: per uid, the fraction of its G samples that the correctness reward calls right
+    (>= 1), or with no such reward, that score above 0."""
+    from types import SimpleNamespace
+
+    from posttrain.rl.setup import RLRun
+
+    acc = np.array([1.0, 0.5, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0], np.float32)
+    total = np.array([0.2, 0.0, 0.0, 0.0, 0.3, 0.1, 0.0, -1.0], np.float32)
+    ro = Rollouts(group_size=4, record_index=[3] * 4 + [1] * 4, prompt_ids=[[1]] * 8, completion_ids=[[2]] * 8,
+                  logprobs=[[-0.5]] * 8, finish_reasons=["stop"] * 8, texts=["a"] * 8, prompts_text=["p"] * 8,
+                  rewards=total, per_reward={"acc": acc}, reward_stats={}, uid=[7] * 4 + [9] * 4,
+                  version_first=[0] * 8, version_last=[0] * 8)
+    for correctness, expected in (("acc", {7: 0.75, 9: 0.25}), (None, {7: 0.25, 9: 0.5})):
+        run = SimpleNamespace(cfg=SimpleNamespace(rewards=SimpleNamespace(correctness=correctness)))
+        run._correct = lambda r, run=run: RLRun._correct(run, r)
+        assert RLRun.pass_rates(run, ro) == expected
