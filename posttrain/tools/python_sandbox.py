@@ -2,14 +2,13 @@
 
 `run_python(code, limits)` starts `python -I -B` (isolated: no user site, no PYTHON* variables) in a fresh
 temporary folder with a minimal environment, under RLIMIT_CPU, RLIMIT_AS and RLIMIT_FSIZE and a wall-clock
-limit (the whole process group is killed past it). Before the snippet runs, a bootstrap installs an audit
+limit (the whole process group is killed past it, and the process dies with the one that started it). Before the snippet runs, a bootstrap installs an audit
 hook (`sys.addaudithook`, which cannot be removed) that refuses: opening or listing files outside the
 temporary folder (the interpreter's own library folders may be read, not written), starting processes
-(`os.system`, `exec*`, `spawn*`, `fork`, `subprocess`), sockets, `ctypes` (so packages that need it or `subprocess` at import, like sympy, are unavailable; numpy
-works), signals to other processes and
-environment changes. So the run's files (data, checkpoints, outputs) cannot be read or written. This is a
-best-effort sandbox for model-written code, not a security boundary against a determined attacker; run it in
-a container where that matters. stdout and stderr go to files outside the snippet's folder and are cut at
+(`os.system`, `exec*`, `spawn*`, `fork`, `subprocess`), sockets, `ctypes` and signals to other processes
+(numpy works; packages that need `ctypes` or `subprocess` when imported, such as sympy, do not). So the run's
+files (data, checkpoints, outputs) cannot be read or written. This is a best-effort sandbox for model-written
+code, not a security boundary against a determined attacker; run it in a container where that matters. stdout and stderr go to files outside the snippet's folder and are cut at
 `max_output_bytes` with a marker. Every problem comes back as text, never as an exception.
 """
 
@@ -23,7 +22,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from dataclasses import dataclass
 
 __all__ = ["PythonLimits", "python", "run_python"]
@@ -102,9 +100,24 @@ def _read_roots() -> list[str]:
     return sorted(roots)
 
 
+def _libc():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True)
+    except (OSError, ImportError):
+        return None
+
+
+_LIBC = _libc()
+_PR_SET_PDEATHSIG = 1
+
+
 def _limit(limits: PythonLimits):
     def apply():
         os.setsid()
+        if _LIBC is not None:  # killed with the process that started it (a tool worker killed at its timeout)
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
