@@ -160,7 +160,8 @@ class ChatTemplateAppender:
                 raise TemplateError(
                     f"chat template {self.name} is not prefix-preserving: an assistant turn ends with "
                     f"{self.end_of_turn!r} when last but with {tail[:len(self.end_of_turn) + 10]!r} when followed by "
-                    f"{label} (first difference at character {k}: {self.end_of_turn[k:k + 12]!r} vs {tail[k:k + 12]!r})")
+                    f"{label} (first difference at character {k}: {self.end_of_turn[k:k + 12]!r} vs "
+                    f"{tail[k:k + 12]!r})")
             if probe not in tail:
                 raise TemplateError(f"chat template {self.name} drops {label} that follows an assistant turn")
             if not longer.startswith(whole) and not any("re-renders" in f for f in self.fixes):

@@ -2,14 +2,16 @@
 
 `run_python(code, limits)` starts `python -I -B` (isolated: no user site, no PYTHON* variables) in a fresh
 temporary folder with a minimal environment, under RLIMIT_CPU, RLIMIT_AS and RLIMIT_FSIZE and a wall-clock
-limit (the whole process group is killed past it, and the process dies with the one that started it). Before the snippet runs, a bootstrap installs an audit
-hook (`sys.addaudithook`, which cannot be removed) that refuses: opening or listing files outside the
-temporary folder (the interpreter's own library folders may be read, not written), starting processes
-(`os.system`, `exec*`, `spawn*`, `fork`, `subprocess`), sockets, `ctypes` and signals to other processes
-(numpy works; packages that need `ctypes` or `subprocess` when imported, such as sympy, do not). So the run's
-files (data, checkpoints, outputs) cannot be read or written. This is a best-effort sandbox for model-written
-code, not a security boundary against a determined attacker; run it in a container where that matters. stdout and stderr go to files outside the snippet's folder and are cut at
-`max_output_bytes` with a marker. Every problem comes back as text, never as an exception.
+limit (the whole process group is killed past it, and the process dies with the one that started it).
+Before the snippet runs, a bootstrap installs an audit hook (`sys.addaudithook`, which cannot be removed)
+that refuses: opening or listing files outside the temporary folder (the interpreter's own library folders
+may be read, not written), starting processes (`os.system`, `exec*`, `spawn*`, `fork`, `subprocess`),
+sockets, `ctypes` and signals to other processes (numpy works; packages that need `ctypes` or `subprocess`
+when imported, such as sympy, do not). So the run's files (data, checkpoints, outputs) cannot be read or
+written. This is a best-effort sandbox for model-written code, not a security boundary against a determined
+attacker; run it in a container where that matters. stdout and stderr go to files outside the snippet's
+folder and are cut at `max_output_bytes` with a marker. Every problem comes back as text, never as an
+exception.
 """
 
 from __future__ import annotations
