@@ -210,3 +210,31 @@ def test_calls_run_concurrently(tools_file, tmp_path):
         assert [f.result()[0]["content"] for f in futures] == ["met"] * 3
     finally:
         pool.close()
+
+
+def _sandboxes() -> set[str]:
+    """Pids of running python-tool processes (their command line names their temporary folder)."""
+    import os
+
+    out = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"posttrain-python-tool-" in f.read():
+                    out.add(pid)
+        except OSError:
+            pass
+    return out
+
+
+def test_python_tool_process_dies_with_a_killed_tool_worker(pool):
+    before = _sandboxes()
+    tools = load_tools(["python"])
+    msg, rec = run_tool_call(tools, ToolCall("python", {"code": "import time\ntime.sleep(120)"}), timeout=3.0,
+                             max_output_chars=100, pool=pool)
+    assert rec.error == "timeout"
+    for _ in range(50):
+        if not _sandboxes() - before:
+            break
+        time.sleep(0.1)
+    assert not _sandboxes() - before

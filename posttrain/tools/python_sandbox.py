@@ -17,7 +17,6 @@ exception.
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -39,11 +38,26 @@ class PythonLimits:
     max_output_bytes: int = 16_384
 
 
-# Runs as `python -I -B -c BOOTSTRAP WORKDIR READ_ROOT...`: reads the snippet, then installs the hook.
+# Runs as `python -I -B -c BOOTSTRAP LIMITS WORKDIR READ_ROOT...`: sets the limits (hard ones, which the
+# snippet cannot raise again) and asks to die with its parent, reads the snippet, then installs the hook.
 _BOOTSTRAP = r'''
-import os, sys
-WORK = os.path.realpath(sys.argv[1])
-READ = tuple(os.path.realpath(p) for p in sys.argv[2:])
+import os, sys, resource, signal
+CPU, MEM, FSIZE = (int(x) for x in sys.argv[1].split(","))
+for what, soft, hard in ((resource.RLIMIT_CPU, CPU, CPU + 1), (resource.RLIMIT_AS, MEM, MEM),
+                         (resource.RLIMIT_FSIZE, FSIZE, FSIZE), (resource.RLIMIT_CORE, 0, 0)):
+    resource.setrlimit(what, (soft, hard))
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except Exception:
+    pass
+for name in [m for m in sys.modules if m == "ctypes" or m.startswith("ctypes.") or m == "_ctypes"]:
+    del sys.modules[name]
+ctypes = None
+if os.getppid() == 1:
+    sys.exit("the process that started this one is gone")
+WORK = os.path.realpath(sys.argv[2])
+READ = tuple(os.path.realpath(p) for p in sys.argv[3:])
 with open(os.path.join(WORK, "snippet.py"), encoding="utf-8") as f:
     SOURCE = f.read()
 os.remove(os.path.join(WORK, "snippet.py"))
@@ -102,31 +116,6 @@ def _read_roots() -> list[str]:
     return sorted(roots)
 
 
-def _libc():
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True)
-    except (OSError, ImportError):
-        return None
-
-
-_LIBC = _libc()
-_PR_SET_PDEATHSIG = 1
-
-
-def _limit(limits: PythonLimits):
-    def apply():
-        os.setsid()
-        if _LIBC is not None:  # killed with the process that started it (a tool worker killed at its timeout)
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
-
-
 def _read_cut(path: str, max_bytes: int) -> str:
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)
@@ -166,9 +155,10 @@ def run_python(code: str, limits: PythonLimits = PythonLimits()) -> str:
                "PYTHONIOENCODING": "utf-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                "MKL_NUM_THREADS": "1"}
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _BOOTSTRAP, work, *_read_roots()],
+            numbers = f"{limits.cpu_s},{limits.memory_bytes},{limits.file_bytes}"
+            proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _BOOTSTRAP, numbers, work, *_read_roots()],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=work, env=env,
-                                    preexec_fn=_limit(limits), close_fds=True)
+                                    start_new_session=True, close_fds=True)
             timed_out = False
             try:
                 proc.wait(timeout=limits.wall_s)
