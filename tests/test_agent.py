@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from test_chat_templates import FAMILIES, family_tokenizer
 
-from posttrain.agent import (ChatTemplateAppender, TemplateError, TokenBuffer, load_environment, parse_tool_calls,
-                             trajectory_reward)
+from posttrain.agent import (ChatTemplateAppender, TemplateError, TokenBuffer, load_environment, parse_error_messages,
+                             parse_tool_calls, trajectory_reward)
 from posttrain.loading import LoadError
 from posttrain.tools import ToolCall, ToolPool, load_tools, run_tool_call
 
@@ -44,6 +44,8 @@ def test_hermes_malformed_calls_are_parse_errors(text, why):
     got = parse_tool_calls(text + '<tool_call>{"name": "ok", "arguments": {}}</tool_call>')
     assert got.calls == [ToolCall("ok", {})]
     assert len(got.errors) == 1 and why in got.errors[0] and "\n" not in got.errors[0]
+    [(msg, rec)] = parse_error_messages(got)  # what the model is told, and what metrics count
+    assert msg["role"] == "tool" and why in json.loads(msg["content"])["error"] and rec.error == "parse"
 
 
 def test_llama3_calls():

@@ -4,9 +4,9 @@ The rollout loop that drives them (sampler slots, RL integration) is not wired i
 
 from posttrain.agent.buffer import TokenBuffer
 from posttrain.agent.environments import EnvironmentSpec, EnvSession, StepResult, load_environment, trajectory_reward
-from posttrain.agent.parsers import FORMATS, ParsedCalls, parse_tool_calls
+from posttrain.agent.parsers import FORMATS, ParsedCalls, parse_error_messages, parse_tool_calls
 from posttrain.agent.templates import ChatTemplateAppender, TemplateError, tool_response_text, tools_system_section
 
 __all__ = ["FORMATS", "ChatTemplateAppender", "EnvSession", "EnvironmentSpec", "ParsedCalls", "StepResult",
-           "TemplateError", "TokenBuffer", "load_environment", "parse_tool_calls", "tool_response_text",
+           "TemplateError", "TokenBuffer", "load_environment", "parse_error_messages", "parse_tool_calls", "tool_response_text",
            "tools_system_section", "trajectory_reward"]

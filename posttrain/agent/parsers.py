@@ -18,9 +18,13 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from posttrain.tools import ToolCall
+from posttrain.tools import ToolCall, ToolRecord, tool_message
+from posttrain.tools.execution import error_content
 
-__all__ = ["FORMATS", "ParsedCalls", "parse_tool_calls"]
+__all__ = ["FORMATS", "PARSE_ERROR_NAME", "ParsedCalls", "parse_error_messages", "parse_tool_calls"]
+
+#: The tool name of the message that tells the model a call could not be read.
+PARSE_ERROR_NAME = "invalid_tool_call"
 
 FORMATS = ("hermes", "llama3", "mistral")
 
@@ -126,3 +130,9 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> ParsedCalls:
     if fmt not in _PARSERS:
         raise ValueError(f"unknown tool-call format {fmt!r}; known: {list(FORMATS)}")
     return _PARSERS[fmt](text)
+
+
+def parse_error_messages(parsed: ParsedCalls) -> list[tuple[dict, ToolRecord]]:
+    """One tool message (`{"error": ...}` content) and one `parse` record per call that could not be read."""
+    return [(tool_message(PARSE_ERROR_NAME, error_content(f"could not read the tool call: {err}")),
+             ToolRecord(PARSE_ERROR_NAME, 0.0, "parse")) for err in parsed.errors]
