@@ -5,7 +5,6 @@ message and the caller goes on."""
 from __future__ import annotations
 
 import json
-import textwrap
 import time
 
 import pytest
