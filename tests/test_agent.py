@@ -241,6 +241,11 @@ def test_non_prefix_preserving_template_is_refused(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "broken.jinja" in msg and "not prefix-preserving" in msg
     assert "'<|im_end|>'" in msg and "'<|sep|>\\n" in msg and "first difference at character 2: 'im_end|>' vs 'sep|>" in msg
+    tok.hf.chat_template = NOT_PREFIX_PRESERVING.replace("loop.last", "loop.last or messages[loop.index0 + 1].role "
+                                                        "!= 'system'")  # passes the check, breaks after a system turn
+    ap = ChatTemplateAppender(tok, stop_ids=stops, name="sneaky")
+    with pytest.raises(TemplateError, match="sneaky ends the assistant turn with '<\\|sep\\|>"):
+        ap.append_ids([{"role": "system", "content": "Time is up."}], stops[0])
     tok.hf.chat_template = DROPS_TOOLS
     assert ChatTemplateAppender(tok, stop_ids=stops).tool_role == "user"  # auto: falls back to user turns
     with pytest.raises(TemplateError, match="drops a tool message"):

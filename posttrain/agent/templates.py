@@ -209,6 +209,9 @@ class ChatTemplateAppender:
     def append_text(self, new_messages: Sequence[dict], last_id: int | None) -> str:
         """The text to append after a model turn whose last sampled id is `last_id`."""
         tail = self._after_mark(self._render(self.base + self.convert(new_messages), True))
+        if not tail.startswith(self.end_of_turn):
+            raise TemplateError(f"chat template {self.name} ends the assistant turn with {tail[:40]!r} instead of "
+                                f"{self.end_of_turn!r} before these messages (roles {[m['role'] for m in new_messages]})")
         stop = self.stop_texts.get(int(last_id)) if last_id is not None else None
         return tail[len(stop):] if stop else tail
 
