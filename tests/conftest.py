@@ -9,6 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CLI turns JAX's persistent compilation cache on in ~/.cache; tests that run the CLI leave the user's alone.
 os.environ.setdefault("POSTTRAIN_COMPILE_CACHE", "0")
 
+import logging  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 #: GSM8K's JSONL splits, outside the repository: `../shared/data/gsm8k` from its root.
@@ -29,6 +32,33 @@ def require_data(folder: Path, name: str) -> Path:
 def gsm8k():
     """The GSM8K folder (train.jsonl, test.jsonl); see `require_data` for when it is missing."""
     return require_data(GSM8K_DIR, "test.jsonl")
+
+
+class _CurrentStderr:
+    """A stream that writes to whatever `sys.stderr` is when it is written to (a test's capture, or the real one)."""
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Libraries (transformers, huggingface_hub, torch, ray) give their loggers a StreamHandler bound to the
+    `sys.stderr` of the moment they are first imported: inside a test with `capsys` that is the test's capture,
+    closed when it ends, and every later log line of theirs became a "--- Logging error ---" traceback in
+    some other test's stderr (which test depended on the order). After each test, handlers left on a closed
+    stream write to the current `sys.stderr` instead, as they would in a process of their own."""
+    yield
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for handler in (h for lg in loggers for h in lg.handlers):
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
+            handler.__dict__.pop("flush", None)  # transformers pins `flush` to the old stream's
+            handler.stream = _CurrentStderr()
 
 
 @pytest.fixture(scope="session", autouse=True)

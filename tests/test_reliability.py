@@ -127,11 +127,16 @@ def test_damaged_latest_checkpoint_resumes_from_previous_with_same_losses(tiny, 
     # Damage step 6 (a file cut in half), and leave an unfinished save behind as a killed run would.
     victim = max((f for f in (ckpts / "6").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    damaged = victim.read_bytes()
     (ckpts / "7.orbax-checkpoint-tmp").mkdir()
     said: list[str] = []
     second = run_sft(_sft(tiny, out, *common), log=said.append)
     assert second.start_step == 4
     assert any("skipped step 6" in s for s in said), said
+    # moved aside as the README says (the damaged files kept for a look), and step 6 saved again
+    aside = ckpts / "6.unrestorable" / victim.relative_to(ckpts / "6")
+    assert aside.read_bytes() == damaged and (ckpts / "6").is_dir()
+    assert any("6.unrestorable" in s for s in said), said
     assert not list(ckpts.glob("*.orbax-checkpoint-tmp*"))
     # Steps 5 and 6 again from checkpoint 4: exactly the losses the first run had.
     np.testing.assert_array_equal([x for s, x in second.losses if s <= 6], [x for s, x in first.losses if s > 4])

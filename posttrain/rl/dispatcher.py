@@ -22,7 +22,10 @@ each publish: synchronous RL), and at consumption, where a group over the bound 
 
 Curation (RLAX): with `curation_window` k > 0, each record's pass rates of its last k trained groups are
 kept; a fresh uid whose record was solved always (or never) in all of its last k attempts is dropped
-with that reason instead of being leased.
+with that reason instead of being leased. When a whole pass of the stream finds every record curated (a
+small or too easy / too hard prompt set), nothing is left to lease: rather than wait forever, the
+dispatcher leases records again whatever their history (counted in `curation/exhausted_passes` and
+`curation/leased_curated`, said once in one line) until a trained group takes a record out of curation.
 
 Everything here is plain Python (no Ray, no JAX), so the same object serves the in-process source and the
 fleet, and its state (`state_dict`) goes into the trainer's checkpoint as JSON.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import sys
 import time
 from typing import Any, Callable
 
@@ -79,12 +83,13 @@ class Dispatcher:
       lease_timeout_s: a lease not completed by then goes back to the queue (`expire`).
       curation_window, skip_always_solved, skip_never_solved: curation (0 = off).
       clock: time source (tests pass a fake one).
+      say: where the one-line notice that every record is curated goes (default: stderr).
     """
 
     def __init__(self, num_records: int, *, seed: int = 0, shuffle: bool = True, batch_groups: int,
                  max_staleness: int = 0, lease_timeout_s: float = 600.0, curation_window: int = 0,
                  skip_always_solved: bool = True, skip_never_solved: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, say: Callable[[str], None] | None = None):
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
         if max_staleness < 0:
@@ -96,6 +101,8 @@ class Dispatcher:
         self.curation_window = int(curation_window)
         self.skip_always_solved, self.skip_never_solved = skip_always_solved, skip_never_solved
         self.clock = clock
+        self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.curation_exhausted = False  # every record is curated: lease them anyway (see the module docstring)
         self.next_uid = 0
         self.queue: list[int] = []  # re-queued uids, leased again first (lowest uid first)
         self.leases: dict[int, Lease] = {}
@@ -122,14 +129,33 @@ class Dispatcher:
         return max(0, self.batch_groups * (room + 1) - self.outstanding)
 
     def _fresh(self) -> tuple[int, int] | None:
+        skipped = 0
         while True:
             uid = self.next_uid
             self.next_uid += 1
             record = self.stream.record(uid)
             reason = self._curated(record)
+            # n skips in a row: check the whole set (any 2n consecutive uids hold a full pass of the stream)
+            if reason and not self.curation_exhausted and skipped and skipped % self.stream.n == 0:
+                self._check_exhausted()
             if reason is None:
                 return uid, record
+            if self.curation_exhausted:
+                self.counts["curation/leased_curated"] += 1
+                return uid, record
             self.counts[f"dropped/{reason}"] += 1
+            skipped += 1
+
+    def _check_exhausted(self) -> None:
+        if any(self._curated(r) is None for r in range(self.stream.n)):
+            return
+        self.curation_exhausted = True
+        first = not self.counts["curation/exhausted_passes"]
+        self.counts["curation/exhausted_passes"] += 1
+        if first:
+            self._say(f"curation: all {self.stream.n} training records are curated (solved in all or none of their "
+                      f"last {self.curation_window} trained groups); sampling them again, counted in "
+                      "curation/exhausted_passes. Use more prompts, a longer curation.window, or curation.window=0")
 
     def lease(self, worker: str, k: int) -> Lease | None:
         """Leases up to k groups (re-queued ones first) to `worker`; None when k < 1."""
@@ -226,6 +252,8 @@ class Dispatcher:
                 h = self.pass_history.setdefault(int(g.record_index[0]), [])
                 h.append(float(pass_rates[u]))
                 del h[: -self.curation_window]
+                if self._curated(int(g.record_index[0])) is None:
+                    self.curation_exhausted = False  # a record to train again: curation skips the others
         self.counts["trained"] += len(uids)
         return uids
 
@@ -252,6 +280,7 @@ class Dispatcher:
             "ready": {str(u): Rollouts.to_json(g) for u, g in sorted(ready.items())},
             "counts": dict(self.counts),
             "pass_history": {str(r): h for r, h in self.pass_history.items()},
+            "curation_exhausted": self.curation_exhausted,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,3 +292,4 @@ class Dispatcher:
         self.ready = {int(u): Rollouts.from_json(g) for u, g in state["ready"].items()}
         self.counts = collections.Counter(state.get("counts", {}))
         self.pass_history = {int(r): list(h) for r, h in state.get("pass_history", {}).items()}
+        self.curation_exhausted = bool(state.get("curation_exhausted", False))

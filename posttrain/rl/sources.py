@@ -78,6 +78,8 @@ class RolloutSource:
         for k, v in d.counts.items():
             if k.startswith(("requeued/", "dropped/")) or k == "duplicates":
                 out[f"fleet/{k}"] = float(v)
+            elif k.startswith("curation/"):
+                out[k] = float(v)
         return out
 
 
