@@ -46,6 +46,7 @@ def _one_line(text: str) -> str:
 
 
 def _schema(fn: Callable, what: str) -> dict:
+    # lazy: transformers (~0.6 s) loads only when a tool's schema is built
     from transformers.utils import get_json_schema
 
     try:
