@@ -267,24 +267,10 @@ def _kl_tokens(logp, ref_logp, valid_tok, kl_estimator: str):
     return kl_penalty(jnp.where(valid_tok, logp, 0.0), jnp.where(valid_tok, ref_logp, 0.0), kl_estimator)
 
 
-def policy_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    ratio_level: str = "token",
-    aggregation: str = "token_mean",
-    ref_logp=None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    max_tokens=None,
-    behaviour_logp=None,
-    is_level: str = "token",
-    is_cap: float = 2.0,
-):
+def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                ratio_level: str = "token", aggregation: str = "token_mean", ref_logp=None, beta: float = 0.0,
+                kl_estimator: str = "k3", max_tokens=None, behaviour_logp=None, is_level: str = "token",
+                is_cap: float = 2.0):
     """Clipped surrogate policy loss (to be minimised) and metrics.
 
     Token level (``ratio_level="token"``) -- PPO (Schulman et al. 2017, "Proximal Policy

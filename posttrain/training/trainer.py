@@ -359,7 +359,8 @@ class Trainer:
         arrays = _named_arrays(batch)
         sizes = {np.shape(v)[0] for v in arrays.values()}
         if len(sizes) != 1:
-            raise ValueError(f"batch arrays disagree on the batch size: { {k: np.shape(v) for k, v in arrays.items()} }")
+            shapes = {k: np.shape(v) for k, v in arrays.items()}
+            raise ValueError(f"batch arrays disagree on the batch size: {shapes}")
         b = sizes.pop() * (jax.process_count() if self.process_local_batches else 1)
         if b % rows_per_example:
             raise ValueError(f"batch size {b} is not a whole number of examples of {rows_per_example} rows")
