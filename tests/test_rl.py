@@ -141,6 +141,42 @@ def test_build_rl_batch_alignment():
     assert bucket_length(33) == 48 and bucket_length(5) == 16
 
 
+def test_learner_sets_proximal_and_reference_logprobs():
+    """The learner fills old_logp on every step (one batch structure for the jitted step): the behaviour
+    log-probs, or the training forward's once the policy moved and the correction is on (or always with
+    recompute); the reference's when there is one."""
+    from posttrain.rl.learner import Learner
+
+    ro = Rollouts(group_size=2, record_index=[0, 0], prompt_ids=[[5, 6], [4]], completion_ids=[[8, 9], [10]],
+                  logprobs=[[-0.5, -0.25], [-1.0]], finish_reasons=["stop"] * 2, texts=["", ""],
+                  prompts_text=["", ""], rewards=np.zeros(2, np.float32), per_reward={}, reward_stats={})
+    b = build_rl_batch(ro, np.array([0.5, -0.5]))
+    seen = []
+
+    class Scorer:
+        grad_accum = 1
+
+        def token_logprobs(self, inputs, last):
+            seen.append((sorted(inputs), last))
+            return np.full((len(inputs["input_ids"]), last), -3.0, np.float32)
+
+    def ref_fn(inputs, last):
+        return np.full((len(inputs["input_ids"]), last), -7.0, np.float32)
+
+    def learner(**kw):
+        return Learner(Scorer(), None, ppo_epochs=1, minibatches=1, seed=0, **kw)
+
+    kept = learner(recompute_old=False, correct_off_policy=True).score(b, policy_moved=False)
+    assert kept.old_logp is b.behaviour_logp and kept.ref_logp is None and not seen
+    moved = learner(recompute_old=False, correct_off_policy=True, ref_fn=ref_fn).score(b, policy_moved=True)
+    assert (moved.old_logp == -3.0).all() and (moved.ref_logp == -7.0).all()
+    assert moved.behaviour_logp is b.behaviour_logp
+    assert seen == [(["attention_mask", "input_ids", "positions"], 16)]
+    uncorrected = learner(recompute_old=False, correct_off_policy=False).score(b, policy_moved=True)
+    assert uncorrected.old_logp is b.behaviour_logp
+    assert (learner(recompute_old=True, correct_off_policy=False).score(b, policy_moved=False).old_logp == -3.0).all()
+
+
 def test_rl_loss_logprobs_equal_full_forward():
     """The loss scores completion tokens exactly as a plain forward + log-softmax does."""
     import jax

@@ -464,7 +464,7 @@ class Trainer:
         (LoRA models) scores with the adapters switched off: the base model, RL's reference policy.
 
         `last` = C returns only the last C tokens' log-probs [B, C], projecting the vocabulary at those
-        positions only: for an RL batch (`posttrain.rl.batch`), `last=batch["completion_mask"].shape[1]`
+        positions only: for an RL batch (`posttrain.rl.batch.RLBatch`), `last=batch.completion_len`
         gives the completion columns directly (what `completion_logprobs` slices out of the full result).
         """
         dev = self.put_batch(batch)  # read it with `distributed.to_host` (a collective with several processes)
