@@ -6,7 +6,7 @@ tokens (temperature 1, stop at eos id 2), a cheap deterministic reward on the co
 beta 0 (no reference model), one AdamW update (lr 1e-5, constant, clip 1.0), float32, full parameters.
 Model: a Llama-shaped HF checkpoint with random weights (vocab 8192, hidden 256, intermediate 768, 4 layers,
 4 heads, 2 KV heads, head_dim 64), written once with transformers/torch and loaded by both sides; the word
-tokenizer from `posttrain.tokenizer.build_tokenizer` is saved in the same folder.
+tokenizer from `posttrain.models.tokenizer.build_tokenizer` is saved in the same folder.
 
 How each side is timed (warm-up steps, which include our jit compiles, are dropped on both):
   * ours: `posttrain.rl.loop.run_rl` on a config built from overrides. s/step is the wall-clock between
@@ -68,7 +68,7 @@ def make_checkpoint(folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from posttrain.tokenizer import build_tokenizer
+    from posttrain.models.tokenizer import build_tokenizer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,

@@ -49,7 +49,7 @@ def make_checkpoint(folder: Path) -> Path:
     from posttrain.models.config import llama_like
     from posttrain.models.hf_io import save_pretrained
     from posttrain.models.transformer import init_model
-    from posttrain.tokenizer import build_tokenizer
+    from posttrain.models.tokenizer import build_tokenizer
 
     cfg = llama_like(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_layers=LAYERS,
                      num_heads=HEADS, num_kv_heads=KV, head_dim=HIDDEN // HEADS, max_position_embeddings=1024)

@@ -30,7 +30,7 @@ def encode(tok, records, system):
 
 def evaluate_set(sampler, tok, records, reward, system, max_new_tokens):
     from posttrain.rewards import RewardRunner
-    from posttrain.rl.evaluate import evaluate
+    from posttrain.eval.evaluate import evaluate
 
     ids = encode(tok, records, system)
     t = time.perf_counter()
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from posttrain.models import from_pretrained
     from posttrain.models.tiny import resolve_model_path
     from posttrain.sampling import Sampler
-    from posttrain.tokenizer import load
+    from posttrain.models.tokenizer import load
 
     path = resolve_model_path(args.model)
     model, tok = from_pretrained(path), load(path)

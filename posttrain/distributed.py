@@ -112,11 +112,6 @@ def logical_to_spec(logical_axes: Sequence[str | None] | None, shape: Sequence[i
     return PartitionSpec(*out)
 
 
-def sharding_for(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
-    axes = getattr(variable, "out_sharding", None)
-    return NamedSharding(mesh, logical_to_spec(axes, variable[...].shape, mesh))
-
-
 def sharding_for_axes(variable: nnx.Variable, shape, mesh: Mesh | None) -> NamedSharding | None:
     """NamedSharding of a parameter of `shape` on `mesh` by its logical axes (None without a mesh)."""
     if mesh is None:

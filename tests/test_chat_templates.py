@@ -10,7 +10,7 @@ import pytest
 
 from posttrain.data import encode_record, read_prompts
 from posttrain.rl.rollout import encode_prompt
-from posttrain.tokenizer import build_tokenizer
+from posttrain.models.tokenizer import build_tokenizer
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from posttrain import tokenizer as tk
+from posttrain.models import tokenizer as tk
 from posttrain.data import (DataError, DataFormatConfig, Example, encode_record,
                             encode_records, pack_examples, read_prompts, read_records)
 from posttrain.data.packing import first_fit_decreasing

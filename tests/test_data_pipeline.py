@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from posttrain import tokenizer as tk
+from posttrain.models import tokenizer as tk
 from posttrain.data import DataError, DataFormatConfig, build_sft_dataset, read_records
 
 DATA = Path(__file__).parent / "data"

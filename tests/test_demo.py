@@ -53,7 +53,7 @@ def test_reduced_demo_plumbing(tmp_path, capsys):
     assert rl_stage["mean_reward"] == pytest.approx(evals[-1]["eval/reward_mean"], abs=1e-6)
 
     # the final checkpoint in transformers: same greedy answers as ours on 20 held-out problems
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.models import from_pretrained
     from posttrain.sampling import Sampler, SamplingParams
 

@@ -34,7 +34,7 @@ def _cfg(out, splits, *overrides):
 def greedy_agreement(student_dir, teacher_dir, prompts, max_new_tokens=8) -> float:
     """The fraction of the teacher's greedy tokens (max_new_tokens after each held-out prompt) that the student,
     fed the same prefix, also ranks first."""
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.models.hf_io import from_pretrained
     from posttrain.sampling import Sampler, SamplingParams
 

@@ -37,7 +37,7 @@ def test_per_token_advantages():
 def test_different_vocabularies_is_a_clear_error(tmp_path, capsys):
     from posttrain.cli.main import main
     from posttrain.models.tiny import resolve_model_path
-    from posttrain.tokenizer import build_tokenizer
+    from posttrain.models.tokenizer import build_tokenizer
 
     teacher = tmp_path / "teacher"
     shutil.copytree(resolve_model_path("tiny:llama-small"), teacher)
@@ -56,7 +56,7 @@ def test_different_vocabularies_is_a_clear_error(tmp_path, capsys):
     # same tokenizer, another output size
     from posttrain.config import ConfigError
     from posttrain.distill.teacher import check_same_vocabulary
-    from posttrain.tokenizer import load
+    from posttrain.models.tokenizer import load
 
     tok = load(resolve_model_path("tiny:llama"))
     with pytest.raises(ConfigError, match="output vocabulary sizes differ \\(student 104, teacher 128\\)"):

@@ -1,4 +1,4 @@
-"""The evaluator (`posttrain.rl.evaluate`, shared by RL and `posttrain eval`): maj@k against enumeration of all
+"""The evaluator (`posttrain.eval.evaluate`, shared by RL and `posttrain eval`): maj@k against enumeration of all
 k-subsets, answer keys, evaluate's maj@k on scripted samples, and `posttrain eval` end to end on GSM8K."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_rl_options import ScriptedSampler as RLScriptedSampler
 
-from posttrain.rl.evaluate import answer_key, evaluate, maj_at_k, pass_at_k, per_problem
+from posttrain.eval.evaluate import answer_key, evaluate, maj_at_k, pass_at_k, per_problem
 
 
 def enumerated_maj_at_k(answers, correct, k):

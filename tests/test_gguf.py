@@ -163,7 +163,7 @@ def real(request):
     import transformers
 
     from posttrain.models.fetch import fetch
-    from posttrain.tokenizer import load
+    from posttrain.models.tokenizer import load
 
     torch.set_num_threads(1)  # on a shared 2-core machine torch's two spinning threads run ~10x slower than one
     path = fetch(request.param)
@@ -278,7 +278,7 @@ def test_smollm2_tokenizer_matches_transformers():
     import transformers
 
     from posttrain.models.fetch import fetch
-    from posttrain.tokenizer import load
+    from posttrain.models.tokenizer import load
 
     path = fetch("smollm2-135m-instruct")
     ours, ref = load(path), transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -300,7 +300,7 @@ def test_gemma_tokenizer_matches_sentencepiece():
 
     from posttrain.models.fetch import fetch
     from posttrain.models.gguf_io import GGUFCheckpoint
-    from posttrain.tokenizer import load
+    from posttrain.models.tokenizer import load
 
     path = fetch("gemma3-270m")
     ck, tok = GGUFCheckpoint(path), load(path)
@@ -334,7 +334,7 @@ def test_convert_output_loads_in_transformers(tmp_path):
 
     from posttrain.cli.main import main
     from posttrain.models.fetch import fetch
-    from posttrain.tokenizer import load
+    from posttrain.models.tokenizer import load
 
     path = fetch("smollm2-135m-instruct")
     assert main(["convert", str(path), str(tmp_path / "hf")]) == 0

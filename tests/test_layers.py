@@ -4,6 +4,7 @@ plain autodiff of tensordot, and the kernel switch's resolution."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -71,3 +72,38 @@ def test_kernel_switch_resolves_once_from_config_env_and_backend(monkeypatch):
         kernels.resolve("auto")
     with pytest.raises(ValueError, match="kernels="):
         llama_like(kernels="fast")
+
+
+def _dot_precisions(fn, *args) -> set:
+    """The `precision` of every dot_general in fn's jaxpr (nested jaxprs included), as strings."""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.add(str(eqn.params["precision"]))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_generic_float32_products_ask_for_highest_precision(compute_dtype):
+    """On GPU/TPU a float32 product runs in TF32 / bf16 passes unless asked otherwise (an H100 put float32 logits
+    3e-3..5e-3 from transformers'): the generic set traces float32 models at "highest", forward and backward;
+    bfloat16 compute and the cpu set keep the default."""
+    from posttrain.models.config import llama_like
+    from posttrain.models.transformer import init_model
+
+    ids = jnp.array([[1, 2, 3, 4]])
+    for kset, want_highest in (("generic", compute_dtype == "float32"), ("cpu", False)):
+        model = init_model(llama_like(kernels=kset, compute_dtype=compute_dtype), seed=0)
+        fwd = _dot_precisions(lambda i: model(i), ids)
+        grad = _dot_precisions(jax.grad(lambda e: model.logits(e).sum()),
+                               jnp.ones((1, 2, model.cfg.hidden_size), jnp.dtype(compute_dtype)))
+        for found in (fwd, grad):
+            assert found, "no product traced"
+            highest = {p for p in found if "HIGHEST" in p}
+            assert (highest == found) if want_highest else not highest, (kset, compute_dtype, found)

@@ -192,7 +192,7 @@ def test_commands_without_multi_host_support_refuse_several_processes(monkeypatc
 
 def test_each_process_reads_its_rows_of_every_global_batch(tiny_llama):
     """Process shares of every global batch, put together, are the one-process batches (same order)."""
-    from posttrain import tokenizer
+    from posttrain.models import tokenizer
     from posttrain.data import build_sft_dataset
 
     tok = tokenizer.load(tiny_llama)

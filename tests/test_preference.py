@@ -104,7 +104,7 @@ def test_dpo_config_is_typed_and_checked(tmp_path):
 # ---------------------------------------------------------------------- data
 @pytest.fixture(scope="module")
 def tok():
-    from posttrain import tokenizer as tokenizer_lib
+    from posttrain.models import tokenizer as tokenizer_lib
     from posttrain.models.tiny import resolve_model_path
 
     return tokenizer_lib.load(resolve_model_path("tiny:llama"))

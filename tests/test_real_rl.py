@@ -21,7 +21,7 @@ def test_recipe_two_steps_on_the_real_model(tmp_path):
     from posttrain.models import from_pretrained
     from posttrain.models.fetch import fetch
     from posttrain.rl.loop import load_rl_config, run_rl
-    from posttrain.tokenizer import load
+    from posttrain.models.tokenizer import load
 
     torch.set_num_threads(1)
     cfg = load_rl_config(REPO / "configs/smollm2_rl_cpu.yaml", [

@@ -1,7 +1,12 @@
 """RewardRunner / load_reward: failures become failure_value with counts (never a crash),
 missing data set fields fail fast, and math_answer works inside the process pool."""
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 import time
@@ -209,3 +214,46 @@ def test_gsm8k_golds_through_pool(gsm8k):
     assert per["math_answer"][: len(rows)].sum() == len(rows)
     assert per["math_answer"][len(rows):].sum() == 0
     assert stats["reward/math_answer/failures"] == 0
+
+
+OWNER = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import psutil
+    from posttrain.rewards import RewardRunner, RewardSpec
+
+    if __name__ == "__main__":
+        runner = RewardRunner([RewardSpec("sleepy", sys.argv[1] + ":sleepy")], timeout_s=None, num_workers=1)
+        threading.Thread(target=runner.score, args=(["p"], ["slow"], {}), daemon=True).start()
+        time.sleep(3)  # the call is running (and sleeps 60 s) in the worker
+        print(json.dumps([c.pid for c in psutil.Process().children(recursive=True)]), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_a_busy_worker_ends_when_its_owner_is_killed(faulty, tmp_path):
+    """SIGKILL of the process that owns the pool while a reward call hangs: the worker (a child of the fork
+    server, which nothing else tells) ends within seconds, not when the call would have returned."""
+    import psutil
+
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    p = subprocess.Popen([sys.executable, str(script), faulty], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        pids = json.loads(p.stdout.readline())
+        procs = [psutil.Process(pid) for pid in pids]
+        assert len(procs) >= 2, pids  # the fork server and the worker (and a resource tracker)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        end = time.monotonic() + 10
+        alive = procs
+        while alive and time.monotonic() < end:
+            alive = [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+            time.sleep(0.2)
+        assert not alive, [(c.pid, c.cmdline()) for c in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()

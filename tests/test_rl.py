@@ -10,7 +10,7 @@ from conftest import write_toy_task
 
 from posttrain.config import ConfigError
 from posttrain.rl.batch import build_rl_batch, bucket_length
-from posttrain.rl.evaluate import pass_at_k
+from posttrain.eval.evaluate import pass_at_k
 from posttrain.rl.dispatcher import PromptStream
 from posttrain.rl.loop import load_rl_config, run_rl
 from posttrain.rl.rollout import Rollouts

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_rl import toy  # noqa: F401 - the toy task fixture (reward: letters 'a' in the completion)
 
-from posttrain.rl.evaluate import evaluate, pass_at_k
+from posttrain.eval.evaluate import evaluate, pass_at_k
 from posttrain.rl.loop import load_rl_config, run_rl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def test_cli_rl_chat_prompts_and_qlora_resume(tmp_path, monkeypatch, capsys):
     """`posttrain rl configs/rl_smoke.yaml` with QLoRA on string prompts rendered with the chat template and a
     system prompt, held-out pass@2 at the end; the same run stopped after step 1 and resumed through `run_rl`
     logs the same step 2 (loss, rewards, evaluation), and metrics.jsonl holds the values the run returned."""
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.cli.main import main
     from posttrain.models.tiny import resolve_model_path
 

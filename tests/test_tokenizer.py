@@ -1,11 +1,11 @@
-"""Tests for posttrain.tokenizer: the local char tokenizer, loading, EOS/PAD handling."""
+"""Tests for posttrain.models.tokenizer: the local char tokenizer, loading, EOS/PAD handling."""
 
 import json
 
 import pytest
 from transformers import AutoTokenizer
 
-from posttrain import tokenizer as tk
+from posttrain.models import tokenizer as tk
 
 
 def c(ch: str) -> int:

@@ -21,6 +21,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from posttrain.algorithms.protocol import uses_frozen
+from posttrain.algorithms.sft import token_logprobs
+
 __all__ = [
     "dpo_sigmoid_loss", "ipo_loss", "hinge_loss", "robust_dpo_loss", "cdpo_loss", "simpo_loss",
     "orpo_odds_ratio_loss", "log1mexp", "PairLogps", "PreferenceLoss", "DPO", "IPO", "Hinge", "RobustDPO", "CDPO",
@@ -264,8 +267,6 @@ REFERENCE_SOURCES = tuple(r.value for r in ReferenceSource)
 
 def sequence_logps(model, batch, chunk_size: int | None = None):
     """(Σ response-token log-probs [R], response lengths [R]) of every row of a preference batch."""
-    from posttrain.algorithms.sft import token_logprobs
-
     lp = token_logprobs(model, batch["input_ids"], attention_mask=batch.get("attention_mask"),
                         positions=batch.get("positions"), chunk_size=chunk_size)
     m = batch["loss_mask"][:, 1:].astype(jnp.float32)
@@ -361,8 +362,6 @@ class PreferenceLossFn:
 def make_preference_loss(spec: PreferenceLoss, *, reference: str = "reference", chunk_size: int | None = None,
                          nll_on_prompt: bool = False):
     """The trainer loss for `spec` (a `uses_frozen` loss when it reads a frozen reference model)."""
-    from posttrain.training.trainer import uses_frozen
-
     reference = ReferenceSource.of(reference)
     fn = PreferenceLossFn(spec, reference if spec.needs_reference else ReferenceSource.NONE, chunk_size or None,
                           nll_on_prompt)

@@ -17,12 +17,12 @@ def run(args) -> int:
 
     from posttrain.models.fetch import FetchError
     from posttrain.models.tiny import resolve_model_path
-    from posttrain.tokenizer import TokenizerError
+    from posttrain.models.tokenizer import TokenizerError
 
     try:
         from posttrain.models import from_pretrained, save_pretrained
         from posttrain.models.gguf_io import is_gguf_path
-        from posttrain.tokenizer import load
+        from posttrain.models.tokenizer import load
 
         path = resolve_model_path(args.model)
         if not is_gguf_path(path):

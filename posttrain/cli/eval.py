@@ -2,7 +2,7 @@
 
     posttrain eval --model DIR --data FILE --reward math_answer --n 8 --temperature 0.6 [--chat] [--limit N]
 
-The evaluator is RL's held-out evaluator (`posttrain.rl.evaluate`): the same sampling, rewards and
+The evaluator is RL's held-out evaluator (`posttrain.eval.evaluate`): the same sampling, rewards and
 estimators. Writes one JSONL row per problem (the greedy completion, the n samples with their answers and
 correctness, the problem's pass@k / maj@k) to `--output`, the summary next to it (`.summary.json`), and
 prints a summary table.
@@ -120,11 +120,11 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.data import read_prompts
     from posttrain.models import from_pretrained
     from posttrain.rewards.runner import RewardRunner, RewardSpec
-    from posttrain.rl.evaluate import evaluate, per_problem
+    from posttrain.eval.evaluate import evaluate, per_problem
     from posttrain.rl.rollout import encode_prompt
     from posttrain.sampling import Sampler
 

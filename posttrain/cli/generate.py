@@ -97,7 +97,7 @@ def run(args) -> int:
     except ValueError as e:
         return fail(str(e))
 
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.models import from_pretrained
     from posttrain.models.hf_io import resolve_path
     from posttrain.models.tiny import resolve_model_path

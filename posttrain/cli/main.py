@@ -52,7 +52,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from posttrain.models.hf_io import CheckpointError
     from posttrain.rewards.checks import RewardDataError, RewardFailedError
     from posttrain.rl.fleet.cluster import FleetError
-    from posttrain.tokenizer import TokenizerError
+    from posttrain.models.tokenizer import TokenizerError
     from posttrain.training.errors import CheckpointSaveError, ResumeError, TrainingDivergedError
     from posttrain.training.runlock import RunLockError
 

@@ -52,10 +52,6 @@ class PreferenceFormat:
     add_eos: bool = True
 
 
-def _is_messages(x: Any) -> bool:
-    return isinstance(x, list)
-
-
 def _check_messages(x: Any, field: str, where: str) -> list[dict]:
     return check_messages(x, field, where, or_string=True)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 from urllib.parse import parse_qsl
 
+from posttrain.data.errors import DataError
+
 PREFIX = "reasoning_gym:"
 
 
@@ -30,8 +32,6 @@ def _value(text: str):
 
 def parse_source(spec: str) -> tuple[str, dict]:
     """(task, create_dataset keyword arguments) of a `reasoning_gym:TASK?size=N&seed=S&...` string."""
-    from posttrain.data.sources import DataError
-
     task, _, query = spec.removeprefix(PREFIX).partition("?")
     if not task:
         raise DataError(f"{spec!r}: no task named; expected reasoning_gym:TASK?size=N&seed=S")
@@ -45,8 +45,6 @@ def parse_source(spec: str) -> tuple[str, dict]:
 def dataset(spec: str):
     """The reasoning-gym dataset of a source string (cached: entries are generated lazily by index)."""
     import reasoning_gym
-
-    from posttrain.data.sources import DataError
 
     task, kwargs = parse_source(spec)
     try:

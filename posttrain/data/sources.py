@@ -15,11 +15,10 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from posttrain.data import reasoning_gym
+from posttrain.data.errors import DataError
+
 __all__ = ["DataError", "read_records", "read_prompts", "source_name"]
-
-
-class DataError(ValueError):
-    """A data problem: unreadable/malformed source, empty data set, missing field."""
 
 
 class RecordList(list):
@@ -172,8 +171,6 @@ def read_records(path_or_name: str | os.PathLike, split: str | None = None) -> l
     (default 'train' or the only one). An empty data set is a DataError.
     """
     src = source_name(path_or_name, split)
-    from posttrain.data import reasoning_gym
-
     if reasoning_gym.is_reasoning_gym_source(path_or_name):  # generated problems with their own checkers
         return RecordList(reasoning_gym.records(str(path_or_name)), str(path_or_name))
     path = Path(path_or_name)

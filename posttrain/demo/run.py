@@ -52,7 +52,7 @@ def build_base_model(out: Path, s: DemoSettings, seed: int) -> Path:
     from posttrain.models.config import llama_like
     from posttrain.models.hf_io import save_pretrained
     from posttrain.models.transformer import init_model
-    from posttrain.tokenizer import build_tokenizer
+    from posttrain.models.tokenizer import build_tokenizer
 
     folder = out / "model_init"
     tok = build_tokenizer(folder)
@@ -96,11 +96,11 @@ def rl_config(out: Path, model: Path, s: DemoSettings, seed: int) -> dict:
 
 def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int) -> dict:
     """Greedy held-out accuracy and mean reward of a HF checkpoint (the RL evaluator, `math_answer`)."""
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.data import read_prompts
     from posttrain.models.hf_io import from_pretrained
     from posttrain.rewards.runner import RewardRunner, RewardSpec
-    from posttrain.rl.evaluate import evaluate
+    from posttrain.eval.evaluate import evaluate
     from posttrain.rl.rollout import encode_prompt
     from posttrain.sampling import Sampler
 

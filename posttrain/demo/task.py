@@ -53,33 +53,3 @@ def write_jsonl(records: list[dict], path: Path) -> Path:
         for r in records:
             f.write(json.dumps(r) + "\n")
     return path
-
-
-def make_preference_pair(rng: random.Random, max_operand: int = 99, terms: int = 3) -> dict:
-    """A preference pair on the task: chosen = the worked, correct solution; rejected = a wrong answer, either
-    stated without working (`kind` "direct") or worked with a slip in the last sum (`kind` "slip")."""
-    p = make_problem(rng, max_operand=max_operand, terms=terms)
-    total = int(p["answer"])
-    wrong = total + rng.choice([-10, -2, -1, 1, 2, 10])
-    if rng.random() < 0.5:
-        kind, rejected = "direct", f"#### {wrong}"
-    else:
-        kind = "slip"
-        head, _, _ = p["completion"].rpartition("=")
-        rejected = f"{head}={wrong} #### {wrong}"
-    return {"prompt": p["prompt"], "chosen": p["completion"], "rejected": rejected, "kind": kind}
-
-
-def make_preference_splits(seed: int, n_train: int, n_eval: int, **kw) -> tuple[list[dict], list[dict]]:
-    """Disjoint train and held-out preference pairs (held-out prompts never appear in train)."""
-    rng = random.Random(seed)
-    eval_set: dict[str, dict] = {}
-    while len(eval_set) < n_eval:
-        p = make_preference_pair(rng, **kw)
-        eval_set.setdefault(p["prompt"], p)
-    train: list[dict] = []
-    while len(train) < n_train:
-        p = make_preference_pair(rng, **kw)
-        if p["prompt"] not in eval_set:
-            train.append(p)
-    return train, list(eval_set.values())

@@ -52,7 +52,7 @@ def heldout_metrics(trainer, batches: list[dict], loss_fn) -> dict[str, float]:
 def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
               log: Callable[[str], None] | None = None) -> LogitResult:
     """Runs (or resumes) logit distillation as `cfg` (a `DistillConfig` with mode=logit) says."""
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.algorithms.distill import make_token_loss
     from posttrain.config import ConfigError
     from posttrain.data import build_sft_dataset

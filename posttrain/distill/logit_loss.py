@@ -47,7 +47,7 @@ def logit_distill_loss(model, batch: dict[str, jax.Array], frozen: dict | None =
 
     Metrics (per target token): distill/divergence (T^2 D), distill/ce, distill/top1_agreement (the student's
     most likely next token is the teacher's). `frozen`: {"teacher": model} (the trainer passes it into the
-    compiled step, `posttrain.training.trainer.uses_frozen`), or None with the stored top-k in the batch."""
+    compiled step, `posttrain.algorithms.protocol.uses_frozen`), or None with the stored top-k in the batch."""
     teacher = (frozen or {}).get("teacher")
     ids = batch["input_ids"]
     kw = dict(attention_mask=batch.get("attention_mask"), positions=batch.get("positions"),

@@ -31,7 +31,7 @@ class OnPolicyDistillRun(RLRun):
     """An RL run whose advantages are the teacher's per-token log-ratio (module docstring)."""
 
     def __init__(self, dcfg):
-        from posttrain import tokenizer as tok_lib
+        from posttrain.models import tokenizer as tok_lib
         from posttrain.config import ConfigError
         from posttrain.distill.teacher import check_same_vocabulary, teacher_folder
         from posttrain.models.hf_io import resolve_path

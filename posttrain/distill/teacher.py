@@ -42,7 +42,7 @@ def check_same_vocabulary(student_tok, teacher_tok, *, student: str, teacher: st
 def load_teacher(cfg, student_tok, student_vocab: int, mesh=None):
     """The frozen teacher model (no LoRA, no optimizer state; the run skeleton's `frozen_copy` with the
     teacher's checkpoint and dtypes), after the vocabulary checks (the tokenizers before any weight is read)."""
-    from posttrain import tokenizer as tok_lib
+    from posttrain.models import tokenizer as tok_lib
     from posttrain.training.run import frozen_copy
 
     t = cfg.teacher

@@ -58,14 +58,6 @@ def cache_dir() -> Path:
     return Path(base).expanduser() if base else Path.home() / ".cache" / "posttrain" / "models"
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _stamp(path: Path) -> str:
     st = path.stat()
     return f"{st.st_size} {st.st_mtime_ns}"

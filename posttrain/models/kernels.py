@@ -171,6 +171,15 @@ class GenericKernels:
         """The `jax.checkpoint` policy of `ModelConfig.remat` (none | full | dots | dots_no_batch) for this set."""
         return _REMAT_POLICIES[remat]
 
+    def matmul_precision(self, compute_dtype: str) -> str | None:
+        """The matmul precision a model's products are traced under (`jax.default_matmul_precision`).
+
+        float32 compute asks for "highest": XLA:GPU otherwise runs float32 products in TF32 (and TPUs in
+        bfloat16 passes), which put an H100's float32 logits 3e-3..5e-3 from transformers' (measured with the
+        parity tests; "highest" brings them within 1e-4). bfloat16/float16 compute keeps the backend's default.
+        """
+        return "highest" if compute_dtype == "float32" else None
+
     # -------------------------------------------------------------- products
     def contract(self, x, w, n_in: int, out_dtype=None):
         """x [..., *in] @ w [*in, *out] -> [..., *out], accumulated and returned in `out_dtype` (`product`)."""
@@ -319,6 +328,9 @@ class CpuKernels(GenericKernels):
     def contract(self, x, w, n_in: int, out_dtype=None):
         # The custom_vjp call hides its product from remat policies: the name lets "dots" policies save it.
         return checkpoint_name(contract_cpu(x, w, n_in, out_dtype), LINEAR_NAME)
+
+    def matmul_precision(self, compute_dtype: str) -> str | None:
+        return None  # XLA:CPU computes float32 products in float32 whatever the precision asked
 
     def remat_policy(self, remat: str):
         policy = _REMAT_POLICIES[remat]

@@ -53,7 +53,7 @@ def resolve_model_path(spec: str | os.PathLike, cache_dir: str | os.PathLike | N
         return spec
     from posttrain.models.hf_io import save_pretrained
     from posttrain.models.transformer import init_model
-    from posttrain.tokenizer import build_tokenizer
+    from posttrain.models.tokenizer import build_tokenizer
 
     root = Path(cache_dir or os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain" / "tiny"))
     out = root / f"{spec.removeprefix('tiny:')}-seed{seed}"

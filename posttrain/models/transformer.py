@@ -13,6 +13,8 @@ with the generic kernel set (`posttrain.models.kernels`) cached calls of many to
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -64,6 +66,16 @@ class Block(nnx.Module):
             x = x + h
             h = self.mlp(self.post_attention_layernorm(x))
         return x + h, new_cache
+
+
+def _traced_at_model_precision(method):
+    """Traces a model method under its kernel set's matmul precision (float32 compute stays float32 on GPU/TPU)."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with jax.default_matmul_precision(kernels_lib.get(self.cfg).matmul_precision(self.cfg.compute_dtype)):
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 class Transformer(nnx.Module):
@@ -119,6 +131,7 @@ class Transformer(nnx.Module):
         them so that no step slices the stacked weights again)."""
         return _unstack(nnx.split(self.layers)[1], self.cfg.num_layers)
 
+    @_traced_at_model_precision
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
                       layer_states=None):
         """Final-norm hidden states [B, T, D] (compute dtype), and the updated cache when one is given.
@@ -193,6 +206,7 @@ class Transformer(nnx.Module):
             return self.embed_tokens.embedding[...].T
         return self.lm_head.base_kernel()
 
+    @_traced_at_model_precision
     def logits(self, h: jax.Array) -> jax.Array:
         """float32 logits from final hidden states (with Gemma's final soft-capping)."""
         cfg = self.cfg

@@ -16,12 +16,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["flat_weights", "load_flat_weights", "to_host", "nbytes"]
+__all__ = ["flat_weights", "load_flat_weights", "to_host", "nbytes", "path_names"]
+
+
+def path_names(path) -> list[str]:
+    """Plain names of a jax key path (dict keys, attribute names, sequence indices)."""
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+    return out
 
 
 def _key(path) -> str:
-    from posttrain.training.optim import path_names
-
     return "/".join(n for n in path_names(path) if n != "value")
 
 

@@ -61,10 +61,6 @@ class Rollouts:
         return Rollouts(group_size=self.group_size, rewards=self.rewards[idx],
                         per_reward={k: v[idx] for k, v in self.per_reward.items()}, reward_stats=reward_stats, **lists)
 
-    def select_groups(self, keep: np.ndarray) -> "Rollouts":
-        """Only the groups where `keep` [num_groups] is True (the reward statistics stay those of the whole)."""
-        return self._pick([i for i in range(len(self)) if keep[i // self.group_size]], self.reward_stats)
-
     def groups(self) -> list["Rollouts"]:
         """One `Rollouts` per group: each keeps the means of the reward statistics and the first carries the
         failure and timeout counts, so `concat` (`merge_stats`) gives back the whole's statistics."""

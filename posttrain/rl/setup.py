@@ -24,6 +24,7 @@ import numpy as np
 
 from posttrain.rl.batch import RLBatch, build_rl_batch
 from posttrain.rl.config import RLConfig
+from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rl.rollout import Rollouts
 
 __all__ = ["RLRun", "RLResult"]
@@ -36,20 +37,6 @@ class RLResult:
     history: list[dict[str, float]]
     evals: list[dict[str, Any]]
     hf_dir: Path | None
-
-
-def _reward_runner(cfg: RLConfig, preset: dict):
-    from posttrain.rewards.length import overlong_penalty
-    from posttrain.rewards.runner import RewardRunner, RewardSpec
-
-    specs = [dataclasses.replace(RewardSpec.coerce(r.name), weight=r.weight, kwargs=dict(r.kwargs))
-             for r in cfg.rewards.functions]
-    if preset.get("overlong_penalty") and not any(r.name == "overlong_penalty" for r in cfg.rewards.functions):
-        budget = cfg.rollout.max_new_tokens
-        cache = max(1, int(round(preset.get("overlong_cache_fraction", 0.2) * budget)))
-        specs.append(RewardSpec(name="overlong_penalty", fn=overlong_penalty(budget, cache), weight=1.0))
-    return RewardRunner(specs, timeout_s=cfg.rewards.timeout_s, failure_value=cfg.rewards.failure_value,
-                        num_workers=cfg.rewards.num_workers, max_failed_calls=cfg.rewards.max_failed_steps)
 
 
 def _encode_all(tok, records, cfg: RLConfig) -> list[list[int]]:
@@ -115,7 +102,6 @@ class RLRun:
         from posttrain.rl.dispatcher import Dispatcher
         from posttrain.rl.learner import FrozenScorer, Learner
         from posttrain.rl.loss import make_rl_loss
-        from posttrain.sampling import SamplingParams
 
         run = self.run
         self.preset = preset = cfg.algorithm.resolved()
@@ -128,7 +114,7 @@ class RLRun:
         kw = policy_loss_kwargs(cfg, preset)
 
         # rewards first: a data set without a field a reward needs fails before any model is loaded
-        self.runner = _reward_runner(cfg, preset)
+        self.runner = reward_runner(cfg.rewards, cfg.rollout, preset)
         self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
         self.runner.check_records(self.records)
         self.eval_records = None
@@ -160,9 +146,7 @@ class RLRun:
                                      max_staleness=fc.max_staleness if fc.enabled else 0,
                                      lease_timeout_s=fc.lease_timeout_s, curation_window=cc.window,
                                      skip_always_solved=cc.skip_always_solved, skip_never_solved=cc.skip_never_solved)
-        self.sampling_params = SamplingParams(
-            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k, n=g, stop_token_ids=cfg.rollout.stop_token_ids, seed=cfg.trainer.seed % 2**32)
+        self.sampling_params = rollout_sampling_params(cfg.rollout, cfg.trainer.seed)
 
     @property
     def ckpt(self):
@@ -259,7 +243,7 @@ class RLRun:
 
     def evaluate(self, step: int) -> None:
         """Held-out greedy accuracy (and pass@k) with the trainer's current weights."""
-        from posttrain.rl.evaluate import evaluate
+        from posttrain.eval.evaluate import evaluate
 
         if self.eval_records is None:
             return

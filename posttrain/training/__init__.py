@@ -10,11 +10,11 @@ import importlib
 
 _EXPORTS = {
     "Trainer": "posttrain.training.trainer",
-    "LossFn": "posttrain.training.trainer",
+    "LossFn": "posttrain.algorithms.protocol",
     "flops_per_token": "posttrain.training.trainer",
-    "reduce_metrics": "posttrain.training.trainer",
-    "uses_frozen": "posttrain.training.trainer",
-    "UsesFrozen": "posttrain.training.trainer",
+    "reduce_metrics": "posttrain.algorithms.protocol",
+    "uses_frozen": "posttrain.algorithms.protocol",
+    "UsesFrozen": "posttrain.algorithms.protocol",
     "Run": "posttrain.training.run",
     "FitResult": "posttrain.training.run",
     "build_model": "posttrain.training.run",

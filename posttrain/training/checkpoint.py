@@ -35,7 +35,7 @@ import numpy as np
 
 from posttrain import distributed
 from posttrain.training.errors import CheckpointSaveError, ResumeError
-from posttrain.training.optim import path_names
+from posttrain.models.weights import path_names
 
 __all__ = ["Checkpointer", "CheckpointSaveError", "ResumeError", "tree_to_nested", "nested_to_tree"]
 

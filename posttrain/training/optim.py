@@ -13,6 +13,7 @@ from typing import Any, Callable
 import jax
 import optax
 
+from posttrain.models.weights import path_names
 from posttrain.training.config import OptimConfig
 
 __all__ = ["make_schedule", "decay_mask", "make_optimizer", "path_names"]
@@ -35,17 +36,6 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     if warm <= 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
-
-
-def path_names(path) -> list[str]:
-    """Plain names of a jax key path (dict keys, attribute names, sequence indices)."""
-    out = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                out.append(str(getattr(k, attr)))
-                break
-    return out
 
 
 def _decays(names: list[str], leaf: Any, decay_embeddings: bool) -> bool:

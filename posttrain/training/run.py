@@ -167,7 +167,7 @@ class Run:
     def tokenizer(self):
         """The checkpoint's tokenizer (loaded once): data can be encoded and checked before any model loads."""
         if self.tok is None:
-            from posttrain import tokenizer as tokenizer_lib
+            from posttrain.models import tokenizer as tokenizer_lib
 
             self.tok = tokenizer_lib.load(self.model_folder())
         return self.tok

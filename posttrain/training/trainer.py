@@ -47,7 +47,6 @@ either the whole global batch on every process (RL: each process holds all rollo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Callable
 
@@ -59,42 +58,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import distributed
+from posttrain.algorithms.protocol import LossFn, UsesFrozen, reduce_metrics, uses_frozen
 from posttrain.models import lora as lora_lib
+from posttrain.models.weights import path_names
 
 __all__ = ["LossFn", "Trainer", "reduce_metrics", "flops_per_token", "uses_frozen", "UsesFrozen"]
-
-LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array, dict[str, Any]]]
-
-
-def reduce_metrics(metrics: dict[str, Any]) -> dict[str, jax.Array]:
-    """Turns accumulated metrics into values: a (num, den) pair becomes num / den, a scalar stays."""
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, (tuple, list)):
-            num, den = v
-            out[k] = jnp.asarray(num, jnp.float32) / jnp.maximum(jnp.asarray(den, jnp.float32), 1e-12)
-        else:
-            out[k] = jnp.asarray(v, jnp.float32)
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class UsesFrozen:
-    """A loss that also takes frozen models: called `fn(model, batch, frozen)`, `frozen` = {name: model}
-    for `names` (see the module docstring). Hashable, so the trainer's compile cache keys on it."""
-
-    fn: Callable
-    names: tuple[str, ...]
-    rows_per_example: int = 1
-
-    def __call__(self, model, batch, frozen):
-        return self.fn(model, batch, frozen)
-
-
-def uses_frozen(fn: Callable, *names: str, rows_per_example: int = 1) -> UsesFrozen:
-    """Marks `fn(model, batch, frozen)` as a loss over the trainer's frozen models `names` ("base" = the
-    LoRA model with adapters off); `rows_per_example` keeps that many consecutive rows in one micro-batch."""
-    return UsesFrozen(fn, tuple(names), int(rows_per_example))
 
 
 def _as_f32(tree):
@@ -226,7 +194,7 @@ class Trainer:
         rep = NamedSharding(self.mesh, PartitionSpec())
 
         def pick(path, leaf):
-            names = tuple(_names(path))
+            names = tuple(path_names(path))
             # An optimizer-state leaf whose path ends with a parameter's path mirrors that parameter.
             for n in range(len(names)):
                 x = flat_params.get(names[n:])
@@ -489,12 +457,6 @@ def _named_arrays(batch) -> dict[str, Any]:
             for path, v in jax.tree_util.tree_flatten_with_path(batch)[0]}
 
 
-def _names(path) -> list[str]:
-    from posttrain.training.optim import path_names
-
-    return path_names(path)
-
-
 def _flat_with_names(tree):
-    return [(_names(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [(path_names(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 

@@ -20,9 +20,9 @@ __all__ = ["RolloutWorker"]
 
 class RolloutWorker:
     def __init__(self, cfg, name: str, param_server):
-        from posttrain import tokenizer as tok_lib
-        from posttrain.rl.setup import _reward_runner
-        from posttrain.sampling import Sampler, SamplingParams
+        from posttrain.models import tokenizer as tok_lib
+        from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
+        from posttrain.sampling import Sampler
         from posttrain.training.sft import build_model
 
         self.name, self.ps = name, param_server
@@ -30,10 +30,8 @@ class RolloutWorker:
         model, folder = build_model(cfg)  # the trainer's structure (LoRA included), on this process's devices
         b, g = cfg.rollout.batch_prompts, cfg.rollout.group_size
         self.sampler = Sampler(model, tok_lib.load(folder), max_slots=cfg.rollout.max_slots or b * g)
-        self.runner = _reward_runner(cfg, cfg.algorithm.resolved())
-        r = cfg.rollout
-        self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                     top_k=r.top_k, n=g, stop_token_ids=r.stop_token_ids, seed=cfg.trainer.seed % 2**32)
+        self.runner = reward_runner(cfg.rewards, cfg.rollout, cfg.algorithm.resolved())
+        self.params = rollout_sampling_params(cfg.rollout, cfg.trainer.seed)
         self.version = -1
         self._set("idle")
 
@@ -74,6 +72,3 @@ class RolloutWorker:
         self.busy_s += seconds
         return {"lease": lease_id, "rollouts": ro, "worker": self.name, "pull_s": pull_s, "seconds": seconds,
                 "tokens": int(ro.completion_lengths().sum())}
-
-    def pid(self) -> int:
-        return os.getpid()

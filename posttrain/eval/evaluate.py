@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from posttrain.rewards.math_answer import extract_answer, to_number
+from posttrain.rewards.reasoning_gym import extract
 from posttrain.rl.rollout import Rollouts, generate_rollouts
 from posttrain.sampling import SamplingParams
 
@@ -72,8 +74,6 @@ def maj_at_k(answers: Sequence[Any], correct: Sequence[bool], k: int) -> float:
 
 
 def _math_key(text: str):
-    from posttrain.rewards.math_answer import extract_answer, to_number
-
     a = extract_answer(text)
     if a is None:
         return None
@@ -82,8 +82,6 @@ def _math_key(text: str):
 
 
 def _reasoning_gym_key(text: str):
-    from posttrain.rewards.reasoning_gym import extract
-
     a = extract(text)
     return None if a is None else str(a).strip()
 

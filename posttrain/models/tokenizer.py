@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+from posttrain.models import gguf_io, gguf_tokenizer
+
 __all__ = [
     "Tokenizer",
     "TokenizerError",
@@ -158,11 +160,7 @@ def _generation_config_eos(folder: Path) -> list[int]:
 def load(path: str | os.PathLike) -> Tokenizer:
     """Load the Hugging Face tokenizer folder at `path` (chat template included), or the tokenizer
     described by a GGUF file's metadata (a `.gguf` file, or a folder holding one and no config.json)."""
-    from posttrain.models import gguf_io
-
     if gguf_io.is_gguf_path(path):
-        from posttrain.models import gguf_tokenizer
-
         try:
             ck = gguf_io.GGUFCheckpoint(path)
             hf = gguf_tokenizer.build(ck)
