@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from posttrain.rl.batch import RLBatch, build_rl_batch
 from posttrain.rl.config import LearnerConfig, PromptData, RLConfig
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rl.rollout import Rollouts
@@ -60,6 +61,7 @@ def _encode_all(tok, records, data: PromptData) -> list[list[int]]:
 def policy_loss_kwargs(preset: dict, learner: LearnerConfig, max_new_tokens: int) -> dict:
     """The policy loss's keyword arguments: the algorithm preset's, the length normaliser (default: the
     generation budget) and the learner's off-policy correction."""
+    from posttrain.algorithms.policy import ISLevel
     from posttrain.algorithms.registry import loss_kwargs
 
     kw = loss_kwargs(preset)
@@ -68,8 +70,7 @@ def policy_loss_kwargs(preset: dict, learner: LearnerConfig, max_new_tokens: int
     kw["beta"] = float(kw.get("beta") or 0.0)
     if kw["beta"] == 0.0:
         kw.pop("kl_estimator", None)
-    if learner.is_level != "none":
-        kw.update(is_level=learner.is_level, is_cap=learner.is_cap)
+    kw.update(is_level=ISLevel.of(learner.is_level), is_cap=learner.is_cap)
     return kw
 
 
@@ -136,13 +137,13 @@ class RLRun:
         ref_fn = None
         if kw["beta"] > 0:
             if trainer.has_lora:  # the base model with adapters off: no second copy of the weights
-                ref_fn = lambda batch, last: trainer.token_logprobs(batch, adapters=False, last=last)  # noqa: E731
+                ref_fn = lambda inputs, last: trainer.token_logprobs(inputs, adapters=False, last=last)  # noqa: E731
             else:
                 ref_fn = FrozenScorer(run.frozen_model(), trainer, chunk)
         self.learner = Learner(trainer, make_rl_loss(kw, chunk_size=chunk), ppo_epochs=lc.ppo_epochs,
                                minibatches=lc.minibatches, seed=cfg.trainer.seed,
                                recompute_old=lc.old_logprobs == "recompute",
-                               correct_off_policy=lc.is_level != "none", ref_fn=ref_fn)
+                               correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn)
         fc, cc = cfg.fleet, cfg.curation
         self.dispatcher = Dispatcher(len(self.records), seed=cfg.data.seed, shuffle=cfg.data.shuffle, batch_groups=b,
                                      max_staleness=fc.max_staleness if fc.enabled else 0,
@@ -209,18 +210,14 @@ class RLRun:
         self.trained_file = open(self.out / "trained.jsonl" if primary else os.devnull, "a", encoding="utf-8")
         return start
 
-    def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:
-        """The training batch of a step's rollouts: group advantages, completion masks (DAPO overlong
-        filtering), the sampler's log-probs as behaviour (and, until recomputed, proximal) log-probs."""
+    def prepare(self, ro: Rollouts) -> RLBatch:
+        """The training batch of a step's rollouts: group advantages, loss masks (DAPO overlong filtering),
+        the sampler's log-probs as behaviour log-probs (the learner adds proximal and reference ones)."""
         from posttrain.algorithms import dapo
-        from posttrain.rl.batch import build_rl_batch
 
         adv = np.asarray(self.advantage_fn(ro.rewards, ro.group_size))
         weights = dapo.overlong_mask(ro.finish_reasons) if self.preset.get("overlong_filtering") else None
-        batch = build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0)
-        if self.cfg.learner.is_level != "none":
-            batch["behaviour_logp"] = batch["old_logp"].copy()
-        return batch
+        return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0)
 
     def rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
         from posttrain.algorithms import dapo
