@@ -466,15 +466,24 @@ class Watchdog:
                 self._fail(f"{what} ({' '.join(str(e).split())[:160]})")
 
     def peers_alive(self, max_s: float | None = None) -> bool:
-        """Waits until every other process's counter has moved once more (True), or `max_s` (default: the
-        timeout and a little) has passed (False). A process that died meanwhile ends this one from the watchdog's
-        thread with its one line, so an error seen by the main thread after a peer's death says what happened."""
+        """Waits until every other process has bumped its counter since this call (read afresh from the
+        coordinator: a bump the watchdog had not seen yet may predate a death) and returns True, or returns False
+        after `max_s` (default: the timeout and a little). A process that died meanwhile ends this one from the
+        watchdog's thread with its one line, so an error the main thread saw after a peer's death says what
+        happened instead of a traceback."""
         if self._thread is None or self._stop.is_set():
             return True
-        since = time.monotonic()
-        deadline = since + (max_s if max_s is not None else self.timeout_s + 3 * self.interval_s)
+        deadline = time.monotonic() + (max_s if max_s is not None else self.timeout_s + 3 * self.interval_s)
+        others = [p for p in range(self.n) if p != self.me]
+        first: dict[int, str | None] | None = None
         while time.monotonic() < deadline:
-            if all(p in self._seen and self._seen[p][1] > since for p in range(self.n) if p != self.me):
+            try:
+                now = {p: self._client.key_value_try_get(f"posttrain/alive/{p}") for p in others}
+            except Exception:  # noqa: BLE001 - the coordinator is gone: the watchdog's thread says so
+                now = None
+            if first is None:
+                first = now
+            elif now is not None and all(now[p] != first[p] for p in others):
                 return True
             time.sleep(self.interval_s / 4)
         return False
