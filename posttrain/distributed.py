@@ -424,7 +424,6 @@ class Watchdog:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._seen: dict[int, tuple[str | None, float]] = {}  # process -> (its counter, when it last moved)
 
     def start(self) -> "Watchdog":
         from jax._src import distributed as jd
@@ -441,7 +440,7 @@ class Watchdog:
 
     def _run(self) -> None:
         me, n = self.me, self.n
-        seen = self._seen
+        seen: dict[int, tuple[str | None, float]] = {}  # process -> (its counter, when it last moved)
         count = 0
         started = time.monotonic()
         while not self._stop.wait(self.interval_s):
@@ -477,16 +476,26 @@ class Watchdog:
         others = [p for p in range(self.n) if p != self.me]
         first: dict[int, str | None] | None = None
         while time.monotonic() < deadline:
-            try:
-                now = {p: self._client.key_value_try_get(f"posttrain/alive/{p}") for p in others}
-            except Exception:  # noqa: BLE001 - the coordinator is gone: the watchdog's thread says so
-                now = None
+            now = self._counters(others)
             if first is None:
                 first = now
             elif now is not None and all(now[p] != first[p] for p in others):
                 return True
             time.sleep(self.interval_s / 4)
         return False
+
+    def _counters(self, processes: list[int]) -> dict[int, str | None] | None:
+        """The processes' counters as the coordinator holds them now (None: not bumped yet); None when the
+        coordinator does not answer (the watchdog's thread says so)."""
+        out: dict[int, str | None] = {}
+        for p in processes:
+            try:
+                out[p] = self._client.key_value_try_get(f"posttrain/alive/{p}")
+            except Exception as e:  # noqa: BLE001 - NOT_FOUND: no bump yet; anything else: the coordinator is gone
+                if "NOT_FOUND" not in str(e):
+                    return None
+                out[p] = None
+        return out
 
     def _fail(self, what: str) -> None:
         if self._stop.is_set():

@@ -10,8 +10,9 @@ shows the traceback of every error. SIGTERM (a scheduler's preemption) stops a r
 run's `finally` blocks wait for checkpoint writes and stop the reward workers, and the command exits 143.
 Exiting never takes more than `EXIT_GRACE_S` (a watchdog ends the process if background threads hang).
 A multi-process run (several hosts) is supervised: the command runs its work in a child process and turns a
-process's death into one line (`posttrain.cli.supervisor`); an error in such a run is reported only after
-checking that the other processes still answer (else the watchdog's line says which one died).
+process's death into one line (`posttrain.cli.supervisor`); an unexpected error in such a run shows its
+traceback only after checking that the other processes still answer (else the watchdog's line says which one
+died: a collective fails in every process that outlives a peer).
 """
 
 from __future__ import annotations
@@ -209,9 +210,9 @@ def _main(argv: list[str] | None, supervise: bool = False) -> int:
         print(str(e), file=sys.stderr)
         return 143
     except Exception as e:  # noqa: BLE001 - known types become one line; others keep their traceback
-        distributed.peers_alive()  # several processes: a dead one ends this process with its own line first
         message = None if debug else describe(e)
         if message is None:
+            distributed.peers_alive()  # several processes: a peer's death (its collectives fail) ends this one first
             raise
         print(f"error: {message}", file=sys.stderr)
         from posttrain.config import ConfigError
