@@ -265,7 +265,7 @@ def test_supervisor_turns_jax_abort_into_one_line_naming_the_dead_process():
     a child killed by JAX's abort ends the command with our one line (which process died) and exit 1."""
     from posttrain.cli.supervisor import outcome, what_jax_reported
 
-    assert what_jax_reported(JAX_ABORT, 0) == "process 1 stopped answering"
+    assert what_jax_reported(JAX_ABORT, 0, 2) == "process 1 of 2 stopped answering"
     assert what_jax_reported(JAX_ABORT.replace("\n1\n", "\n/job:jax_worker/replica:0/task:3\n"), 1) == \
         "process 3 stopped answering"
     assert what_jax_reported(JAX_ABORT_COORDINATOR, 1) == "the coordinator (process 0) stopped answering"
@@ -276,7 +276,7 @@ def test_supervisor_turns_jax_abort_into_one_line_naming_the_dead_process():
     assert outcome(-signal.SIGABRT, relay, settings) == 1
     lines = out.getvalue().decode().splitlines()
     assert lines[0] == "sft: tiny | steps 0->40" and len(lines) == 2, lines
-    assert lines[1].startswith("error: multi-host run: process 1 stopped answering (JAX's distributed service "
+    assert lines[1].startswith("error: multi-host run: process 1 of 2 stopped answering (JAX's distributed service "
                                "reported it and ended this process); this process (process 0) stops too. Restart")
     relay, out = _relay(JAX_ABORT_COORDINATOR)
     assert outcome(-signal.SIGABRT, relay, {"process_id": 1, "num_processes": 2}) == 1

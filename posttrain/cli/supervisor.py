@@ -94,7 +94,7 @@ class StderrRelay:
         return b"".join(self.held).decode(errors="replace")
 
 
-def what_jax_reported(text: str, me: int | None) -> str | None:
+def what_jax_reported(text: str, me: int | None, n: int | None = None) -> str | None:
     """Which process JAX's distributed service reported dead, in our words, from the child's held-back stderr
     (None when the text holds no such report)."""
     if "Terminating process because" not in text and "coordination" not in text:
@@ -102,7 +102,8 @@ def what_jax_reported(text: str, me: int | None) -> str | None:
     m = re.search(r"unhealthy[^\n]*:\s*\n(.*?)(?:\n\s*The tasks|\Z)", text, re.S)
     ids = sorted({int(i) for i in re.findall(r"(?:task:|^\s*)(\d+)\s*$", m.group(1), re.M)}) if m else []
     if ids:
-        return " and ".join(f"process {i}" for i in ids) + " stopped answering"
+        of = f" of {n}" if n else ""
+        return " and ".join(f"process {i}" for i in ids) + f"{of} stopped answering"
     if me != 0:
         return "the coordinator (process 0) stopped answering"
     return "another process stopped answering"
@@ -118,7 +119,7 @@ def outcome(code: int, relay: StderrRelay, settings: dict) -> int:
 
     sig = signal.Signals(-code)
     me, n = settings.get("process_id"), settings.get("num_processes")
-    what = what_jax_reported(relay.held_text(), me)
+    what = what_jax_reported(relay.held_text(), me, n)
     if what is not None:
         line = peer_lost_message(f"{what} (JAX's distributed service reported it and ended this process)", me)
     else:
