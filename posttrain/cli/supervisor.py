@@ -117,7 +117,10 @@ def outcome(code: int, relay: StderrRelay, settings: dict) -> int:
         return code if code >= 0 else 1
     from posttrain.distributed import peer_lost_message
 
-    sig = signal.Signals(-code)
+    try:
+        how = signal.Signals(-code).name
+    except ValueError:
+        how = f"signal {-code}"
     me, n = settings.get("process_id"), settings.get("num_processes")
     what = what_jax_reported(relay.held_text(), me, n)
     if what is not None:
@@ -125,7 +128,7 @@ def outcome(code: int, relay: StderrRelay, settings: dict) -> int:
     else:
         relay.write(b"".join(relay.held))
         who = f"process {me} of {n}" if me is not None else "this process"
-        line = peer_lost_message(f"the work of {who} ended by {sig.name}", None)
+        line = peer_lost_message(f"the work of {who} ended by {how}", None)
     relay.write(line.encode() + b"\n")
     return 1
 
