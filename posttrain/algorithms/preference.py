@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posttrain.algorithms.protocol import uses_frozen
 from posttrain.algorithms.sft import token_logprobs
@@ -324,8 +325,6 @@ def preference_loss(model, batch, frozen, *, spec: PreferenceLoss, reference: st
 def nll_weights(batch: dict, *, nll_on_prompt: bool = False):
     """Host-side row weights for ORPO's NLL over a whole (global) batch: real pairs / chosen NLL tokens on
     the chosen rows, 0 on the rejected ones; Σ weight x row NLL / pairs = the batch's token-mean NLL."""
-    import numpy as np
-
     mask = np.asarray(batch["attention_mask"] if nll_on_prompt else batch["loss_mask"])[:, 1:]
     resp = np.asarray(batch["loss_mask"])[:, 1:].sum(-1)
     pairs = float(np.sum((resp[0::2] > 0) & (resp[1::2] > 0)))

@@ -20,7 +20,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from posttrain.rl.batch import RLBatch
+from posttrain.config import ConfigError, save_config
+from posttrain.distill.teacher import check_same_vocabulary, load_teacher, teacher_folder
+from posttrain.models import tokenizer as tok_lib
+from posttrain.models.hf_io import resolve_path
+from posttrain.models.tiny import resolve_model_path
+from posttrain.rl.batch import RLBatch, build_rl_batch
+from posttrain.rl.learner import FrozenScorer
+from posttrain.rl.loop import run_rl
 from posttrain.rl.rollout import Rollouts
 from posttrain.rl.setup import RLRun
 
@@ -31,12 +38,6 @@ class OnPolicyDistillRun(RLRun):
     """An RL run whose advantages are the teacher's per-token log-ratio (module docstring)."""
 
     def __init__(self, dcfg):
-        from posttrain.models import tokenizer as tok_lib
-        from posttrain.config import ConfigError
-        from posttrain.distill.teacher import check_same_vocabulary, teacher_folder
-        from posttrain.models.hf_io import resolve_path
-        from posttrain.models.tiny import resolve_model_path
-
         if dcfg.on_policy.rollout.temperature != 1.0:
             raise ConfigError(f"on_policy.rollout.temperature={dcfg.on_policy.rollout.temperature}: on-policy "
                               "distillation samples from the student itself (temperature 1.0)")
@@ -50,10 +51,6 @@ class OnPolicyDistillRun(RLRun):
 
     def _setup(self, cfg) -> None:
         """The RL run's set-up, then the teacher (a frozen scorer on the trainer's mesh)."""
-        from posttrain.config import save_config
-        from posttrain.distill.teacher import load_teacher
-        from posttrain.rl.learner import FrozenScorer
-
         super()._setup(cfg)
         save_config(self.dcfg, self.out / "config.yaml")  # the distillation config, not the RL one
         teacher = load_teacher(self.dcfg.teacher, self.dcfg.model, self.tok, self.trainer.cfg.vocab_size, self.run.mesh)
@@ -61,8 +58,6 @@ class OnPolicyDistillRun(RLRun):
 
     def prepare(self, ro: Rollouts) -> RLBatch:
         """The RL batch with per-token advantages -(log q - log p) on the completion tokens."""
-        from posttrain.rl.batch import build_rl_batch
-
         batch = build_rl_batch(ro, np.zeros(len(ro), np.float32), pad_id=self.tok.pad_token_id or 0)
         mask = batch.loss_mask
         teacher_logp = self.teacher(batch.model_inputs(), last=batch.completion_len)
@@ -76,7 +71,5 @@ class OnPolicyDistillRun(RLRun):
 
 def run_on_policy(dcfg, *, stop_after: int | None = None):
     """Runs (or resumes) an on-policy distillation (an `RLResult`)."""
-    from posttrain.rl.loop import run_rl
-
     run = OnPolicyDistillRun(dcfg)
     return run_rl(run.cfg, stop_after=stop_after, run=run)

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain import distributed
+from posttrain.algorithms.sft import token_logprobs
 from posttrain.rl.batch import RLBatch
 
 __all__ = ["Learner", "FrozenScorer"]
@@ -26,8 +27,6 @@ class FrozenScorer:
     or [B, C] for the last C tokens with `last=C` (the vocabulary projected there only)."""
 
     def __init__(self, model, trainer, chunk_size: int | None = None):
-        from posttrain.algorithms.sft import token_logprobs
-
         if trainer.mesh is not None:
             distributed.shard_model(model, trainer.mesh)
         graphdef, self.state = nnx.split(model)

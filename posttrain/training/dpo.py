@@ -17,9 +17,17 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from posttrain.algorithms.preference import ReferenceSource
-from posttrain.data.preference import PreferenceFormat
-from posttrain.training.config import DataSplits, OptimConfig, RunConfig
+import numpy as np
+
+from posttrain.algorithms.preference import (ReferenceSource, make_preference_loss, make_preset,
+                                             nll_weights)
+from posttrain.config import ConfigError, load_config
+from posttrain.data.preference import PreferenceFormat, build_preference_dataset, encode_pairs, stack_pairs
+from posttrain.data.sources import DataError, read_records, source_name
+from posttrain.training.config import (DataSplits, LoraConfig, ModelSection, OptimConfig, RunConfig,
+                                       TrainerConfig)
+from posttrain.training.run import Run
+from posttrain.training.trainer import reduce_metrics
 
 __all__ = ["DPOConfig", "PreferenceData", "PreferenceAlgorithm", "DPOResult", "DPORun", "load_dpo_config",
            "resolve_reference", "run_dpo"]
@@ -64,9 +72,6 @@ class PreferenceAlgorithm:
 
     def resolved(self):
         """The typed preset with this section's settings (a ConfigError names what does not apply)."""
-        from posttrain.algorithms.preference import make_preset
-        from posttrain.config import ConfigError
-
         try:
             return make_preset(self.loss, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
         except ValueError as e:
@@ -99,20 +104,14 @@ class DPOResult:
 
 
 def load_dpo_config(path, overrides=()) -> DPOConfig:
-    from posttrain.config import load_config
-
     return load_config(DPOConfig, path, list(overrides))
 
 
-def _read_pairs(source, split, tok, cfg: DPOConfig):
-    from posttrain.data.preference import encode_pairs
-    from posttrain.data.sources import DataError, read_records, source_name
-
+def _read_pairs(source, split, tok, d: PreferenceData):
     name = source_name(source, split)
     records = read_records(source, split)
     if not records:
         raise DataError(f"preference data '{name}' is empty")
-    d = cfg.data
     return encode_pairs(records, tok, d.format, seq_len=d.seq_len, truncation=d.truncation, source=name)
 
 
@@ -120,8 +119,6 @@ def resolve_reference(a: PreferenceAlgorithm, spec, has_lora: bool) -> Reference
     """The one place the config's choice (`algorithm.reference`: auto/base/model) becomes a `ReferenceSource`:
     none for a reference-free loss; the LoRA base with adapters off for `base`, or for `auto` when training
     LoRA without a `reference_path`; otherwise a frozen model (`reference_path`, default model.path)."""
-    from posttrain.config import ConfigError
-
     if not spec.needs_reference:
         return ReferenceSource.NONE
     if a.reference == "base" and not has_lora:
@@ -132,27 +129,24 @@ def resolve_reference(a: PreferenceAlgorithm, spec, has_lora: bool) -> Reference
 
 
 def _batches(arrays: dict, batch_pairs: int):
-    from posttrain.data.preference import stack_pairs
-
     n = arrays["input_ids"].shape[0]
     for s in range(0, n, batch_pairs):
         yield stack_pairs([{k: v[i] for k, v in arrays.items()} for i in range(s, min(n, s + batch_pairs))],
                           batch_pairs)
 
 
-def _fingerprint(arrays: dict, cfg: DPOConfig) -> str:
+def _fingerprint(arrays: dict, model: ModelSection, a: PreferenceAlgorithm, lora: LoraConfig) -> str:
+    """What the cached reference log-probs depend on: the pairs, the reference and the model's dtypes/LoRA."""
     h = hashlib.sha256()
     for k in ("input_ids", "loss_mask"):
         h.update(arrays[k].tobytes())
-    h.update(repr((cfg.model.path, cfg.algorithm.reference_path, cfg.algorithm.reference, cfg.model.param_dtype,
-                   cfg.model.compute_dtype, cfg.lora.enabled, cfg.lora.quantize, cfg.lora.block_size)).encode())
+    h.update(repr((model.path, a.reference_path, a.reference, model.param_dtype,
+                   model.compute_dtype, lora.enabled, lora.quantize, lora.block_size)).encode())
     return h.hexdigest()[:16]
 
 
 def cached_reference(cache: Path, fingerprint: str):
     """The cached reference log-probs [P, 2] when `cache` holds them for this fingerprint, else None."""
-    import numpy as np
-
     if not cache.exists():
         return None
     with np.load(cache) as z:
@@ -162,8 +156,6 @@ def cached_reference(cache: Path, fingerprint: str):
 def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Path | None, fingerprint: str = ""):
     """Reference sequence log-probs of every pair [P, 2], scored with the frozen model `name` ("base": the
     LoRA model with adapters off) and written atomically to `cache` with the data/model fingerprint."""
-    import numpy as np
-
     out = []
     for b in _batches(pairs.arrays, batch_pairs):
         lp = np.asarray(trainer.frozen_token_logprobs(name, b))
@@ -176,11 +168,8 @@ def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Pat
     return ref
 
 
-def _check_config(cfg: DPOConfig):
+def _check_config(tc: TrainerConfig, d: PreferenceData, a: PreferenceAlgorithm):
     """The loss preset; a ConfigError for settings that cannot run (before anything is loaded)."""
-    from posttrain.config import ConfigError
-
-    tc, d, a = cfg.trainer, cfg.data, cfg.algorithm
     if not d.train:
         raise ConfigError("data.train is required (a .jsonl/.json/.parquet file of preference pairs)")
     if d.batch_size % tc.grad_accum:
@@ -206,14 +195,11 @@ class DPORun:
         """Tokenizer and encoded pairs: a bad data set fails before any model is loaded."""
         d = self.cfg.data
         self.tok = self.run.tokenizer()
-        self.train_pairs = _read_pairs(d.train, d.train_split, self.tok, self.cfg)
-        self.eval_pairs = _read_pairs(d.eval, d.eval_split, self.tok, self.cfg) if d.eval else None
+        self.train_pairs = _read_pairs(d.train, d.train_split, self.tok, d)
+        self.eval_pairs = _read_pairs(d.eval, d.eval_split, self.tok, d) if d.eval else None
 
     def build(self) -> None:
         """The trainer (LoRA decides where the reference comes from), its reference, the loss, the batches."""
-        from posttrain.algorithms.preference import make_preference_loss
-        from posttrain.data.preference import build_preference_dataset
-
         cfg, d, tc = self.cfg, self.cfg.data, self.cfg.trainer
         self.trainer = self.run.build_trainer()
         self.reference = resolve_reference(cfg.algorithm, self.spec, self.trainer.has_lora)
@@ -245,7 +231,7 @@ class DPORun:
         jobs = [(self.train_pairs, run.out / "reference_logps.npz")]
         if self.eval_pairs is not None:
             jobs.append((self.eval_pairs, run.out / "reference_logps_eval.npz"))
-        fps = [_fingerprint(p.arrays, self.cfg) for p, _ in jobs]
+        fps = [_fingerprint(p.arrays, self.cfg.model, a, self.cfg.lora) for p, _ in jobs]
         refs = [cached_reference(path, fp) for (_, path), fp in zip(jobs, fps)]
         if any(r is None for r in refs):
             if ref is ReferenceSource.MODEL:
@@ -260,10 +246,6 @@ class DPORun:
 
     def prepare(self, batch: dict) -> dict:
         """A batch as the loss reads it: flat precomputed reference log-probs, ORPO's NLL row weights."""
-        import numpy as np
-
-        from posttrain.algorithms.preference import nll_weights
-
         if "ref_logps" in batch:
             batch = dict(batch, ref_logps=np.asarray(batch["ref_logps"]).reshape(-1))
         if self.spec.chosen_nll:
@@ -272,8 +254,6 @@ class DPORun:
 
     def evaluate(self) -> dict[str, float]:
         """Loss and metrics over the held-out batches (eval/...); the first, before any step, is kept."""
-        from posttrain.training.trainer import reduce_metrics
-
         tot = {"loss": 0.0, "weight": 0.0}
         sums: dict[str, Any] = {}
         for b in self.eval_batches:
@@ -322,9 +302,7 @@ class DPORun:
 def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
             log: Callable[[str], None] | None = None) -> DPOResult:
     """Runs (or resumes) preference tuning as `cfg` says (see the module docstring)."""
-    from posttrain.training.run import Run
-
-    spec = _check_config(cfg)
+    spec = _check_config(cfg.trainer, cfg.data, cfg.algorithm)
     with Run(cfg, "dpo", log=log, multi_host=False) as run:
         dpo = DPORun(cfg, spec, run)
         dpo.read_data()
