@@ -10,7 +10,10 @@ Meshes are built with Auto axis types (sharding propagated by the compiler), sta
 Multi-host: `initialize(cfg.distributed)` (every command, before any device is touched) connects the
 processes through JAX's coordination service; `jax.devices()` then lists every process's devices and the
 mesh spans all of them. `check_same_config` compares a hash of the resolved config across processes, and a
-watchdog ends a process with one clear line when another stops answering (instead of a hang). On one
+watchdog ends a process with one clear line when another stops answering (instead of a hang). JAX's own
+heartbeat is set well above the watchdog's so that the watchdog speaks first; the coordinator's death (which
+JAX's client answers with a native abort at once) is turned into the same one line by the `posttrain` command,
+which supervises the process that runs JAX (`set_supervisor`, `posttrain.cli.supervisor`). On one
 process all of this is a no-op. Helpers for code that reads arrays on the host (`to_host`: every process
 must call it, it runs a collective) and for writing files once (`is_primary`).
 """
@@ -169,7 +172,27 @@ ENV_COORDINATOR = ("POSTTRAIN_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
 ENV_NUM_PROCESSES = ("POSTTRAIN_NUM_PROCESSES", "JAX_NUM_PROCESSES")
 ENV_PROCESS_ID = ("POSTTRAIN_PROCESS_ID", "JAX_PROCESS_ID")
 
-_STATE: dict[str, Any] = {"initialized": False, "watchdog": None}
+_STATE: dict[str, Any] = {"initialized": False, "watchdog": None, "supervisor": None}
+
+
+def jax_heartbeat_s(heartbeat_timeout_s: int) -> int:
+    """JAX's own heartbeat timeout for our `distributed.heartbeat_timeout_s`: well above it, so that the watchdog
+    (one clear line) always acts before JAX's coordination service aborts the processes natively."""
+    return 2 * int(heartbeat_timeout_s) + 30
+
+
+def set_supervisor(supervise) -> None:
+    """Registers `supervise(settings)` (the `posttrain` command's): `initialize` calls it, instead of connecting,
+    when the run has several processes; it runs the command again as a child process that does the work and
+    ends this process with the child's outcome (a peer's death reported in one line). None unregisters it."""
+    _STATE["supervisor"] = supervise
+
+
+def peer_lost_message(what: str, me: int | None) -> str:
+    """The one line for a multi-host run that cannot go on because `what` (a process stopped answering)."""
+    this = f" (process {me})" if me is not None else ""
+    return (f"error: multi-host run: {what}; this process{this} stops too. Restart every process with the same "
+            "command to resume from the last checkpoint")
 
 
 def _env(names: tuple[str, ...]) -> str | None:
@@ -250,6 +273,9 @@ def initialize(cfg=None) -> bool:
     _STATE["initialized"] = True
     if settings is None:
         return False
+    supervise, _STATE["supervisor"] = _STATE["supervisor"], None
+    if supervise is not None:
+        supervise(settings)  # does not return: a child process runs the command (and comes back here unsupervised)
     # CPU devices of several processes talk over TCP (gloo); GPUs and TPUs use their own collectives.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = {k: settings[k] for k in ("coordinator", "num_processes", "process_id") if settings[k] is not None}
@@ -272,7 +298,7 @@ def initialize(cfg=None) -> bool:
     timer.start()
     try:
         jax.distributed.initialize(**kwargs, initialization_timeout=settings["init_timeout_s"] + 30,
-                                   heartbeat_timeout_seconds=settings["heartbeat_timeout_s"],
+                                   heartbeat_timeout_seconds=jax_heartbeat_s(settings["heartbeat_timeout_s"]),
                                    shutdown_timeout_seconds=max(settings["heartbeat_timeout_s"], 30))
     except Exception as e:  # noqa: BLE001 - a bad address or a connection failure, reported in one line
         raise DistributedError(message(" ".join(str(e).split())[:300])) from None
@@ -379,8 +405,8 @@ def barrier(name: str) -> None:
 
 
 class Watchdog:
-    """Ends this process with one error line when another process stops answering, before JAX's coordination
-    service aborts it (a native abort with a stack dump) and instead of waiting in a collective forever.
+    """Ends this process with one error line when another process stops answering, instead of waiting in a
+    collective forever (JAX's own heartbeat, `jax_heartbeat_s`, is set to fire well after this one).
 
     Every process bumps its own counter in the coordination service's key-value store once a second and reads
     the others'; a counter that has not moved for `timeout_s` (or a coordinator that no longer answers) means
@@ -389,8 +415,7 @@ class Watchdog:
     """
 
     def __init__(self, timeout_s: float, interval_s: float = 1.0):
-        # Act a little before JAX's own heartbeat timeout fires.
-        self.timeout_s = max(1.0, float(timeout_s) - max(2.0 * interval_s, 0.2 * float(timeout_s)))
+        self.timeout_s = max(1.0, float(timeout_s))
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -410,7 +435,7 @@ class Watchdog:
 
     def _run(self) -> None:
         me, n = self.me, self.n
-        seen: dict[int, tuple[str, float]] = {}
+        seen: dict[int, tuple[str | None, float]] = {}  # process -> (its counter, when it last moved)
         count = 0
         started = time.monotonic()
         while not self._stop.wait(self.interval_s):
@@ -434,15 +459,54 @@ class Watchdog:
                 what = "the coordinator (process 0) stopped answering" if me != 0 else "the coordination service failed"
                 self._fail(f"{what} ({' '.join(str(e).split())[:160]})")
 
+    def peers_alive(self, max_s: float | None = None) -> bool:
+        """Waits until every other process has bumped its counter since this call (read afresh from the
+        coordinator: a bump the watchdog had not seen yet may predate a death) and returns True, or returns False
+        after `max_s` (default: the timeout and a little). A process that died meanwhile ends this one from the
+        watchdog's thread with its one line, so an error the main thread saw after a peer's death says what
+        happened instead of a traceback."""
+        if self._thread is None or self._stop.is_set():
+            return True
+        deadline = time.monotonic() + (max_s if max_s is not None else self.timeout_s + 3 * self.interval_s)
+        others = [p for p in range(self.n) if p != self.me]
+        first: dict[int, str | None] | None = None
+        while time.monotonic() < deadline:
+            now = self._counters(others)
+            if first is None:
+                first = now
+            elif now is not None and all(now[p] != first[p] for p in others):
+                return True
+            time.sleep(self.interval_s / 4)
+        return False
+
+    def _counters(self, processes: list[int]) -> dict[int, str | None] | None:
+        """The processes' counters as the coordinator holds them now (None: not bumped yet); None when the
+        coordinator does not answer (the watchdog's thread says so)."""
+        out: dict[int, str | None] = {}
+        for p in processes:
+            try:
+                out[p] = self._client.key_value_try_get(f"posttrain/alive/{p}")
+            except Exception as e:  # noqa: BLE001 - NOT_FOUND: no bump yet; anything else: the coordinator is gone
+                if "NOT_FOUND" not in str(e):
+                    return None
+                out[p] = None
+        return out
+
     def _fail(self, what: str) -> None:
         if self._stop.is_set():
             return
-        print(f"error: multi-host run: {what}; this process (process {self.me}) stops too. Restart every "
-              "process with the same command to resume from the last checkpoint", file=sys.stderr, flush=True)
+        print(peer_lost_message(what, self.me), file=sys.stderr, flush=True)
         os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def peers_alive(max_s: float | None = None) -> bool:
+    """In a multi-process run, whether every other process still answers (see `Watchdog.peers_alive`: a dead one
+    ends this process with the watchdog's line first); True on one process."""
+    dog = _STATE.get("watchdog")
+    return True if dog is None else dog.peers_alive(max_s)
 
 
 def finish() -> None:

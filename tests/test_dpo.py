@@ -75,3 +75,26 @@ def test_cli_bad_preference_data_is_one_line(tmp_path, capsys):
     code = main(["dpo", str(SMOKE), "algorithm.loss=ipo", "algorithm.gamma=1", f"output_dir={tmp_path / 'o'}"])
     assert code == 2
     assert "algorithm.gamma does not apply to loss 'ipo' (it takes: beta)" in capsys.readouterr().err
+
+
+def test_reference_is_resolved_in_one_place():
+    """The config's auto/base/model (with LoRA or not, with a reference_path or not) -> a ReferenceSource; the
+    loss reads a frozen model only for base/model, by its trainer name."""
+    from posttrain.algorithms.preference import ReferenceSource, make_preference_loss, make_preset
+    from posttrain.config import ConfigError
+    from posttrain.training.dpo import PreferenceAlgorithm, resolve_reference
+
+    dpo, simpo = make_preset("sigmoid"), make_preset("simpo")
+    R = ReferenceSource
+    cases = {("auto", True, None): R.BASE, ("auto", True, "ref/"): R.MODEL, ("auto", False, None): R.MODEL,
+             ("base", True, None): R.BASE, ("model", True, None): R.MODEL, ("model", False, "ref/"): R.MODEL}
+    for (choice, lora, path), want in cases.items():
+        assert resolve_reference(PreferenceAlgorithm(reference=choice, reference_path=path), dpo, lora) is want
+        assert resolve_reference(PreferenceAlgorithm(reference=choice, reference_path=path), simpo, lora) is R.NONE
+    with pytest.raises(ConfigError, match="algorithm.reference=base needs lora.enabled=true"):
+        resolve_reference(PreferenceAlgorithm(reference="base"), dpo, False)
+    names = {r: make_preference_loss(dpo, reference=r).names for r in ("precomputed", "base", "reference", "none")}
+    assert names == {"precomputed": (), "base": ("base",), "reference": ("reference",), "none": ()}
+    assert make_preference_loss(simpo, reference="reference").names == ()
+    with pytest.raises(ValueError, match=r"unknown reference source 'model'; accepted: \['precomputed', 'base'"):
+        make_preference_loss(dpo, reference="model")

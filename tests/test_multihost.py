@@ -229,6 +229,103 @@ def test_sharded_load_reads_only_the_blocks_a_shard_needs(tiny_llama):
     assert whole_reads == [q]
 
 
+# JAX's own report when its coordination service learns of a death (process 0's stderr, process 1 killed)
+JAX_ABORT = """\
+E1125 14:42:57.193851   14134 coordination_service.cc:1549] [12503248184868177787] Use error polling to propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+1
+The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to debug further. [type.googleapis.com/tensorflow.CoordinationServiceError='']
+E1125 14:42:57.194333   14148 coordination_service_agent.cc:289] Polled an error from coordination service (this can be an error from this or another task).
+F1125 14:42:57.194466   14148 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details.
+*** Check failure stack trace: ***
+    @     0x7f772be40634  absl::lts_20260107::log_internal::LogMessage::SendToLog()
+"""
+# ... and process 1's when the coordinator (process 0) was killed
+JAX_ABORT_COORDINATOR = """\
+E1125 14:39:46.596427    8838 coordination_service_agent.cc:289] Polled an error from coordination service (this can be an error from this or another task).
+F1125 14:39:46.596458    8838 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details.
+Additional GRPC error information from remote target coordination_service while calling /xla.coordination.CoordinationService/PollForError:
+:UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:"recvmsg:Connection reset by peer"}
+*** Check failure stack trace: ***
+"""
+
+
+def _relay(text: str, debug: bool = False):
+    import io
+
+    from posttrain.cli.supervisor import StderrRelay
+
+    out = io.BytesIO()
+    relay = StderrRelay(io.BytesIO(text.encode()), out, debug)
+    relay.run()
+    return relay, out
+
+
+def test_supervisor_turns_jax_abort_into_one_line_naming_the_dead_process():
+    """The supervising command passes the child's stderr through but holds back JAX's distributed-runtime report;
+    a child killed by JAX's abort ends the command with our one line (which process died) and exit 1."""
+    from posttrain.cli.supervisor import outcome, what_jax_reported
+
+    assert what_jax_reported(JAX_ABORT, 0, 2) == "process 1 of 2 stopped answering"
+    assert what_jax_reported(JAX_ABORT.replace("\n1\n", "\n/job:jax_worker/replica:0/task:3\n"), 1) == \
+        "process 3 stopped answering"
+    assert what_jax_reported(JAX_ABORT_COORDINATOR, 1) == "the coordinator (process 0) stopped answering"
+    assert what_jax_reported("Traceback (most recent call last):\n", 1) is None
+    settings = {"process_id": 0, "num_processes": 2}
+    relay, out = _relay("sft: tiny | steps 0->40\n" + JAX_ABORT)
+    assert out.getvalue().decode() == "sft: tiny | steps 0->40\n" and relay.holding
+    assert outcome(-signal.SIGABRT, relay, settings) == 1
+    lines = out.getvalue().decode().splitlines()
+    assert lines[0] == "sft: tiny | steps 0->40" and len(lines) == 2, lines
+    assert lines[1].startswith("error: multi-host run: process 1 of 2 stopped answering (JAX's distributed service "
+                               "reported it and ended this process); this process (process 0) stops too. Restart")
+    relay, out = _relay(JAX_ABORT_COORDINATOR)
+    assert outcome(-signal.SIGABRT, relay, {"process_id": 1, "num_processes": 2}) == 1
+    assert out.getvalue().decode().startswith("error: multi-host run: the coordinator (process 0) stopped answering")
+    # our watchdog spoke first (its line passes through even while holding): no second line, exit 1 either way
+    ours = "error: multi-host run: process 1 of 2 stopped answering (nothing for 6s); this process (process 0) stops\n"
+    for code in (1, -signal.SIGABRT):
+        relay, out = _relay(JAX_ABORT[:300] + "\n" + ours + JAX_ABORT[300:])
+        assert outcome(code, relay, settings) == 1 and out.getvalue().decode() == ours
+    # a child that ends normally after runtime warnings: nothing is lost
+    relay, out = _relay("W1125 14:40:32.492722   10245 preemption_sync_manager.cc:147] Failed to retrieve\nafter\n")
+    assert out.getvalue() == b"" and outcome(0, relay, settings) == 0
+    assert out.getvalue().decode().splitlines() == ["W1125 14:40:32.492722   10245 preemption_sync_manager.cc:147] "
+                                                    "Failed to retrieve", "after"]
+    # killed by something else: what it wrote, then our line saying so
+    relay, out = _relay("ok\n")
+    assert outcome(-signal.SIGKILL, relay, settings) == 1
+    assert out.getvalue().decode().splitlines()[-1].startswith(
+        "error: multi-host run: the work of process 0 of 2 ended by SIGKILL; this process stops too")
+    # POSTTRAIN_DEBUG=1 holds nothing back
+    relay, out = _relay(JAX_ABORT, debug=True)
+    assert out.getvalue().decode() == JAX_ABORT
+
+
+def test_only_a_multi_process_run_is_supervised(monkeypatch):
+    """`initialize` hands a multi-process run to the registered supervisor before connecting; one process never
+    reaches it (no extra process for a one-host run)."""
+    from posttrain import distributed
+    from posttrain.training.config import DistributedConfig
+
+    class Handed(Exception):
+        pass
+
+    def supervise(settings):
+        raise Handed(settings)
+
+    for k in ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(distributed, "_STATE", {"initialized": False, "watchdog": None, "supervisor": None})
+    distributed.set_supervisor(supervise)
+    assert distributed.initialize(DistributedConfig(auto_detect=False)) is False
+    monkeypatch.setitem(distributed._STATE, "initialized", False)
+    with pytest.raises(Handed) as e:
+        distributed.initialize(DistributedConfig(coordinator="127.0.0.1:1", num_processes=2, process_id=1))
+    assert (e.value.args[0]["process_id"], e.value.args[0]["num_processes"]) == (1, 2)
+    assert distributed._STATE["supervisor"] is None  # handed over once: the child connects unsupervised
+    assert distributed.jax_heartbeat_s(6) > 2 * 6  # JAX's own heartbeat fires well after the watchdog
+
+
 # ---------------------------------------------------------------------- several processes
 SHARDS = textwrap.dedent(
     """
@@ -295,6 +392,17 @@ def test_unreachable_coordinator_is_a_clear_error_within_the_timeout(tmp_path, p
     assert "Traceback" not in log and time.monotonic() - t0 < 60
 
 
+def _assert_last_word(p, start: str, procs: Procs) -> None:
+    """The process's output ends with one line of ours starting with `start`: no traceback, no JAX abort."""
+    lines = [x for x in Path(p.log).read_text(errors="replace").splitlines() if x.strip() and not x.startswith("[Gloo]")]
+    assert lines and lines[-1].startswith(start), procs.logs()
+    assert "Restart every process with the same command to resume from the last checkpoint" in lines[-1]
+    text = "\n".join(lines)
+    for native in ("Terminating process because", "Check failure stack trace", "Traceback", "Fatal Python error"):
+        assert native not in text, (native, procs.logs())
+    assert sum(x.startswith("error:") for x in lines) == 1, procs.logs()
+
+
 SFT = ["configs/sft_smoke.yaml", "trainer.max_steps=12", "trainer.save_every=2", "trainer.log_every=1",
        "trainer.eval_every=0", "trainer.progress=false", "trainer.async_checkpointing=false", "export_hf=false",
        "distributed.heartbeat_timeout_s=6"]
@@ -321,8 +429,7 @@ def test_sft_two_hosts_match_one_host_and_resume_after_a_host_dies(tmp_path, pro
     killed_at = time.monotonic()
     assert procs.wait([hosts[0]], 60) == [1], procs.logs()
     waited = time.monotonic() - killed_at
-    log = Path(hosts[0].log).read_text()
-    assert "error: multi-host run: process 1 of 2 stopped answering" in log, procs.logs()
+    _assert_last_word(hosts[0], "error: multi-host run: process 1 of 2 stopped answering", procs)
     assert waited < 30, waited
     done = len(_rows(two, "loss"))
     assert done < 12, "the run finished before the kill: nothing was tested"
@@ -336,6 +443,25 @@ def test_sft_two_hosts_match_one_host_and_resume_after_a_host_dies(tmp_path, pro
     diff = max(abs(got[s] - ref[s]) for s in ref)
     print(f"\nkilled after {done} logged steps; other process exited in {waited:.1f}s; max |loss diff| {diff:.2e}")
     assert diff < 1e-5
+
+
+@pytest.mark.slow
+def test_killing_the_coordinator_ends_the_others_with_one_line(tmp_path, procs, tiny_llama):
+    """Process 0 (JAX's coordination service) killed mid-run: JAX's client in process 1 aborts natively at once;
+    the `posttrain` command that supervises it ends with our one line instead, exit 1."""
+    args = _posttrain("sft", *SFT, "trainer.max_steps=40", f"model.path={tiny_llama}", f"output_dir={tmp_path / 'run'}")
+    hosts = _hosts(procs, args, 2, 4, tmp_path, "run")
+    deadline = time.monotonic() + 240
+    while not ((tmp_path / "run" / "metrics.jsonl").exists() and len(_rows(tmp_path / "run", "loss")) >= 2):
+        assert time.monotonic() < deadline and hosts[1].poll() is None, procs.logs()
+        time.sleep(0.05)
+    os.killpg(hosts[0].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert procs.wait([hosts[1]], 60) == [1], procs.logs()
+    waited = time.monotonic() - killed_at
+    _assert_last_word(hosts[1], "error: multi-host run: the coordinator (process 0) stopped answering", procs)
+    print(f"\nprocess 1 exited {waited:.1f}s after the coordinator was killed")
+    assert waited < 30, waited
 
 
 REWARD = '''

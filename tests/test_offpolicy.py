@@ -4,6 +4,8 @@ stale groups trained against recomputed old log-probs with their sampler mismatc
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,11 +88,9 @@ def _batch(trainer, seed=0):
                   prompts_text=[""] * 4, rewards=np.array([1.0, 0.0, 0.5, 0.0], np.float32), per_reward={},
                   reward_stats={})
     batch = build_rl_batch(ro, np.array([0.8, -0.8, 1.0, -1.0], np.float32), multiple=8)
-    c = batch["completion_mask"].shape[1]
-    now = np.asarray(trainer.token_logprobs(batch, last=c))
-    batch["old_logp"] = ((now + rng.uniform(-0.4, 0.4, size=now.shape)) * batch["completion_mask"]).astype(np.float32)
-    batch["behaviour_logp"] = batch["old_logp"].copy()
-    return batch
+    now = np.asarray(trainer.token_logprobs(batch.model_inputs(), last=batch.completion_len))
+    mu = ((now + rng.uniform(-0.4, 0.4, size=now.shape)) * batch.loss_mask).astype(np.float32)
+    return batch.replace(behaviour_logp=mu)
 
 
 def _learner(*, recompute_old=False, correct_off_policy=True):
@@ -102,7 +102,8 @@ def _learner(*, recompute_old=False, correct_off_policy=True):
     step = trainer.step
 
     def recording_step(batch, loss_fn=None, **kw):
-        seen.append({k: np.array(v) for k, v in batch.items()})
+        seen.append({f.name: np.array(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+                     if getattr(batch, f.name) is not None})
         return step(batch, loss_fn, **kw)
 
     trainer.step = recording_step
@@ -112,8 +113,8 @@ def _learner(*, recompute_old=False, correct_off_policy=True):
 def test_old_logprobs_are_recomputed_when_the_policy_moved():
     learner, trainer, seen = _learner()
     batch = _batch(trainer)
-    mask, mu = batch["completion_mask"], batch["behaviour_logp"].copy()
-    fresh = np.asarray(trainer.token_logprobs(batch, last=mask.shape[1]))  # a pass of the weights being updated
+    mask, mu = batch.loss_mask, batch.behaviour_logp.copy()
+    fresh = np.asarray(trainer.token_logprobs(batch.model_inputs(), last=mask.shape[1]))  # the weights being updated
     metrics = learner.update(batch, step=3, policy_moved=True)
     old = seen[0]["old_logp"]
     np.testing.assert_allclose(old * mask, fresh * mask, rtol=1e-5, atol=1e-6)
@@ -131,8 +132,8 @@ def test_old_logprobs_are_recomputed_when_the_policy_moved():
 def test_old_logprobs_are_the_samplers_while_the_policy_has_not_moved():
     learner, trainer, seen = _learner()
     batch = _batch(trainer, seed=1)
-    mask, mu = batch["completion_mask"], batch["behaviour_logp"].copy()
-    fresh = np.asarray(trainer.token_logprobs(batch, last=mask.shape[1]))
+    mask, mu = batch.loss_mask, batch.behaviour_logp.copy()
+    fresh = np.asarray(trainer.token_logprobs(batch.model_inputs(), last=mask.shape[1]))
     metrics = learner.update(batch, step=1, policy_moved=False)
     np.testing.assert_array_equal(seen[0]["old_logp"], mu)
     assert metrics["mismatch_kl"] == 0.0 and metrics["is_weight_mean"] == 1.0
@@ -177,11 +178,11 @@ def test_reference_logprobs_are_the_frozen_models_at_the_completion_tokens():
         learner.ref_fn = FrozenScorer(reference, trainer)
         learner.loss_fn = make_rl_loss({**LOSS, "beta": 0.1, "kl_estimator": "k3"})
         batch = _batch(trainer, seed=2)
-        mask = batch["completion_mask"]
+        mask = batch.loss_mask
         c = mask.shape[1]
-        pi = np.asarray(trainer.token_logprobs(batch, last=c))
-        ref = np.asarray(token_logprobs(reference, batch["input_ids"], attention_mask=batch["attention_mask"],
-                                        positions=batch["positions"]))[:, -c:]
+        pi = np.asarray(trainer.token_logprobs(batch.model_inputs(), last=c))
+        ref = np.asarray(token_logprobs(reference, batch.input_ids, attention_mask=batch.attention_mask,
+                                        positions=batch.positions))[:, -c:]
         metrics = learner.update(batch, step=1, policy_moved=False)
         np.testing.assert_allclose(seen[0]["ref_logp"] * mask, ref * mask, rtol=1e-5, atol=1e-5)
         expected = np.sum(np.asarray(kl_penalty(pi, ref, "k3")) * mask) / mask.sum()

@@ -60,6 +60,26 @@ def test_aggregate_empty_mask_is_zero_not_nan():
         aggregate(X, M, "token_sum")
 
 
+
+def test_aggregation_weights_make_micro_batch_sums_exact():
+    """Each mode's weight w (the trainer's normaliser) makes Σ L_k w_k / Σ w_k over micro-batches equal the
+    aggregate over the whole batch; the config strings are the enum's values."""
+    from posttrain.algorithms.policy import Aggregation
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5)), jnp.float32)
+    m = jnp.asarray([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0] * 5, [1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1] * 4 + [0]],
+                    jnp.float32)
+    assert {a.value for a in Aggregation} == set(registry.AGGREGATIONS)
+    for mode in Aggregation:
+        whole = float(mode.reduce(x, m, max_tokens=8))
+        halves = (np.array([0, 2, 4]), np.array([1, 3, 5]))
+        parts = [(mode.reduce(x[k], m[k], max_tokens=8), mode.weight(m[k])) for k in halves]
+        summed = float(sum(loss * w for loss, w in parts) / sum(w for _, w in parts))
+        np.testing.assert_allclose(summed, whole, rtol=1e-5, err_msg=mode)
+        assert float(aggregate(x, m, str(mode), max_tokens=8)) == whole
+    with pytest.raises(ValueError, match=r"unknown aggregation mode 'token_sum'; accepted: \['seq_mean_token_mean'"):
+        Aggregation.of("token_sum")
+
 # ----------------------------------------------------------------------------- token-level loss
 # eps_low = 0.2, eps_high = 0.28 -> clip range [0.8, 1.28]
 # seq 0, A = +1, ratios [1.5, 0.5, 1.0, (masked)]
@@ -287,3 +307,19 @@ def test_policy_loss_off_policy_correction():
     np.testing.assert_allclose(float(corrected), expected, rtol=1e-6)
     g = jax.grad(lambda lp: policy_loss(lp, logp, adv, mask, behaviour_logp=behaviour, is_cap=1.2)[0])(logp)
     np.testing.assert_allclose(np.asarray(g), -np.asarray(adv)[:, None] * w / 4, rtol=1e-5)  # w is a constant
+
+
+def test_is_level_none_switches_the_correction_off():
+    from posttrain.algorithms.policy import ISLevel
+
+    logp = jnp.array([[-1.0, -2.0], [-0.5, -0.7]])
+    adv, mask = jnp.array([1.0, -2.0]), jnp.ones((2, 2))
+    behaviour = logp - 0.3
+    plain, plain_m = policy_loss(logp, logp, adv, mask)
+    off, off_m = policy_loss(logp, logp, adv, mask, behaviour_logp=behaviour, is_level="none")
+    assert float(off) == float(plain) and set(off_m) == set(plain_m)
+    on, on_m = policy_loss(logp, logp, adv, mask, behaviour_logp=behaviour, is_level=ISLevel.SEQUENCE)
+    assert float(on) != float(plain) and "is_weight_mean" in on_m
+    assert [lv.corrects for lv in ISLevel] == [False, True, True] and ISLevel.of("token") is ISLevel.TOKEN
+    with pytest.raises(ValueError, match=r"unknown importance-sampling level 'tok'; accepted: \['none', 'sequence'"):
+        policy_loss(logp, logp, adv, mask, behaviour_logp=behaviour, is_level="tok")

@@ -125,19 +125,61 @@ def test_build_rl_batch_alignment():
                   finish_reasons=["stop", "length"], texts=["", ""], prompts_text=["", ""],
                   rewards=np.array([1.0, 0.0], np.float32), per_reward={}, reward_stats={})
     b = build_rl_batch(ro, np.array([0.5, -0.5]), seq_weights=np.array([1.0, 0.0]))
-    assert b["input_ids"].shape == (2, 32) and b["completion_mask"].shape == (2, 16)
+    assert b.input_ids.shape == (2, 32) and b.loss_mask.shape == (2, 16) and b.completion_len == 16
     # prompt left-padded into columns 0..15, completion from column 16
-    np.testing.assert_array_equal(b["input_ids"][0, 12:19], [0, 5, 6, 7, 8, 9, 0])
-    np.testing.assert_array_equal(b["attention_mask"][0, 12:19], [0, 1, 1, 1, 1, 1, 0])
-    np.testing.assert_array_equal(b["positions"][0, 13:18], [0, 1, 2, 3, 4])
-    np.testing.assert_array_equal(b["completion_mask"][0, :3], [1, 1, 0])
-    np.testing.assert_array_equal(b["old_logp"][0, :3], [-0.5, -0.25, 0])
-    assert b["completion_mask"][1].sum() == 0  # weight 0 (e.g. overlong-filtered)
+    np.testing.assert_array_equal(b.input_ids[0, 12:19], [0, 5, 6, 7, 8, 9, 0])
+    np.testing.assert_array_equal(b.attention_mask[0, 12:19], [0, 1, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(b.positions[0, 13:18], [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(b.loss_mask[0, :3], [1, 1, 0])
+    np.testing.assert_array_equal(b.behaviour_logp[0, :3], [-0.5, -0.25, 0])
+    assert b.loss_mask[1].sum() == 0  # weight 0 (e.g. overlong-filtered)
+    # the proximal log-probs are the behaviour ones until the learner sets them; no reference by default
+    assert b.old_logp is None and b.ref_logp is None and b.proximal_logp is b.behaviour_logp
+    assert set(b.model_inputs()) == {"input_ids", "attention_mask", "positions"}
+    half = b.rows(np.array([1]))
+    assert len(half) == 1 and half.old_logp is None and half.advantages.tolist() == [-0.5]
     assert bucket_length(33) == 48 and bucket_length(5) == 16
+
+
+def test_learner_sets_proximal_and_reference_logprobs():
+    """The learner fills old_logp on every step (one batch structure for the jitted step): the behaviour
+    log-probs, or the training forward's once the policy moved and the correction is on (or always with
+    recompute); the reference's when there is one."""
+    from posttrain.rl.learner import Learner
+
+    ro = Rollouts(group_size=2, record_index=[0, 0], prompt_ids=[[5, 6], [4]], completion_ids=[[8, 9], [10]],
+                  logprobs=[[-0.5, -0.25], [-1.0]], finish_reasons=["stop"] * 2, texts=["", ""],
+                  prompts_text=["", ""], rewards=np.zeros(2, np.float32), per_reward={}, reward_stats={})
+    b = build_rl_batch(ro, np.array([0.5, -0.5]))
+    seen = []
+
+    class Scorer:
+        grad_accum = 1
+
+        def token_logprobs(self, inputs, last):
+            seen.append((sorted(inputs), last))
+            return np.full((len(inputs["input_ids"]), last), -3.0, np.float32)
+
+    def ref_fn(inputs, last):
+        return np.full((len(inputs["input_ids"]), last), -7.0, np.float32)
+
+    def learner(**kw):
+        return Learner(Scorer(), None, ppo_epochs=1, minibatches=1, seed=0, **kw)
+
+    kept = learner(recompute_old=False, correct_off_policy=True).score(b, policy_moved=False)
+    assert kept.old_logp is b.behaviour_logp and kept.ref_logp is None and not seen
+    moved = learner(recompute_old=False, correct_off_policy=True, ref_fn=ref_fn).score(b, policy_moved=True)
+    assert (moved.old_logp == -3.0).all() and (moved.ref_logp == -7.0).all()
+    assert moved.behaviour_logp is b.behaviour_logp
+    assert seen == [(["attention_mask", "input_ids", "positions"], 16)]
+    uncorrected = learner(recompute_old=False, correct_off_policy=False).score(b, policy_moved=True)
+    assert uncorrected.old_logp is b.behaviour_logp
+    assert (learner(recompute_old=True, correct_off_policy=False).score(b, policy_moved=False).old_logp == -3.0).all()
 
 
 def test_rl_loss_logprobs_equal_full_forward():
     """The loss scores completion tokens exactly as a plain forward + log-softmax does."""
+    import jax
     import jax.numpy as jnp
 
     from posttrain.algorithms.sft import token_logprobs
@@ -154,11 +196,11 @@ def test_rl_loss_logprobs_equal_full_forward():
     # old_logp := log-probs from a plain forward of each unpadded sequence; the loss's ratios must all be 1
     ref = [np.asarray(token_logprobs(model, jnp.asarray([p + c])))[0, len(p) - 1:]
            for p, c in zip(ro.prompt_ids, ro.completion_ids)]
-    b["old_logp"] = np.zeros_like(b["old_logp"])
+    old = np.zeros_like(b.behaviour_logp)
     for i, r in enumerate(ref):
-        b["old_logp"][i, : len(r)] = r
-    batch = {k: jnp.asarray(v) for k, v in b.items()}
-    _, _, metrics = rl_loss(model, batch, loss_kwargs={"aggregation": "token_mean"})
+        old[i, : len(r)] = r
+    batch = jax.tree.map(jnp.asarray, b.replace(old_logp=old))
+    _, _, metrics = rl_loss(model, batch, loss_kwargs={"aggregation": "token_mean", "is_level": "none"})
     num, den = metrics["ratio_mean"]
     assert abs(float(num / den) - 1.0) < 1e-5
 

@@ -163,7 +163,7 @@ def test_trainer_token_logprobs(model_state):
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_trainer_token_logprobs_of_the_last_positions_only(model_state, chunk):
     """`last=C` gives the last C columns of the full result, and projects the vocabulary only there."""
-    from posttrain.rl.batch import completion_logprobs
+    from posttrain.rl.batch import RLBatch, completion_logprobs
 
     model = model_state()
     b = _batches(1)[0]
@@ -173,7 +173,7 @@ def test_trainer_token_logprobs_of_the_last_positions_only(model_state, chunk):
     full = np.asarray(tr.token_logprobs(b))
     got = np.asarray(tr.token_logprobs(b, last=c))
     assert got.shape == (8, c)
-    np.testing.assert_allclose(got, completion_logprobs(full, {"completion_mask": np.zeros((8, c))}), atol=1e-5)
+    np.testing.assert_allclose(got, completion_logprobs(full, RLBatch(*[np.zeros((8, c))] * 6)), atol=1e-5)
     np.testing.assert_allclose(np.asarray(tr.token_logprobs(b, adapters=False, last=c)), got, atol=1e-5)
 
     def flops(last):

@@ -8,6 +8,8 @@ over the tokens of its sequence, or ``[N, T]`` (one per token). All math is done
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 
@@ -17,10 +19,13 @@ __all__ = [
     "token_mean",
     "seq_mean_token_mean",
     "seq_mean_token_sum_norm",
+    "Aggregation",
     "AGGREGATION_MODES",
     "aggregate",
+    "ISLevel",
     "policy_loss",
     "truncated_is_weights",
+    "clipped_surrogate",
     "entropy_from_logits",
 ]
 
@@ -72,11 +77,56 @@ def seq_mean_token_sum_norm(per_token, mask, max_tokens=None):
     return jnp.sum(x * m) / denom
 
 
-AGGREGATION_MODES = {
-    "token_mean": token_mean,
-    "seq_mean_token_mean": seq_mean_token_mean,
-    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+def _token_count(mask):
+    return jnp.sum(mask)
+
+
+def _sequences_with_tokens(mask):
+    return jnp.sum(jnp.any(mask > 0, axis=-1).astype(jnp.float32))
+
+
+def _sequence_count(mask):
+    return jnp.asarray(mask.shape[0], jnp.float32)
+
+
+def _choose(kind, value, what: str):
+    """`value` (a config string) as a member of the StrEnum `kind`; a ValueError lists the accepted values."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"unknown {what} {value!r}; accepted: {sorted(m.value for m in kind)}") from None
+
+
+class Aggregation(enum.StrEnum):
+    """How per-token losses reduce to a scalar (`algorithm.aggregation`); see `aggregate`.
+
+    Each mode also has a weight: the normaliser of a minibatch (target tokens for ``token_mean``, sequences
+    with a token for ``seq_mean_token_mean``, rows for ``seq_mean_token_sum_norm``), so that summing
+    ``(L * w, w)`` over micro-batches and dividing reproduces the aggregate over the whole minibatch.
+    """
+
+    TOKEN_MEAN = "token_mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
+
+    @classmethod
+    def of(cls, mode) -> "Aggregation":
+        return _choose(cls, mode, "aggregation mode")
+
+    def reduce(self, per_token, mask, max_tokens=None):
+        return _AGGREGATIONS[self][0](per_token, mask, max_tokens=max_tokens)
+
+    def weight(self, mask):
+        return _AGGREGATIONS[self][1](mask)
+
+
+# the one table of aggregation modes: mode -> (reduction, minibatch weight)
+_AGGREGATIONS = {
+    Aggregation.TOKEN_MEAN: (token_mean, _token_count),
+    Aggregation.SEQ_MEAN_TOKEN_MEAN: (seq_mean_token_mean, _sequences_with_tokens),
+    Aggregation.SEQ_MEAN_TOKEN_SUM_NORM: (seq_mean_token_sum_norm, _sequence_count),
 }
+AGGREGATION_MODES = {m.value: reduce for m, (reduce, _) in _AGGREGATIONS.items()}  # config string -> reduction
 
 
 def aggregate(per_token, mask, mode: str = "token_mean", max_tokens=None):
@@ -86,17 +136,28 @@ def aggregate(per_token, mask, mode: str = "token_mean", max_tokens=None):
     * ``seq_mean_token_mean``:     ``mean_i( sum_t x*m / sum_t m )``           (GRPO)
     * ``seq_mean_token_sum_norm``: ``sum(x*m) / (N * max_tokens)``             (Dr. GRPO)
     """
-    try:
-        fn = AGGREGATION_MODES[mode]
-    except KeyError:
-        raise ValueError(
-            f"unknown aggregation mode {mode!r}; accepted: {sorted(AGGREGATION_MODES)}"
-        ) from None
-    return fn(per_token, mask, max_tokens=max_tokens)
+    return Aggregation.of(mode).reduce(per_token, mask, max_tokens=max_tokens)
 
 
 def _masked_mean(x, m):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+class ISLevel(enum.StrEnum):
+    """The off-policy correction's importance-sampling level (`is_level`): none, per token, per sequence."""
+
+    NONE = "none"
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+    @classmethod
+    def of(cls, level) -> "ISLevel":
+        return _choose(cls, level, "importance-sampling level")
+
+    @property
+    def corrects(self) -> bool:
+        """Whether tokens are weighted by pi_old / mu (and pi_old is recomputed once the policy has moved)."""
+        return self is not ISLevel.NONE
 
 
 def truncated_is_weights(old_logp, behaviour_logp, mask, *, level: str = "token", cap: float = 2.0):
@@ -115,14 +176,14 @@ def truncated_is_weights(old_logp, behaviour_logp, mask, *, level: str = "token"
     ``is_ess`` (effective sample size fraction ``(sum w)^2 / (n sum w^2)`` over tokens or sequences) and
     ``mismatch_kl`` (k3 estimate of KL(mu || pi_old) per token: ``r - 1 - log r``, r = pi_old / mu).
     """
-    if level not in ("token", "sequence"):
+    if level not in (ISLevel.TOKEN, ISLevel.SEQUENCE):
         raise ValueError(f"unknown importance-sampling level {level!r}; accepted: ['sequence', 'token']")
     m = _f32(mask)
     valid = m > 0
     log_r = jnp.where(valid, _f32(old_logp) - _f32(behaviour_logp), 0.0)
     r = jnp.exp(jnp.clip(log_r, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     mismatch_kl = _masked_mean(r - 1.0 - log_r, m)
-    if level == "token":
+    if level == ISLevel.TOKEN:
         raw, unit = r, m  # statistics over tokens
     else:
         raw = jnp.exp(jnp.clip(jnp.sum(log_r * m, axis=-1), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [N]
@@ -135,29 +196,81 @@ def truncated_is_weights(old_logp, behaviour_logp, mask, *, level: str = "token"
         "is_ess": ess,
         "mismatch_kl": mismatch_kl,
     }
-    if level == "sequence":
+    if level == ISLevel.SEQUENCE:
         w = jnp.broadcast_to(w[:, None], m.shape)
     return jax.lax.stop_gradient((w, metrics))
 
 
-def policy_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    ratio_level: str = "token",
-    aggregation: str = "token_mean",
-    ref_logp=None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    max_tokens=None,
-    behaviour_logp=None,
-    is_level: str = "token",
-    is_cap: float = 2.0,
-):
+# ---------------------------------------------------------------------- the pieces of policy_loss
+def _per_token_advantages(adv, shape, ratio_level: str):
+    """``[N]`` advantages as ``[N, 1]`` (broadcast over tokens), or ``[N, T]`` per-token ones as they are."""
+    if adv.shape == (shape[0],):
+        return adv[:, None]
+    if adv.shape == shape:  # per-token advantages (e.g. on-policy distillation)
+        if ratio_level == "sequence":
+            raise ValueError("per-token advantages [N, T] need ratio_level='token' (GSPO's ratio is per sequence)")
+        return adv
+    raise ValueError(f"advantages must have shape [N]={shape[0]} or [N, T]={tuple(shape)}, got {adv.shape}")
+
+
+def _token_ratio(log_ratio, adv_t, m, epsilon_low: float, epsilon_high: float):
+    """PPO's per-token ratio ``r_t = exp(logp_t - old_logp_t)`` and its clip statistics over tokens."""
+    ratio = jnp.exp(log_ratio)
+    ratio_val = jax.lax.stop_gradient(ratio)
+    low_hit = (adv_t < 0) & (ratio_val < 1.0 - epsilon_low)
+    high_hit = (adv_t > 0) & (ratio_val > 1.0 + epsilon_high)
+    stats = (_masked_mean(low_hit.astype(jnp.float32), m), _masked_mean(high_hit.astype(jnp.float32), m),
+             _masked_mean(ratio_val, m))
+    return ratio, stats
+
+
+def _sequence_ratio(log_ratio, logp, adv, m, epsilon_low: float, epsilon_high: float):
+    """GSPO-token's ratio ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))`` (value ``s_i``, the length-normalised
+    sequence ratio; gradient ``s_i * grad logp_t``) and its clip statistics over sequences."""
+    sg = jax.lax.stop_gradient
+    valid_tok = m > 0
+    lengths = jnp.sum(m, axis=-1)
+    seq_log_ratio = jnp.sum(log_ratio * m, axis=-1) / jnp.maximum(lengths, 1.0)
+    seq_ratio = jnp.exp(sg(seq_log_ratio))  # s_i, a constant
+    safe_logp = jnp.where(valid_tok, logp, 0.0)  # keep padded garbage out of exp()
+    ratio = seq_ratio[:, None] * jnp.exp(safe_logp - sg(safe_logp))
+    ratio = jnp.where(valid_tok, ratio, 1.0)
+    seq_valid = (lengths > 0).astype(jnp.float32)
+    low_hit = (adv < 0) & (seq_ratio < 1.0 - epsilon_low)
+    high_hit = (adv > 0) & (seq_ratio > 1.0 + epsilon_high)
+    stats = (_masked_mean(low_hit.astype(jnp.float32), seq_valid),
+             _masked_mean(high_hit.astype(jnp.float32), seq_valid), _masked_mean(seq_ratio, seq_valid))
+    return ratio, stats
+
+
+def clipped_surrogate(ratio, adv_t, epsilon_low: float, epsilon_high: float):
+    """Per-token ``l_t = -min(r_t * A, clip(r_t, 1 - epsilon_low, 1 + epsilon_high) * A)``."""
+    surr_unclipped = ratio * adv_t
+    surr_clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv_t
+    return -jnp.minimum(surr_unclipped, surr_clipped)
+
+
+def _importance_weighted(per_token, old_logp, behaviour_logp, m, level, cap: float):
+    """``per_token`` times the truncated importance weights of ``truncated_is_weights`` (and their metrics);
+    unchanged without behaviour log-probs or with level ``none``."""
+    if behaviour_logp is None or not ISLevel.of(level).corrects:
+        return per_token, {}
+    is_w, metrics = truncated_is_weights(old_logp, behaviour_logp, m, level=level, cap=cap)
+    return per_token * is_w, metrics
+
+
+def _kl_tokens(logp, ref_logp, valid_tok, kl_estimator: str):
+    """Per-token ``kl_penalty(logp, ref_logp, kl_estimator)`` (padding scored as 0 vs 0)."""
+    ref_logp = jax.lax.stop_gradient(_f32(ref_logp))
+    if ref_logp.shape != logp.shape:
+        raise ValueError(f"ref_logp shape {ref_logp.shape} != logp shape {logp.shape}")
+    return kl_penalty(jnp.where(valid_tok, logp, 0.0), jnp.where(valid_tok, ref_logp, 0.0), kl_estimator)
+
+
+def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                ratio_level: str = "token", aggregation: str = "token_mean", ref_logp=None, beta: float = 0.0,
+                kl_estimator: str = "k3", max_tokens=None, behaviour_logp=None, is_level: str = "token",
+                is_cap: float = 2.0):
     """Clipped surrogate policy loss (to be minimised) and metrics.
 
     Token level (``ratio_level="token"``) -- PPO (Schulman et al. 2017, "Proximal Policy
@@ -178,8 +291,8 @@ def policy_loss(
     If ``behaviour_logp`` (the sampler's log-probs) is given, ``old_logp`` is the proximal policy (the
     trainer's log-probs of the weights that sampled, or recomputed when the policy moved since) and each
     token's surrogate is multiplied by the truncated importance weight of ``truncated_is_weights``
-    (``is_level``, cap ``is_cap``); its metrics join the loss's. With ``behaviour_logp == old_logp`` the
-    weights are exactly 1 and the loss is unchanged.
+    (``is_level``, cap ``is_cap``; level ``none``: no weights); its metrics join the loss's. With
+    ``behaviour_logp == old_logp`` the weights are exactly 1 and the loss is unchanged.
 
     If ``beta > 0`` a per-token KL penalty ``beta * kl_penalty(logp, ref_logp, kl_estimator)``
     is added to ``l_t`` (GRPO). The per-token losses are reduced with
@@ -206,75 +319,29 @@ def policy_loss(
     if beta and ref_logp is None:
         raise ValueError("beta > 0 requires ref_logp")
     sg = jax.lax.stop_gradient
-    logp = _f32(logp)
-    old_logp = sg(_f32(old_logp))
-    m = _f32(mask)
+    logp, old_logp, m = _f32(logp), sg(_f32(old_logp)), _f32(mask)
     if logp.ndim != 2 or logp.shape != old_logp.shape or logp.shape != m.shape:
         raise ValueError(
             f"logp, old_logp and mask must share shape [N, T]; got {logp.shape}, {old_logp.shape}, {m.shape}"
         )
     adv = sg(_f32(advantages))
-    if adv.shape == (logp.shape[0],):
-        adv_t = adv[:, None]
-    elif adv.shape == logp.shape:  # per-token advantages (e.g. on-policy distillation)
-        if ratio_level == "sequence":
-            raise ValueError("per-token advantages [N, T] need ratio_level='token' (GSPO's ratio is per sequence)")
-        adv_t = adv
-    else:
-        raise ValueError(f"advantages must have shape [N]={logp.shape[0]} or [N, T]={tuple(logp.shape)}, got {adv.shape}")
+    adv_t = _per_token_advantages(adv, logp.shape, ratio_level)
     valid_tok = m > 0
-
-    log_ratio = jnp.where(valid_tok, logp - old_logp, 0.0)
-    log_ratio = jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-
+    log_ratio = jnp.clip(jnp.where(valid_tok, logp - old_logp, 0.0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     if ratio_level == "token":
-        ratio = jnp.exp(log_ratio)
-        ratio_val = sg(ratio)
-        low_hit = (adv_t < 0) & (ratio_val < 1.0 - epsilon_low)
-        high_hit = (adv_t > 0) & (ratio_val > 1.0 + epsilon_high)
-        clip_frac_low = _masked_mean(low_hit.astype(jnp.float32), m)
-        clip_frac_high = _masked_mean(high_hit.astype(jnp.float32), m)
-        ratio_mean = _masked_mean(ratio_val, m)
+        ratio, (clip_frac_low, clip_frac_high, ratio_mean) = _token_ratio(log_ratio, adv_t, m, epsilon_low,
+                                                                          epsilon_high)
     else:
-        lengths = jnp.sum(m, axis=-1)
-        seq_log_ratio = jnp.sum(log_ratio * m, axis=-1) / jnp.maximum(lengths, 1.0)
-        seq_ratio = jnp.exp(sg(seq_log_ratio))  # s_i, a constant
-        # GSPO-token: value s_i on every token, gradient s_i * grad(logp_t).
-        safe_logp = jnp.where(valid_tok, logp, 0.0)  # keep padded garbage out of exp()
-        ratio = seq_ratio[:, None] * jnp.exp(safe_logp - sg(safe_logp))
-        ratio = jnp.where(valid_tok, ratio, 1.0)
-        seq_valid = (lengths > 0).astype(jnp.float32)
-        low_hit = (adv < 0) & (seq_ratio < 1.0 - epsilon_low)
-        high_hit = (adv > 0) & (seq_ratio > 1.0 + epsilon_high)
-        clip_frac_low = _masked_mean(low_hit.astype(jnp.float32), seq_valid)
-        clip_frac_high = _masked_mean(high_hit.astype(jnp.float32), seq_valid)
-        ratio_mean = _masked_mean(seq_ratio, seq_valid)
-
-    surr_unclipped = ratio * adv_t
-    surr_clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv_t
-    per_token = -jnp.minimum(surr_unclipped, surr_clipped)
-    is_metrics = {}
-    if behaviour_logp is not None:
-        is_w, is_metrics = truncated_is_weights(old_logp, behaviour_logp, m, level=is_level, cap=is_cap)
-        per_token = per_token * is_w
+        ratio, (clip_frac_low, clip_frac_high, ratio_mean) = _sequence_ratio(log_ratio, logp, adv, m, epsilon_low,
+                                                                             epsilon_high)
+    per_token = clipped_surrogate(ratio, adv_t, epsilon_low, epsilon_high)
+    per_token, is_metrics = _importance_weighted(per_token, old_logp, behaviour_logp, m, is_level, is_cap)
     pg_loss = aggregate(per_token, m, aggregation, max_tokens=max_tokens)
-
-    metrics = {
-        "pg_loss": sg(pg_loss),
-        "clip_frac_low": clip_frac_low,
-        "clip_frac_high": clip_frac_high,
-        "clip_fraction": clip_frac_low + clip_frac_high,
-        "ratio_mean": ratio_mean,
-        **is_metrics,
-    }
+    metrics = {"pg_loss": sg(pg_loss), "clip_frac_low": clip_frac_low, "clip_frac_high": clip_frac_high,
+               "clip_fraction": clip_frac_low + clip_frac_high, "ratio_mean": ratio_mean, **is_metrics}
     loss = pg_loss
     if ref_logp is not None:
-        ref_logp = sg(_f32(ref_logp))
-        if ref_logp.shape != logp.shape:
-            raise ValueError(f"ref_logp shape {ref_logp.shape} != logp shape {logp.shape}")
-        kl_tok = kl_penalty(
-            jnp.where(valid_tok, logp, 0.0), jnp.where(valid_tok, ref_logp, 0.0), kl_estimator
-        )
+        kl_tok = _kl_tokens(logp, ref_logp, valid_tok, kl_estimator)
         metrics["kl"] = sg(_masked_mean(kl_tok, m))
         if beta:
             loss = aggregate(per_token + beta * kl_tok, m, aggregation, max_tokens=max_tokens)

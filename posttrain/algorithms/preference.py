@@ -15,10 +15,12 @@ and `rewards` methods apply the pure function.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posttrain.algorithms.protocol import uses_frozen
 from posttrain.algorithms.sft import token_logprobs
@@ -26,7 +28,7 @@ from posttrain.algorithms.sft import token_logprobs
 __all__ = [
     "dpo_sigmoid_loss", "ipo_loss", "hinge_loss", "robust_dpo_loss", "cdpo_loss", "simpo_loss",
     "orpo_odds_ratio_loss", "log1mexp", "PairLogps", "PreferenceLoss", "DPO", "IPO", "Hinge", "RobustDPO", "CDPO",
-    "SimPO", "ORPO", "PRESETS", "make_preset",
+    "SimPO", "ORPO", "PRESETS", "make_preset", "ReferenceSource",
 ]
 
 
@@ -239,7 +241,29 @@ def make_preset(name: str, **settings: Any) -> PreferenceLoss:
 
 
 # ---------------------------------------------------------------------- the trainer's loss
-REFERENCE_SOURCES = ("precomputed", "base", "reference", "none")
+class ReferenceSource(enum.StrEnum):
+    """Where a preference loss's reference log-probs come from. The config's choice (`algorithm.reference`:
+    auto/base/model) maps onto it once, in `posttrain.training.dpo.resolve_reference`."""
+
+    PRECOMPUTED = "precomputed"  # batch["ref_logps"] [R], scored once before training
+    BASE = "base"  # the LoRA base with adapters off (the trainer's frozen model "base")
+    MODEL = "reference"  # a frozen model beside the trainer, named "reference"
+    NONE = "none"  # reference-free losses
+
+    @classmethod
+    def of(cls, value) -> "ReferenceSource":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown reference source {value!r}; accepted: {list(REFERENCE_SOURCES)}") from None
+
+    @property
+    def frozen_name(self) -> str | None:
+        """The trainer's frozen model that scores the reference in the step (None: none does)."""
+        return self.value if self in (ReferenceSource.BASE, ReferenceSource.MODEL) else None
+
+
+REFERENCE_SOURCES = tuple(r.value for r in ReferenceSource)
 
 
 def sequence_logps(model, batch, chunk_size: int | None = None):
@@ -248,6 +272,15 @@ def sequence_logps(model, batch, chunk_size: int | None = None):
                         positions=batch.get("positions"), chunk_size=chunk_size)
     m = batch["loss_mask"][:, 1:].astype(jnp.float32)
     return jnp.sum(lp * m, axis=-1), jnp.sum(m, axis=-1), lp
+
+
+def _reference_logps(batch, frozen, spec: PreferenceLoss, reference: ReferenceSource, chunk_size: int | None):
+    """The reference's sequence log-probs [R]: precomputed in the batch, or scored by a frozen model."""
+    if reference is ReferenceSource.PRECOMPUTED:
+        return batch["ref_logps"].astype(jnp.float32)
+    if reference.frozen_name is not None:
+        return jax.lax.stop_gradient(sequence_logps(frozen[reference.frozen_name], batch, chunk_size)[0])
+    raise ValueError(f"loss '{spec.name}' needs reference log-probs (reference={reference.value!r})")
 
 
 def preference_loss(model, batch, frozen, *, spec: PreferenceLoss, reference: str = "reference",
@@ -263,12 +296,7 @@ def preference_loss(model, batch, frozen, *, spec: PreferenceLoss, reference: st
     logps, lengths, lp = sequence_logps(model, batch, chunk_size)
     ref = None
     if spec.needs_reference:
-        if reference == "precomputed":
-            ref = batch["ref_logps"].astype(jnp.float32)
-        elif reference in ("base", "reference"):
-            ref = jax.lax.stop_gradient(sequence_logps(frozen[reference], batch, chunk_size)[0])
-        else:
-            raise ValueError(f"loss '{spec.name}' needs reference log-probs (reference={reference!r})")
+        ref = _reference_logps(batch, frozen, spec, ReferenceSource.of(reference), chunk_size)
     pair = lambda x: (x[0::2], x[1::2])  # noqa: E731  rows 2i, 2i+1
     (c, r), (lc, lr) = pair(logps), pair(lengths)
     p = PairLogps(c, r, lc, lr, *(pair(ref) if ref is not None else (None, None)))
@@ -297,8 +325,6 @@ def preference_loss(model, batch, frozen, *, spec: PreferenceLoss, reference: st
 def nll_weights(batch: dict, *, nll_on_prompt: bool = False):
     """Host-side row weights for ORPO's NLL over a whole (global) batch: real pairs / chosen NLL tokens on
     the chosen rows, 0 on the rejected ones; Σ weight x row NLL / pairs = the batch's token-mean NLL."""
-    import numpy as np
-
     mask = np.asarray(batch["attention_mask"] if nll_on_prompt else batch["loss_mask"])[:, 1:]
     resp = np.asarray(batch["loss_mask"])[:, 1:].sum(-1)
     pairs = float(np.sum((resp[0::2] > 0) & (resp[1::2] > 0)))
@@ -314,14 +340,18 @@ class PreferenceLossFn:
     frozen models it needs and `rows_per_example=2` (a pair never splits across micro-batches)."""
 
     spec: PreferenceLoss
-    reference: str = "reference"
+    reference: ReferenceSource = ReferenceSource.MODEL
     chunk_size: int | None = None
     nll_on_prompt: bool = False
     rows_per_example: ClassVar[int] = 2
 
+    def __post_init__(self):
+        object.__setattr__(self, "reference", ReferenceSource.of(self.reference))
+
     @property
     def names(self) -> tuple[str, ...]:
-        return (self.reference,) if self.spec.needs_reference and self.reference in ("base", "reference") else ()
+        name = self.reference.frozen_name
+        return (name,) if self.spec.needs_reference and name is not None else ()
 
     def __call__(self, model, batch, frozen=None):
         return preference_loss(model, batch, frozen or {}, spec=self.spec, reference=self.reference,
@@ -331,7 +361,7 @@ class PreferenceLossFn:
 def make_preference_loss(spec: PreferenceLoss, *, reference: str = "reference", chunk_size: int | None = None,
                          nll_on_prompt: bool = False):
     """The trainer loss for `spec` (a `uses_frozen` loss when it reads a frozen reference model)."""
-    if reference not in REFERENCE_SOURCES:
-        raise ValueError(f"unknown reference source {reference!r}; accepted: {list(REFERENCE_SOURCES)}")
-    fn = PreferenceLossFn(spec, reference if spec.needs_reference else "none", chunk_size or None, nll_on_prompt)
+    reference = ReferenceSource.of(reference)
+    fn = PreferenceLossFn(spec, reference if spec.needs_reference else ReferenceSource.NONE, chunk_size or None,
+                          nll_on_prompt)
     return uses_frozen(fn, *fn.names, rows_per_example=2)

@@ -9,6 +9,10 @@ line `error: ...` and exit non-zero; anything else is a bug and keeps its traceb
 shows the traceback of every error. SIGTERM (a scheduler's preemption) stops a run like Ctrl-C does: the
 run's `finally` blocks wait for checkpoint writes and stop the reward workers, and the command exits 143.
 Exiting never takes more than `EXIT_GRACE_S` (a watchdog ends the process if background threads hang).
+A multi-process run (several hosts) is supervised: the command runs its work in a child process and turns a
+process's death into one line (`posttrain.cli.supervisor`); an unexpected error in such a run shows its
+traceback only after checking that the other processes still answer (else the watchdog's line says which one
+died: a collective fails in every process that outlives a peer).
 """
 
 from __future__ import annotations
@@ -90,10 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SIGTERM_AT: list[float] = []
+
+
 def _on_sigterm(signum, frame):
+    from posttrain.cli import supervisor
     from posttrain.training.errors import RunInterrupted
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    if supervisor.is_child() and _SIGTERM_AT:  # the same stop sent to every process of a job, and forwarded
+        if time.monotonic() - _SIGTERM_AT[0] < 5.0:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _SIGTERM_AT.append(time.monotonic())
+    if not supervisor.is_child():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     raise RunInterrupted("terminated (SIGTERM)")
 
 
@@ -139,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     given (tests, scripts), the caller's signal handling, hooks and threads are left alone."""
     if argv is not None:
         return _main(argv)
+    from posttrain.cli import supervisor
+
+    supervisor.adopt()  # in a supervised multi-process run's child: die with the supervisor
     signal.signal(signal.SIGTERM, _on_sigterm)
     debug = os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     previous = None if debug else _quiet_background_errors()
     try:
-        code = _main(None)
+        code = _main(None, supervise=not supervisor.is_child())
     except BaseException as e:  # a bug's traceback, or argparse's SystemExit: still no hang at exit
         if previous is not None:
             sys.excepthook, threading.excepthook, sys.unraisablehook = previous
@@ -158,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     return _arm_exit_watchdog(code)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, supervise: bool = False) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -174,10 +193,14 @@ def _main(argv: list[str] | None) -> int:
         from posttrain import compile_cache
 
         compile_cache.enable()  # a second run of the same job compiles nothing
+    from posttrain import distributed
+
+    if supervise:  # a run of several processes is run by a child of this one (posttrain.cli.supervisor)
+        from posttrain.cli import supervisor
+
+        distributed.set_supervisor(supervisor.supervise)
     try:
         if not getattr(module, "DISTRIBUTED_FROM_CONFIG", False):  # sft/rl read their config's section first
-            from posttrain import distributed
-
             distributed.initialize()  # multi-host from the environment / cluster; a no-op on one process
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
@@ -189,6 +212,7 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:  # noqa: BLE001 - known types become one line; others keep their traceback
         message = None if debug else describe(e)
         if message is None:
+            distributed.peers_alive()  # several processes: a peer's death (its collectives fail) ends this one first
             raise
         print(f"error: {message}", file=sys.stderr)
         from posttrain.config import ConfigError

@@ -25,7 +25,7 @@ from posttrain.distill.teacher import check_same_vocabulary, load_teacher, teach
 from posttrain.models import tokenizer as tok_lib
 from posttrain.models.hf_io import resolve_path
 from posttrain.models.tiny import resolve_model_path
-from posttrain.rl.batch import build_rl_batch
+from posttrain.rl.batch import RLBatch, build_rl_batch
 from posttrain.rl.learner import FrozenScorer
 from posttrain.rl.loop import run_rl
 from posttrain.rl.rollout import Rollouts
@@ -56,17 +56,14 @@ class OnPolicyDistillRun(RLRun):
         teacher = load_teacher(self.dcfg.teacher, self.dcfg.model, self.tok, self.trainer.cfg.vocab_size, self.run.mesh)
         self.teacher = FrozenScorer(teacher, self.trainer, cfg.trainer.loss_chunk_size or None)
 
-    def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:
+    def prepare(self, ro: Rollouts) -> RLBatch:
         """The RL batch with per-token advantages -(log q - log p) on the completion tokens."""
         batch = build_rl_batch(ro, np.zeros(len(ro), np.float32), pad_id=self.tok.pad_token_id or 0)
-        mask = batch["completion_mask"]
-        teacher_logp = self.teacher(batch, last=mask.shape[1])
-        log_ratio = (batch["old_logp"] - teacher_logp) * mask  # the sampler's log q minus the teacher's log p
-        batch["advantages"] = (-log_ratio).astype(np.float32)
+        mask = batch.loss_mask
+        teacher_logp = self.teacher(batch.model_inputs(), last=batch.completion_len)
+        log_ratio = (batch.behaviour_logp - teacher_logp) * mask  # the sampler's log q minus the teacher's log p
         self._kl = float(log_ratio.sum() / max(mask.sum(), 1.0))
-        if self.cfg.learner.is_level != "none":
-            batch["behaviour_logp"] = batch["old_logp"].copy()
-        return batch
+        return batch.replace(advantages=(-log_ratio).astype(np.float32))
 
     def rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
         return super().rollout_metrics(ro) | {"distill/reverse_kl": self._kl}

@@ -26,6 +26,7 @@ import numpy as np
 
 from posttrain.rewards.math_answer import extract_answer, to_number
 from posttrain.rewards.reasoning_gym import extract
+from posttrain.rl.metrics import correct
 from posttrain.rl.rollout import Rollouts, generate_rollouts
 from posttrain.sampling import SamplingParams
 
@@ -98,12 +99,6 @@ def answer_key(text: str, correctness: str | None):
     return text.strip() or None
 
 
-def _correct(rollouts: Rollouts, correctness: str | None) -> np.ndarray:
-    if correctness is not None and correctness in rollouts.per_reward:
-        return (rollouts.per_reward[correctness] >= 1.0).astype(np.float64)
-    return (rollouts.rewards > 0).astype(np.float64)
-
-
 def _ks(k: int | Sequence[int]) -> list[int]:
     ks = [int(k)] if isinstance(k, (int, np.integer)) else [int(x) for x in k]
     ks = sorted({x for x in ks if x > 0})
@@ -130,7 +125,7 @@ def evaluate(sampler, records: Sequence[dict[str, Any]], prompt_ids: list[list[i
                               SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), reward_runner,
                               progress=progress)
         out.update({
-            "eval/accuracy": float(_correct(g, correctness).mean()),
+            "eval/accuracy": float(correct(g, correctness).mean()),
             "eval/reward_mean": float(g.rewards.mean()),
             "eval/completion_length": float(g.completion_lengths().mean()),
         })
@@ -142,7 +137,7 @@ def evaluate(sampler, records: Sequence[dict[str, Any]], prompt_ids: list[list[i
             sampler, records, idx, prompt_ids,
             SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed),
             reward_runner, progress=progress)
-        ok = _correct(sampled, correctness).reshape(len(records), n)
+        ok = correct(sampled, correctness).reshape(len(records), n)
         answers = [answer_key(t, correctness) for t in sampled.texts]
         c = ok.sum(axis=1)
         out["eval/pass@1_sampled"] = float(np.mean([pass_at_k(n, int(ci), 1) for ci in c]))
@@ -165,8 +160,8 @@ def per_problem(e: dict[str, Any], records: Sequence[dict[str, Any]], *, correct
     g, s = e.get("_greedy"), e.get("_sampled")
     rows = []
     n = s.group_size if s is not None else 0
-    g_ok = _correct(g, correctness) if g is not None else None
-    s_ok = _correct(s, correctness) if s is not None else None
+    g_ok = correct(g, correctness) if g is not None else None
+    s_ok = correct(s, correctness) if s is not None else None
     for i, rec in enumerate(records):
         row: dict[str, Any] = {"index": i, "prompt": rec["prompt"]}
         if answer_field in rec:

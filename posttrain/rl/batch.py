@@ -1,17 +1,83 @@
-"""Turns scored rollouts into the RL training batch: token arrays, completion masks, old log-probs.
+"""The RL training batch (`RLBatch`, a typed pytree) and the one function that builds it from scored rollouts.
 
 Layout: prompts are left-padded into the first P columns and completions right-padded into the last
 C columns, so every completion starts at column P. The loss then projects onto the vocabulary only at
 the C completion positions (the prompt's logits are never computed). Entry j of the per-token arrays
-[N, C] (`completion_mask`, `old_logp`) is about completion token j, predicted from column P-1+j.
+[N, C] (`loss_mask`, the log-probs) is about completion token j, predicted from column P-1+j.
 P and C are rounded up to multiples of `multiple` so the jitted step compiles once per (P, C) bucket.
+
+`RLBatch` is registered with `jax.tree_util.register_dataclass` (a plain frozen dataclass whose array
+fields are pytree leaves): the trainer moves, splits and jits it like a dict of arrays, the loss reads it
+by attribute, and `dataclasses.replace` gives a changed copy. JAX's own registration rather than
+`flax.struct.dataclass`: the batch is host-side numpy data built below the model layer and needs nothing
+from Flax. An optional field is None when absent (a None leaf is an empty subtree): which fields are None
+is fixed for a run, so the jitted step sees one structure (the learner always fills `old_logp`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 
 from posttrain.rl.rollout import Rollouts
+
+__all__ = ["RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RLBatch:
+    """One RL step's training arrays (N rows; T = P + C columns; see the module docstring).
+
+    input_ids, attention_mask, positions [N, T]: the model's inputs (prompt left-padded, completion after).
+    segment_ids [N, T] | None: packed rows' sequence ids (None: one sequence per row).
+    loss_mask [N, C] float: weight of completion token j in the loss (0 on padding and on filtered sequences;
+      a multi-turn buffer puts 0 on the tokens the model did not sample).
+    advantages [N] (one per sequence) or [N, C] (per token, e.g. on-policy distillation).
+    behaviour_logp [N, C]: the sampler's log-probs of the sampled tokens (the behaviour policy mu).
+    old_logp [N, C] | None: the proximal policy's (pi_old); None until the learner sets it (the behaviour
+      log-probs while the policy has not moved, else recomputed by the training forward).
+    ref_logp [N, C] | None: the reference policy's (KL penalty, beta > 0).
+    """
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    positions: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    behaviour_logp: np.ndarray
+    old_logp: np.ndarray | None = None
+    ref_logp: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(np.shape(self.input_ids)[0])
+
+    @property
+    def completion_len(self) -> int:
+        """C: the completion columns (the last C of each row), where the vocabulary is projected."""
+        return int(np.shape(self.loss_mask)[1])
+
+    @property
+    def proximal_logp(self):
+        """pi_old's log-probs: `old_logp`, or the behaviour log-probs while it is not set."""
+        return self.behaviour_logp if self.old_logp is None else self.old_logp
+
+    def model_inputs(self) -> dict[str, np.ndarray]:
+        """The arrays a forward pass reads (`Trainer.token_logprobs`, `FrozenScorer`), by their model names."""
+        out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "positions": self.positions}
+        if self.segment_ids is not None:
+            out["segment_ids"] = self.segment_ids
+        return out
+
+    def replace(self, **changes) -> "RLBatch":
+        return dataclasses.replace(self, **changes)
+
+    def rows(self, index) -> "RLBatch":
+        """The batch of rows `index` (a minibatch)."""
+        return jax.tree.map(lambda v: v[index], self)
 
 
 def bucket_length(n: int, multiple: int = 16) -> int:
@@ -20,38 +86,31 @@ def bucket_length(n: int, multiple: int = 16) -> int:
 
 
 def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: np.ndarray | None = None,
-                   pad_id: int = 0, multiple: int = 16) -> dict[str, np.ndarray]:
-    """Arrays for the policy loss: input_ids/attention_mask/positions [N, P+C]; per-token [N, C]; advantages [N].
+                   pad_id: int = 0, multiple: int = 16) -> RLBatch:
+    """The `RLBatch` of scored rollouts: model inputs [N, P+C]; per-token [N, C]; `advantages` [N] or [N, C].
 
-    `seq_weights` [N] scale each sequence's completion mask (0 drops it, e.g. DAPO overlong filtering).
+    `seq_weights` [N] scale each sequence's loss mask (0 drops it, e.g. DAPO overlong filtering).
     """
     n = len(rollouts)
     p = bucket_length(max(len(x) for x in rollouts.prompt_ids), multiple)
     c = bucket_length(max(len(x) for x in rollouts.completion_ids), multiple)
     input_ids = np.full((n, p + c), pad_id, np.int32)
     attention_mask = np.zeros((n, p + c), np.int32)
-    completion_mask = np.zeros((n, c), np.float32)
-    old_logp = np.zeros((n, c), np.float32)
+    loss_mask = np.zeros((n, c), np.float32)
+    behaviour_logp = np.zeros((n, c), np.float32)
     for i, (prompt, comp, lp) in enumerate(zip(rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs)):
         input_ids[i, p - len(prompt): p] = prompt
         input_ids[i, p: p + len(comp)] = comp
         attention_mask[i, p - len(prompt): p + len(comp)] = 1
-        completion_mask[i, : len(comp)] = 1.0
-        old_logp[i, : len(comp)] = lp
+        loss_mask[i, : len(comp)] = 1.0
+        behaviour_logp[i, : len(comp)] = lp
     if seq_weights is not None:
-        completion_mask *= np.asarray(seq_weights, np.float32)[:, None]
+        loss_mask *= np.asarray(seq_weights, np.float32)[:, None]
     positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "positions": positions,
-        "completion_mask": completion_mask,
-        "old_logp": old_logp,
-        "advantages": np.asarray(advantages, np.float32),
-    }
+    return RLBatch(input_ids=input_ids, attention_mask=attention_mask, positions=positions, loss_mask=loss_mask,
+                   advantages=np.asarray(advantages, np.float32), behaviour_logp=behaviour_logp)
 
 
-def completion_logprobs(full: np.ndarray, batch: dict[str, np.ndarray]) -> np.ndarray:
+def completion_logprobs(full: np.ndarray, batch: RLBatch) -> np.ndarray:
     """Slices [N, P+C-1] per-token log-probs (`Trainer.token_logprobs`) to the completion columns [N, C]."""
-    c = batch["completion_mask"].shape[1]
-    return np.asarray(full)[:, -c:]
+    return np.asarray(full)[:, -batch.completion_len:]

@@ -271,7 +271,7 @@ class Dispatcher:
     def state_dict(self) -> dict:
         """JSON-able state: a checkpoint holds it with the trainer's. Leased and taken groups are saved as
         queued and ready: a restored run has no live leases."""
-        from posttrain.rl.rollout import Rollouts
+        from posttrain.rl.rollout import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
 
         ready = {**self.ready, **self.taken}
         return {
@@ -284,7 +284,7 @@ class Dispatcher:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from posttrain.rl.rollout import Rollouts
+        from posttrain.rl.rollout import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
 
         self.next_uid = int(state["next_uid"])
         self.queue = [int(u) for u in state["queue"]]

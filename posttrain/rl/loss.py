@@ -4,9 +4,9 @@ Per-token log-probs of the current policy come from one forward pass over prompt
 vocabulary projection only at completion positions (and chunked, so [tokens, vocab] logits are never
 whole; see `posttrain.rl.batch` for the layout); the loss itself is
 `posttrain.algorithms.policy.policy_loss` (PPO/DAPO clipped ratio or GSPO, KL to the reference).
-The minibatch loss L is returned as (L * w, w) with w the aggregation's normaliser (target tokens for
-token-mean, sequences otherwise), so summing over micro-batches and dividing reproduces the aggregate
-over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
+The minibatch loss L is returned as (L * w, w) with w the aggregation's weight (`Aggregation.weight`: target
+tokens for token-mean, sequences otherwise), so summing over micro-batches and dividing reproduces the
+aggregate over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from posttrain.algorithms.policy import policy_loss
+from posttrain.algorithms.policy import Aggregation, policy_loss
 from posttrain.algorithms.sft import logprobs_and_entropy
+from posttrain.rl.batch import RLBatch
 
 
 def _logp_and_entropy(model, h, targets, chunk_size: int | None):
@@ -39,25 +40,17 @@ def _logp_and_entropy(model, h, targets, chunk_size: int | None):
     return tgt.reshape(-1)[:n].reshape(b, s), ent.reshape(-1)[:n].reshape(b, s)
 
 
-def normaliser(mask: jax.Array, aggregation: str) -> jax.Array:
-    """The weight w of a minibatch under an aggregation mode (see module docstring)."""
-    if aggregation == "token_mean":
-        return jnp.sum(mask)
-    if aggregation == "seq_mean_token_mean":
-        return jnp.sum(jnp.any(mask > 0, axis=-1).astype(jnp.float32))
-    return jnp.asarray(mask.shape[0], jnp.float32)
-
-
-def rl_loss(model, batch, *, loss_kwargs: dict, chunk_size: int | None = None):
-    """Policy loss of one (micro-)batch built by `posttrain.rl.batch.build_rl_batch`."""
-    ids = batch["input_ids"]
-    mask = batch["completion_mask"]
+def rl_loss(model, batch: RLBatch, *, loss_kwargs: dict, chunk_size: int | None = None):
+    """Policy loss of one (micro-)batch (an `RLBatch`: `posttrain.rl.batch.build_rl_batch`, its old log-probs
+    set by the learner)."""
+    mask = batch.loss_mask
     c = mask.shape[1]  # completions fill the last C columns; column P-1+j predicts completion token j
-    h, _ = model.hidden_states(ids, attention_mask=batch["attention_mask"], positions=batch["positions"])
+    ids = batch.input_ids
+    h, _ = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions)
     logp, ent = _logp_and_entropy(model, h[:, -c - 1:-1], ids[:, -c:], chunk_size)
-    loss, metrics = policy_loss(logp, batch["old_logp"], batch["advantages"], mask, ref_logp=batch.get("ref_logp"),
-                                behaviour_logp=batch.get("behaviour_logp"), **loss_kwargs)
-    w = normaliser(mask, loss_kwargs.get("aggregation", "token_mean"))
+    loss, metrics = policy_loss(logp, batch.proximal_logp, batch.advantages, mask, ref_logp=batch.ref_logp,
+                                behaviour_logp=batch.behaviour_logp, **loss_kwargs)
+    w = Aggregation.of(loss_kwargs.get("aggregation", Aggregation.TOKEN_MEAN)).weight(mask)
     tokens = jnp.maximum(jnp.sum(mask), 1.0)
     # (numerator, denominator) pairs: the trainer reports Σ num / Σ den over micro-batches
     out = {k: (v * w, w) for k, v in metrics.items()}
@@ -66,4 +59,6 @@ def rl_loss(model, batch, *, loss_kwargs: dict, chunk_size: int | None = None):
 
 
 def make_rl_loss(loss_kwargs: dict, chunk_size: int | None = None):
+    """`rl_loss` bound to the keyword arguments of `policy_loss` (with `is_level`/`is_cap`: the learner's
+    off-policy correction) and the vocabulary chunk size."""
     return functools.partial(rl_loss, loss_kwargs=dict(loss_kwargs), chunk_size=chunk_size)

@@ -4,27 +4,42 @@
 loads); the loop (`posttrain.rl.loop`) then only calls named steps on it: `resume`, `prepare`,
 `after_step` (logs, held-out evaluation, checkpoint), `finish` (final evaluation, checkpoint, HF export).
 
-Files in `output_dir`: `config.yaml`, `metrics.jsonl`, `tensorboard/`, `samples.jsonl`, `trained.jsonl`
-(per step: the uids and records of the trained groups, their policy versions and staleness: the ledger
-from which "every prompt trained exactly once" is checked), `checkpoints/<step>/` (trainer state +
-the dispatcher's state with its buffered rollouts), `hf/`. On resume, records after the restored step
-are dropped from the JSONL files: those steps run again.
+Files in `output_dir`: `config.yaml`, `metrics.jsonl`, `tensorboard/`, `samples.jsonl` and `trained.jsonl`
+(`posttrain.rl.ledger`), `checkpoints/<step>/` (trainer state + the dispatcher's state with its buffered
+rollouts), `hf/`. On resume, records after the restored step are dropped from the JSONL files: those
+steps run again. The rollout metrics are `posttrain.rl.metrics`'; the held-out evaluator `posttrain.eval`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
+from posttrain import distributed
+from posttrain.algorithms import dapo
+from posttrain.algorithms.policy import ISLevel
+from posttrain.algorithms.registry import ADVANTAGES, get, loss_kwargs
+from posttrain.config import ConfigError
+from posttrain.data import read_prompts
+from posttrain.data.sources import DataError
+from posttrain.eval.evaluate import evaluate
+from posttrain.rl import metrics
+from posttrain.rl.batch import RLBatch, build_rl_batch
 from posttrain.rl.config import LearnerConfig, PromptData, RLConfig
+from posttrain.rl.dispatcher import Dispatcher
+from posttrain.rl.ledger import ROW_FILES, Ledger
+from posttrain.rl.learner import FrozenScorer, Learner
+from posttrain.rl.loss import make_rl_loss
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
-from posttrain.rl.rollout import Rollouts
+from posttrain.rl.rollout import Rollouts, encode_prompt
+from posttrain.sampling import Sampler
+from posttrain.training.run import Run
 
 __all__ = ["RLRun", "RLResult"]
 
@@ -41,10 +56,6 @@ class RLResult:
 def _encode_all(tok, records, data: PromptData) -> list[list[int]]:
     """Prompt token ids of every record (chat template or text); an empty or too long prompt is an error
     naming its file and line."""
-    from posttrain.config import ConfigError
-    from posttrain.data.sources import DataError
-    from posttrain.rl.rollout import encode_prompt
-
     out = []
     for i, r in enumerate(records):
         ids = encode_prompt(tok, r["prompt"], chat=data.chat, system_prompt=data.system_prompt)
@@ -60,16 +71,13 @@ def _encode_all(tok, records, data: PromptData) -> list[list[int]]:
 def policy_loss_kwargs(preset: dict, learner: LearnerConfig, max_new_tokens: int) -> dict:
     """The policy loss's keyword arguments: the algorithm preset's, the length normaliser (default: the
     generation budget) and the learner's off-policy correction."""
-    from posttrain.algorithms.registry import loss_kwargs
-
     kw = loss_kwargs(preset)
     if kw.get("max_tokens") is None:
         kw["max_tokens"] = max_new_tokens
     kw["beta"] = float(kw.get("beta") or 0.0)
     if kw["beta"] == 0.0:
         kw.pop("kl_estimator", None)
-    if learner.is_level != "none":
-        kw.update(is_level=learner.is_level, is_cap=learner.is_cap)
+    kw.update(is_level=ISLevel.of(learner.is_level), is_cap=learner.is_cap)
     return kw
 
 
@@ -77,9 +85,6 @@ class RLRun:
     """The set-up of one RL run and the named steps the loop calls (see the module docstring)."""
 
     def __init__(self, cfg: RLConfig):
-        from posttrain.config import ConfigError
-        from posttrain.training.run import Run
-
         if not cfg.data.train:
             raise ConfigError("data.train: no prompt set given (set data.train=FILE)")
         self.cfg = cfg
@@ -87,9 +92,9 @@ class RLRun:
         self.run = Run(cfg, "rl")
         self.out = self.run.out
         self.runner = None
+        self.ledger: Ledger | None = None
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, Any]] = []
-        self.samples_file = self.trained_file = None
         self._sampler = None
         try:
             self._setup(cfg)
@@ -97,26 +102,28 @@ class RLRun:
             self.close()
             raise
 
+    # ------------------------------------------------------------------ set-up: named builders, in order
     def _setup(self, cfg: RLConfig) -> None:
-        from posttrain.algorithms.registry import ADVANTAGES, get
-        from posttrain.data import read_prompts
-        from posttrain.rl.dispatcher import Dispatcher
-        from posttrain.rl.learner import FrozenScorer, Learner
-        from posttrain.rl.loss import make_rl_loss
+        self._build_algorithm(cfg)
+        self._read_data(cfg)  # rewards first: a field a reward needs is checked before any model loads
+        self._build_trainer(cfg)
+        self._build_learner(cfg)
+        self._build_dispatcher(cfg)
+        self.sampling_params = rollout_sampling_params(cfg.rollout, cfg.trainer.seed)
 
-        run = self.run
+    def _build_algorithm(self, cfg: RLConfig) -> None:
+        """The algorithm preset: advantage estimator, dynamic sampling and the policy loss's settings."""
         self.preset = preset = cfg.algorithm.resolved()
-        g, b = cfg.rollout.group_size, cfg.rollout.batch_prompts
         self.advantage_fn = get(ADVANTAGES, preset["advantage"])
-        if preset["advantage"] == "rloo" and g < 2:
+        if preset["advantage"] == "rloo" and cfg.rollout.group_size < 2:
             raise ValueError("rollout.group_size must be >= 2 for RLOO")
         self.dynamic_sampling = bool(preset.get("dynamic_sampling"))
-        lc = cfg.learner
-        self.max_drops_per_step = lc.max_resample_rounds * b
-        kw = policy_loss_kwargs(preset, lc, cfg.rollout.max_new_tokens)
+        self.max_drops_per_step = cfg.learner.max_resample_rounds * cfg.rollout.batch_prompts
+        self.loss_kwargs = policy_loss_kwargs(preset, cfg.learner, cfg.rollout.max_new_tokens)
 
-        # rewards first: a data set without a field a reward needs fails before any model is loaded
-        self.runner = reward_runner(cfg.rewards, cfg.rollout, preset)
+    def _read_data(self, cfg: RLConfig) -> None:
+        """The reward runner, then the train (and held-out) prompts, checked against the rewards."""
+        self.runner = reward_runner(cfg.rewards, cfg.rollout, self.preset)
         self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
         self.runner.check_records(self.records)
         self.eval_records = None
@@ -126,29 +133,37 @@ class RLRun:
                 self.eval_records = self.eval_records[: cfg.data.eval_limit]
             self.runner.check_records(self.eval_records)
 
-        chunk = cfg.trainer.loss_chunk_size or None
-        updates_per_step = lc.ppo_epochs * lc.minibatches
-        self.trainer = trainer = run.build_trainer(updates=cfg.trainer.max_steps * updates_per_step)
-        self.tok = run.tokenizer()
+    def _build_trainer(self, cfg: RLConfig) -> None:
+        """The trainer (its schedule counts every optimizer step), the tokenizer and the prompts' token ids."""
+        lc = cfg.learner
+        self.trainer = self.run.build_trainer(updates=cfg.trainer.max_steps * lc.ppo_epochs * lc.minibatches)
+        self.tok = self.run.tokenizer()
         self.prompt_ids = _encode_all(self.tok, self.records, cfg.data)
         self.eval_ids = _encode_all(self.tok, self.eval_records, cfg.data) if self.eval_records else None
 
+    def _build_learner(self, cfg: RLConfig) -> None:
+        """The learner: the policy loss, its epochs and minibatches, and the reference scorer when beta > 0."""
+        lc, kw, trainer = cfg.learner, self.loss_kwargs, self.trainer
+        chunk = cfg.trainer.loss_chunk_size or None
         ref_fn = None
         if kw["beta"] > 0:
             if trainer.has_lora:  # the base model with adapters off: no second copy of the weights
-                ref_fn = lambda batch, last: trainer.token_logprobs(batch, adapters=False, last=last)  # noqa: E731
+                ref_fn = lambda inputs, last: trainer.token_logprobs(inputs, adapters=False, last=last)  # noqa: E731
             else:
-                ref_fn = FrozenScorer(run.frozen_model(), trainer, chunk)
+                ref_fn = FrozenScorer(self.run.frozen_model(), trainer, chunk)
         self.learner = Learner(trainer, make_rl_loss(kw, chunk_size=chunk), ppo_epochs=lc.ppo_epochs,
                                minibatches=lc.minibatches, seed=cfg.trainer.seed,
                                recompute_old=lc.old_logprobs == "recompute",
-                               correct_off_policy=lc.is_level != "none", ref_fn=ref_fn)
+                               correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn)
+
+    def _build_dispatcher(self, cfg: RLConfig) -> None:
+        """The dispatcher of prompt groups: the data stream, staleness bound, leases and curation."""
         fc, cc = cfg.fleet, cfg.curation
-        self.dispatcher = Dispatcher(len(self.records), seed=cfg.data.seed, shuffle=cfg.data.shuffle, batch_groups=b,
+        self.dispatcher = Dispatcher(len(self.records), seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                                     batch_groups=cfg.rollout.batch_prompts,
                                      max_staleness=fc.max_staleness if fc.enabled else 0,
                                      lease_timeout_s=fc.lease_timeout_s, curation_window=cc.window,
                                      skip_always_solved=cc.skip_always_solved, skip_never_solved=cc.skip_never_solved)
-        self.sampling_params = rollout_sampling_params(cfg.rollout, cfg.trainer.seed)
 
     @property
     def ckpt(self):
@@ -159,15 +174,10 @@ class RLRun:
         return self.run.logger
 
     # ------------------------------------------------------------------ pieces the sources use
-    def local_sampler(self):
+    def local_sampler(self) -> Sampler:
         """The sampler on the trainer's devices (in-process rollouts and held-out evaluation), built once over
         its own copy of the trained weights (`Sampler.load_weights` refreshes them)."""
         if self._sampler is None:
-            import jax
-            from flax import nnx
-
-            from posttrain.sampling import Sampler
-
             t = self.trainer
             model = nnx.merge(t.graphdef, jax.tree.map(lambda x: x.copy(), t.params), t.rest)
             b, g = self.cfg.rollout.batch_prompts, self.cfg.rollout.group_size
@@ -181,15 +191,7 @@ class RLRun:
 
     def pass_rates(self, ro: Rollouts) -> dict[int, float]:
         """uid -> fraction of the group's samples that are correct (for curation)."""
-        c = self._correct(ro)
-        g = ro.group_size
-        return {int(ro.uid[j * g]): float(c[j * g:(j + 1) * g].mean()) for j in range(ro.num_groups)}
-
-    def _correct(self, ro: Rollouts) -> np.ndarray:
-        name = self.cfg.rewards.correctness
-        if name in ro.per_reward:
-            return (ro.per_reward[name] >= 1.0).astype(np.float64)
-        return (ro.rewards > 0).astype(np.float64)
+        return metrics.pass_rates(ro, self.cfg.rewards.correctness)
 
     # ------------------------------------------------------------------ the loop's named steps
     def resume(self) -> int:
@@ -201,56 +203,25 @@ class RLRun:
             start = int(meta["metadata"]["rl_step"])
         self.run.start_step = start
         # rows of steps after the checkpoint are dropped: those steps run again
-        self.run.open_logger(start, description="rl", row_files=("samples.jsonl", "trained.jsonl"))
-        from posttrain import distributed
-
-        primary = distributed.is_primary()  # multi-host: process 0 writes the files, the others write nowhere
-        self.samples_file = open(self.out / "samples.jsonl" if primary else os.devnull, "a", encoding="utf-8")
-        self.trained_file = open(self.out / "trained.jsonl" if primary else os.devnull, "a", encoding="utf-8")
+        self.run.open_logger(start, description="rl", row_files=ROW_FILES)
+        self.ledger = Ledger(self.out, primary=distributed.is_primary())
         return start
 
-    def prepare(self, ro: Rollouts) -> dict[str, np.ndarray]:
-        """The training batch of a step's rollouts: group advantages, completion masks (DAPO overlong
-        filtering), the sampler's log-probs as behaviour (and, until recomputed, proximal) log-probs."""
-        from posttrain.algorithms import dapo
-        from posttrain.rl.batch import build_rl_batch
-
+    def prepare(self, ro: Rollouts) -> RLBatch:
+        """The training batch of a step's rollouts: group advantages, loss masks (DAPO overlong filtering),
+        the sampler's log-probs as behaviour log-probs (the learner adds proximal and reference ones)."""
         adv = np.asarray(self.advantage_fn(ro.rewards, ro.group_size))
         weights = dapo.overlong_mask(ro.finish_reasons) if self.preset.get("overlong_filtering") else None
-        batch = build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0)
-        if self.cfg.learner.is_level != "none":
-            batch["behaviour_logp"] = batch["old_logp"].copy()
-        return batch
+        return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0)
 
     def rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
-        from posttrain.algorithms import dapo
-
-        lengths = ro.completion_lengths()
-        m = {
-            "reward/mean": float(ro.rewards.mean()),
-            "reward/std": float(ro.rewards.std()),
-            "completion/length_mean": float(lengths.mean()),
-            "completion/length_max": float(lengths.max()),
-            "completion/truncated_fraction": float(np.mean([f == "length" for f in ro.finish_reasons])),
-            "groups/kept": float(ro.num_groups),
-            "groups/with_signal": float(dapo.groups_with_signal(ro.rewards, ro.group_size).sum()),
-        }
-        for name, vals in ro.per_reward.items():
-            m[f"reward/{name}"] = float(vals.mean())
-        if self.cfg.rewards.correctness in ro.per_reward:
-            m["accuracy"] = float(self._correct(ro).mean())
-        for k, v in ro.reward_stats.items():
-            if k.endswith(("failures", "timeouts")):
-                m[k] = float(v)
-        return m
+        return metrics.rollout_metrics(ro, self.cfg.rewards.correctness)
 
     def save(self, step: int) -> None:
         self.run.save(data_state={"dispatcher": self.dispatcher.state_dict()}, metadata={"rl_step": step})
 
     def evaluate(self, step: int) -> None:
-        """Held-out greedy accuracy (and pass@k) with the trainer's current weights."""
-        from posttrain.eval.evaluate import evaluate
-
+        """Held-out greedy accuracy (and pass@k) with the trainer's current weights (`posttrain.eval`)."""
         if self.eval_records is None:
             return
         cfg = self.cfg
@@ -266,28 +237,18 @@ class RLRun:
         e["eval/seconds"] = time.perf_counter() - t0
         self.logger.log(step, e)
         self.evals.append({"step": step, **e})
-        for i in range(min(cfg.eval.log_samples, len(greedy))):
-            self.samples_file.write(json.dumps({"step": step, "kind": "eval", "prompt": greedy.prompts_text[i],
-                                                "completion": greedy.texts[i], "reward": float(greedy.rewards[i])}) + "\n")
-        self.samples_file.flush()
+        self.ledger.record_samples(step, "eval", greedy, cfg.eval.log_samples)
         self.logger.message(f"step {step}: held-out accuracy {e['eval/accuracy']:.3f}, reward {e['eval/reward_mean']:.3f}")
 
     def after_step(self, step: int, m: dict[str, float], ro: Rollouts, trained_uids: list[int]) -> None:
         """Ledger, metrics, samples, periodic evaluation and checkpoint of a finished step."""
         cfg = self.cfg
         self.run.check_finite(step, m, grad_norm=False, log=False)
-        versions = np.asarray(ro.version_first)
-        self.trained_file.write(json.dumps({
-            "step": step, "uids": trained_uids, "records": [int(ro.record_index[j * ro.group_size])
-                                                           for j in range(ro.num_groups)],
-            "version_min": int(versions.min()), "version_max": int(np.max(ro.version_last)),
-            "staleness_max": int((step - 1) - versions.min()), "time": time.time()}) + "\n")
-        self.trained_file.flush()
+        self.ledger.record_trained(step, ro, trained_uids)
         self.history.append({"step": step, **m})
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
             self.logger.log(step, m)
-            self.samples_file.write(json.dumps({"step": step, "kind": "train", "prompt": ro.prompts_text[0],
-                                                "completion": ro.texts[0], "reward": float(ro.rewards[0])}) + "\n")
+            self.ledger.record_samples(step, "train", ro, 1)
         self.logger.advance(step)
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.max_steps:
             self.evaluate(step)
@@ -303,9 +264,8 @@ class RLRun:
 
     def close(self) -> None:
         try:
-            for f in (self.samples_file, self.trained_file):
-                if f is not None:
-                    f.close()
+            if self.ledger is not None:
+                self.ledger.close()
             if self.runner is not None:
                 self.runner.close()
         finally:

@@ -17,10 +17,20 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from posttrain.data.preference import PreferenceFormat
-from posttrain.training.config import DataSplits, OptimConfig, RunConfig
+import numpy as np
 
-__all__ = ["DPOConfig", "PreferenceData", "PreferenceAlgorithm", "DPOResult", "load_dpo_config", "run_dpo"]
+from posttrain.algorithms.preference import (ReferenceSource, make_preference_loss, make_preset,
+                                             nll_weights)
+from posttrain.config import ConfigError, load_config
+from posttrain.data.preference import PreferenceFormat, build_preference_dataset, encode_pairs, stack_pairs
+from posttrain.data.sources import DataError, read_records, source_name
+from posttrain.training.config import (DataSplits, LoraConfig, ModelSection, OptimConfig, RunConfig,
+                                       TrainerConfig)
+from posttrain.training.run import Run
+from posttrain.training.trainer import reduce_metrics
+
+__all__ = ["DPOConfig", "PreferenceData", "PreferenceAlgorithm", "DPOResult", "DPORun", "load_dpo_config",
+           "resolve_reference", "run_dpo"]
 
 LossName = Literal["sigmoid", "ipo", "hinge", "robust", "cdpo", "simpo", "orpo"]
 
@@ -62,9 +72,6 @@ class PreferenceAlgorithm:
 
     def resolved(self):
         """The typed preset with this section's settings (a ConfigError names what does not apply)."""
-        from posttrain.algorithms.preference import make_preset
-        from posttrain.config import ConfigError
-
         try:
             return make_preset(self.loss, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
         except ValueError as e:
@@ -97,58 +104,49 @@ class DPOResult:
 
 
 def load_dpo_config(path, overrides=()) -> DPOConfig:
-    from posttrain.config import load_config
-
     return load_config(DPOConfig, path, list(overrides))
 
 
-def _read_pairs(source, split, tok, cfg: DPOConfig):
-    from posttrain.data.preference import encode_pairs
-    from posttrain.data.sources import DataError, read_records, source_name
-
+def _read_pairs(source, split, tok, d: PreferenceData):
     name = source_name(source, split)
     records = read_records(source, split)
     if not records:
         raise DataError(f"preference data '{name}' is empty")
-    d = cfg.data
     return encode_pairs(records, tok, d.format, seq_len=d.seq_len, truncation=d.truncation, source=name)
 
 
-def _reference_source(cfg: DPOConfig, spec, has_lora: bool) -> str:
-    from posttrain.config import ConfigError
-
+def resolve_reference(a: PreferenceAlgorithm, spec, has_lora: bool) -> ReferenceSource:
+    """The one place the config's choice (`algorithm.reference`: auto/base/model) becomes a `ReferenceSource`:
+    none for a reference-free loss; the LoRA base with adapters off for `base`, or for `auto` when training
+    LoRA without a `reference_path`; otherwise a frozen model (`reference_path`, default model.path)."""
     if not spec.needs_reference:
-        return "none"
-    ref = cfg.algorithm.reference
-    if ref == "base" and not has_lora:
+        return ReferenceSource.NONE
+    if a.reference == "base" and not has_lora:
         raise ConfigError("algorithm.reference=base needs lora.enabled=true (the base is the model with adapters off)")
-    if ref == "base" or (ref == "auto" and has_lora and not cfg.algorithm.reference_path):
-        return "base"
-    return "reference"
+    if a.reference == "base" or (a.reference == "auto" and has_lora and not a.reference_path):
+        return ReferenceSource.BASE
+    return ReferenceSource.MODEL
 
 
 def _batches(arrays: dict, batch_pairs: int):
-    from posttrain.data.preference import stack_pairs
-
     n = arrays["input_ids"].shape[0]
     for s in range(0, n, batch_pairs):
         yield stack_pairs([{k: v[i] for k, v in arrays.items()} for i in range(s, min(n, s + batch_pairs))],
                           batch_pairs)
 
 
-def _fingerprint(arrays: dict, cfg: DPOConfig) -> str:
+def _fingerprint(arrays: dict, model: ModelSection, a: PreferenceAlgorithm, lora: LoraConfig) -> str:
+    """What the cached reference log-probs depend on: the pairs, the reference and the model's dtypes/LoRA."""
     h = hashlib.sha256()
     for k in ("input_ids", "loss_mask"):
         h.update(arrays[k].tobytes())
-    h.update(repr((cfg.model.path, cfg.algorithm.reference_path, cfg.algorithm.reference, cfg.model.param_dtype,
-                   cfg.model.compute_dtype, cfg.lora.enabled, cfg.lora.quantize, cfg.lora.block_size)).encode())
+    h.update(repr((model.path, a.reference_path, a.reference, model.param_dtype,
+                   model.compute_dtype, lora.enabled, lora.quantize, lora.block_size)).encode())
     return h.hexdigest()[:16]
 
 
 def cached_reference(cache: Path, fingerprint: str):
     """The cached reference log-probs [P, 2] when `cache` holds them for this fingerprint, else None."""
-    import numpy as np
-
     if not cache.exists():
         return None
     with np.load(cache) as z:
@@ -158,8 +156,6 @@ def cached_reference(cache: Path, fingerprint: str):
 def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Path | None, fingerprint: str = ""):
     """Reference sequence log-probs of every pair [P, 2], scored with the frozen model `name` ("base": the
     LoRA model with adapters off) and written atomically to `cache` with the data/model fingerprint."""
-    import numpy as np
-
     out = []
     for b in _batches(pairs.arrays, batch_pairs):
         lp = np.asarray(trainer.frozen_token_logprobs(name, b))
@@ -172,18 +168,8 @@ def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Pat
     return ref
 
 
-def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
-            log: Callable[[str], None] | None = None) -> DPOResult:
-    """Runs (or resumes) preference tuning as `cfg` says (see the module docstring)."""
-    import numpy as np
-
-    from posttrain.algorithms.preference import make_preference_loss, nll_weights
-    from posttrain.config import ConfigError
-    from posttrain.data.preference import build_preference_dataset
-    from posttrain.training.run import Run
-    from posttrain.training.trainer import reduce_metrics
-
-    tc, d, a = cfg.trainer, cfg.data, cfg.algorithm
+def _check_config(tc: TrainerConfig, d: PreferenceData, a: PreferenceAlgorithm):
+    """The loss preset; a ConfigError for settings that cannot run (before anything is loaded)."""
     if not d.train:
         raise ConfigError("data.train is required (a .jsonl/.json/.parquet file of preference pairs)")
     if d.batch_size % tc.grad_accum:
@@ -192,99 +178,137 @@ def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callab
     spec = a.resolved()
     if a.nll_on_prompt and not spec.chosen_nll:
         raise ConfigError(f"algorithm.nll_on_prompt applies to loss 'orpo' only (loss is '{a.loss}')")
+    return spec
 
-    with Run(cfg, "dpo", log=log, multi_host=False) as run:
-        tok = run.tokenizer()
-        # Data first: a bad data set fails before any model is loaded.
-        train_pairs = _read_pairs(d.train, d.train_split, tok, cfg)
-        eval_pairs = _read_pairs(d.eval, d.eval_split, tok, cfg) if d.eval else None
-        chunk = tc.loss_chunk_size or None
-        # the trainer first (LoRA decides where the reference comes from), then the loss
-        trainer = run.build_trainer()
-        reference = _reference_source(cfg, spec, trainer.has_lora)
-        extra = eval_extra = None
-        if reference != "none" and a.precompute_reference:
-            # scored once and cached with the run: a resume reads the cache and never loads the reference
-            jobs = [(train_pairs, run.out / "reference_logps.npz")]
-            if eval_pairs is not None:
-                jobs.append((eval_pairs, run.out / "reference_logps_eval.npz"))
-            fps = [_fingerprint(p.arrays, cfg) for p, _ in jobs]
-            refs = [cached_reference(path, fp) for (_, path), fp in zip(jobs, fps)]
-            if any(r is None for r in refs):
-                if reference == "reference":
-                    trainer.add_frozen("reference", run.frozen_model(a.reference_path))
-                refs = [r if r is not None else precompute_reference(trainer, reference, p, d.batch_size, path, fp)
-                        for r, (p, path), fp in zip(refs, jobs, fps)]
-                if reference == "reference":  # no longer needed: free its memory
-                    trainer.remove_frozen("reference")
-            extra = {"ref_logps": refs[0]}
-            eval_extra = {"ref_logps": refs[1]} if eval_pairs is not None else None
-            reference = "precomputed"
-        elif reference == "reference":
-            trainer.add_frozen("reference", run.frozen_model(a.reference_path))
-        loss_fn = make_preference_loss(spec, reference=reference, chunk_size=chunk, nll_on_prompt=a.nll_on_prompt)
-        trainer.loss_fn = loss_fn
-        train_ds = build_preference_dataset(train_pairs, tok, seq_len=d.seq_len, batch_pairs=d.batch_size,
-                                            seed=d.seed, shuffle=d.shuffle, num_epochs=None, extra=extra)
-        eval_batches = []
-        if eval_pairs is not None and tc.eval_every > 0:
-            arrays = {**eval_pairs.arrays, **(eval_extra or {})}
+
+class DPORun:
+    """The steps of one preference-tuning run on the shared skeleton `run` (see the module docstring):
+    data, then the trainer and its reference and loss, then the fit with held-out evaluation."""
+
+    def __init__(self, cfg: DPOConfig, spec, run):
+        self.cfg, self.spec, self.run = cfg, spec, run
+        self.trainer = None
+        self.reference = ReferenceSource.NONE
+        self.initial_eval: dict[str, float] = {}
+
+    def read_data(self) -> None:
+        """Tokenizer and encoded pairs: a bad data set fails before any model is loaded."""
+        d = self.cfg.data
+        self.tok = self.run.tokenizer()
+        self.train_pairs = _read_pairs(d.train, d.train_split, self.tok, d)
+        self.eval_pairs = _read_pairs(d.eval, d.eval_split, self.tok, d) if d.eval else None
+
+    def build(self) -> None:
+        """The trainer (LoRA decides where the reference comes from), its reference, the loss, the batches."""
+        cfg, d, tc = self.cfg, self.cfg.data, self.cfg.trainer
+        self.trainer = self.run.build_trainer()
+        self.reference = resolve_reference(cfg.algorithm, self.spec, self.trainer.has_lora)
+        extra, eval_extra = self.attach_reference()
+        self.trainer.loss_fn = make_preference_loss(self.spec, reference=self.reference,
+                                                    chunk_size=tc.loss_chunk_size or None,
+                                                    nll_on_prompt=cfg.algorithm.nll_on_prompt)
+        self.train_ds = build_preference_dataset(self.train_pairs, self.tok, seq_len=d.seq_len,
+                                                 batch_pairs=d.batch_size, seed=d.seed, shuffle=d.shuffle,
+                                                 num_epochs=None, extra=extra)
+        self.eval_batches = []
+        if self.eval_pairs is not None and tc.eval_every > 0:
+            arrays = {**self.eval_pairs.arrays, **(eval_extra or {})}
             for b in _batches(arrays, d.batch_size):
-                eval_batches.append(b)
-                if len(eval_batches) >= tc.eval_batches:
+                self.eval_batches.append(b)
+                if len(self.eval_batches) >= tc.eval_batches:
                     break
 
-        def prepare(batch: dict) -> dict:
-            if "ref_logps" in batch:
-                batch = dict(batch, ref_logps=np.asarray(batch["ref_logps"]).reshape(-1))
-            if spec.chosen_nll:
-                batch = dict(batch, nll_weight=nll_weights(batch, nll_on_prompt=a.nll_on_prompt))
-            return batch
+    def attach_reference(self) -> tuple[dict | None, dict | None]:
+        """Makes `self.reference` available to the loss: a frozen model loaded beside the trainer, or (with
+        `precompute_reference`) every pair scored once and cached with the run (a resume reads the cache and
+        never loads the reference), then precomputed. Returns the train/eval pairs' extra arrays."""
+        a, run, trainer = self.cfg.algorithm, self.run, self.trainer
+        ref = self.reference
+        if not a.precompute_reference or ref is ReferenceSource.NONE:
+            if ref is ReferenceSource.MODEL:
+                trainer.add_frozen(ref.frozen_name, run.frozen_model(a.reference_path))
+            return None, None
+        jobs = [(self.train_pairs, run.out / "reference_logps.npz")]
+        if self.eval_pairs is not None:
+            jobs.append((self.eval_pairs, run.out / "reference_logps_eval.npz"))
+        fps = [_fingerprint(p.arrays, self.cfg.model, a, self.cfg.lora) for p, _ in jobs]
+        refs = [cached_reference(path, fp) for (_, path), fp in zip(jobs, fps)]
+        if any(r is None for r in refs):
+            if ref is ReferenceSource.MODEL:
+                trainer.add_frozen(ref.frozen_name, run.frozen_model(a.reference_path))
+            refs = [r if r is not None else precompute_reference(trainer, ref.frozen_name, p, self.cfg.data.batch_size,
+                                                                 path, fp)
+                    for r, (p, path), fp in zip(refs, jobs, fps)]
+            if ref is ReferenceSource.MODEL:  # no longer needed: free its memory
+                trainer.remove_frozen(ref.frozen_name)
+        self.reference = ReferenceSource.PRECOMPUTED
+        return {"ref_logps": refs[0]}, ({"ref_logps": refs[1]} if self.eval_pairs is not None else None)
 
-        def evaluate() -> dict[str, float]:
-            tot = {"loss": 0.0, "weight": 0.0}
-            sums: dict[str, Any] = {}
-            for b in eval_batches:
-                ls, w, m = trainer.eval_sums(prepare(b))
-                tot["loss"] += ls
-                tot["weight"] += w
-                for k, v in m.items():  # a (numerator, denominator) pair sums elementwise
-                    prev = sums.get(k)
-                    sums[k] = v if prev is None else (tuple(x + y for x, y in zip(prev, v)) if isinstance(v, tuple)
-                                                      else prev + v)
-            out = {"eval/loss": tot["loss"] / max(tot["weight"], 1e-12)}
-            out.update({f"eval/{k}": float(v) for k, v in reduce_metrics(sums).items()})
-            return out
+    def prepare(self, batch: dict) -> dict:
+        """A batch as the loss reads it: flat precomputed reference log-probs, ORPO's NLL row weights."""
+        if "ref_logps" in batch:
+            batch = dict(batch, ref_logps=np.asarray(batch["ref_logps"]).reshape(-1))
+        if self.spec.chosen_nll:
+            batch = dict(batch, nll_weight=nll_weights(batch, nll_on_prompt=self.cfg.algorithm.nll_on_prompt))
+        return batch
 
-        it = iter(train_ds)
-        run.restore(it)
-        start = run.start_step
-        run.open_logger()
-        s = train_pairs.stats
+    def evaluate(self) -> dict[str, float]:
+        """Loss and metrics over the held-out batches (eval/...); the first, before any step, is kept."""
+        tot = {"loss": 0.0, "weight": 0.0}
+        sums: dict[str, Any] = {}
+        for b in self.eval_batches:
+            ls, w, m = self.trainer.eval_sums(self.prepare(b))
+            tot["loss"] += ls
+            tot["weight"] += w
+            for k, v in m.items():  # a (numerator, denominator) pair sums elementwise
+                prev = sums.get(k)
+                sums[k] = v if prev is None else (tuple(x + y for x, y in zip(prev, v)) if isinstance(v, tuple)
+                                                  else prev + v)
+        out = {"eval/loss": tot["loss"] / max(tot["weight"], 1e-12)}
+        out.update({f"eval/{k}": float(v) for k, v in reduce_metrics(sums).items()})
+        if not self.initial_eval and self.trainer.step_count == 0:
+            self.initial_eval.update(out)
+        return out
+
+    def announce(self) -> None:
+        d, s, spec, trainer, start = self.cfg.data, self.train_pairs.stats, self.spec, self.trainer, self.run.start_step
         settings = ", ".join(f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec))
-        run.say(f"dpo: {run.folder} | loss {spec.name} ({settings})"
-                f" | reference: {reference} | {trainer.num_trainable:,} trained parameters"
-                f"{' (LoRA)' if trainer.has_lora else ''} | {s['num_pairs']} pairs ({s['truncated_pairs']} truncated, "
-                f"{s['dropped_pairs']} dropped) of <= {d.seq_len} tokens | steps {start}->{tc.max_steps}"
-                + (f" | resumed from step {start}" if start else ""))
+        self.run.say(f"dpo: {self.run.folder} | loss {spec.name} ({settings})"
+                     f" | reference: {self.reference} | {trainer.num_trainable:,} trained parameters"
+                     f"{' (LoRA)' if trainer.has_lora else ''} | {s['num_pairs']} pairs ({s['truncated_pairs']} "
+                     f"truncated, {s['dropped_pairs']} dropped) of <= {d.seq_len} tokens | steps "
+                     f"{start}->{self.cfg.trainer.max_steps}" + (f" | resumed from step {start}" if start else ""))
+
+    def fit(self, stop_after: int | None, batch_hook: Callable[[int, dict], dict] | None):
+        """Restores the newest checkpoint (weights and data position), opens the logs, trains."""
+        it = iter(self.train_ds)
+        self.run.restore(it)
+        self.run.open_logger()
+        self.announce()
 
         def hook(step: int, batch: dict) -> dict:
-            batch = prepare(batch)
+            batch = self.prepare(batch)
             return batch_hook(step, batch) if batch_hook is not None else batch
 
-        initial: dict[str, float] = {}
+        return self.run.fit(it, evaluate=self.evaluate if self.eval_batches else None, stop_after=stop_after,
+                            batch_hook=hook, seq_len=self.cfg.data.seq_len, evaluate_at_start=self.cfg.eval_at_start)
 
-        def evaluate_logged() -> dict[str, float]:
-            out = evaluate()
-            if not initial and trainer.step_count == 0:
-                initial.update(out)
-            return out
+    def export(self) -> Path | None:
+        """The HF export of a finished run (LoRA merged); None when stopped early."""
+        self.run.logger.close()
+        return self.run.export_hf() if self.run.finished else None
 
-        fit = run.fit(it, evaluate=evaluate_logged if eval_batches else None, stop_after=stop_after, batch_hook=hook,
-                      seq_len=d.seq_len, evaluate_at_start=cfg.eval_at_start)
-        run.logger.close()
-        hf_dir = run.export_hf() if run.finished else None
-    return DPOResult(output_dir=run.out, losses=fit.losses, final_step=trainer.step_count, start_step=start,
-                     eval_metrics=fit.last_eval, initial_eval=initial, hf_dir=hf_dir, stats=dict(train_pairs.stats),
-                     reference=reference,
-                     trainer=trainer)
+
+def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
+            log: Callable[[str], None] | None = None) -> DPOResult:
+    """Runs (or resumes) preference tuning as `cfg` says (see the module docstring)."""
+    spec = _check_config(cfg.trainer, cfg.data, cfg.algorithm)
+    with Run(cfg, "dpo", log=log, multi_host=False) as run:
+        dpo = DPORun(cfg, spec, run)
+        dpo.read_data()
+        dpo.build()
+        fit = dpo.fit(stop_after, batch_hook)
+        hf_dir = dpo.export()
+    return DPOResult(output_dir=run.out, losses=fit.losses, final_step=dpo.trainer.step_count,
+                     start_step=run.start_step, eval_metrics=fit.last_eval, initial_eval=dpo.initial_eval,
+                     hf_dir=hf_dir, stats=dict(dpo.train_pairs.stats), reference=dpo.reference, trainer=dpo.trainer)

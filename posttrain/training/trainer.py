@@ -234,17 +234,18 @@ class Trainer:
         self.rng = jnp.asarray(state["rng"], jnp.uint32)
 
     # ------------------------------------------------------------------ batches
-    def put_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
-        """Moves a host batch to the devices (sharded over data+fsdp when a mesh is set)."""
+    def put_batch(self, batch):
+        """Moves a host batch (a dict of arrays, or a typed pytree of them such as `RLBatch`; None fields stay
+        None) to the devices (sharded over data+fsdp when a mesh is set)."""
         if self.mesh is None:
-            return {k: jnp.asarray(v) for k, v in batch.items()}
+            return _map_arrays(jnp.asarray, batch)
         if self.process_local_batches:  # this process's rows -> the global array (every process calls this)
             n = jax.process_count()
-            return {k: jax.make_array_from_process_local_data(
+            return _map_arrays(lambda v: jax.make_array_from_process_local_data(
                 distributed.batch_sharding(self.mesh, np.ndim(v)), np.asarray(v),
-                (np.shape(v)[0] * n, *np.shape(v)[1:])) for k, v in batch.items()}
-        return {k: jax.device_put(np.asarray(v), distributed.batch_sharding(self.mesh, np.ndim(v)))
-                for k, v in batch.items()}
+                (np.shape(v)[0] * n, *np.shape(v)[1:])), batch)
+        return _map_arrays(lambda v: jax.device_put(np.asarray(v), distributed.batch_sharding(self.mesh, np.ndim(v))),
+                           batch)
 
     def _split(self, x: jax.Array, rows_per_example: int = 1) -> jax.Array:
         """[B, ...] -> [k, B/k, ...] with micro-batch j = examples j, j+k, j+2k, ... (an example = g consecutive
@@ -298,10 +299,11 @@ class Trainer:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (weight > 0)
             new_params = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_params, params)
             new_opt = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_opt, opt_state)
-            if "attention_mask" in batch:
-                tokens = jnp.sum(batch["attention_mask"].astype(jnp.float32))
+            arrays = _named_arrays(batch)
+            if "attention_mask" in arrays:
+                tokens = jnp.sum(arrays["attention_mask"].astype(jnp.float32))
             else:
-                tokens = jnp.asarray(math.prod(batch["input_ids"].shape), jnp.float32)
+                tokens = jnp.asarray(math.prod(arrays["input_ids"].shape), jnp.float32)
             out = {
                 "loss": loss,
                 "grad_norm": grad_norm,
@@ -323,9 +325,11 @@ class Trainer:
         return jax.jit(step_fn, **kwargs)
 
     def _check_batch(self, batch, rows_per_example: int = 1):
-        sizes = {np.shape(v)[0] for v in batch.values()}
+        arrays = _named_arrays(batch)
+        sizes = {np.shape(v)[0] for v in arrays.values()}
         if len(sizes) != 1:
-            raise ValueError(f"batch arrays disagree on the batch size: { {k: np.shape(v) for k, v in batch.items()} }")
+            shapes = {k: np.shape(v) for k, v in arrays.items()}
+            raise ValueError(f"batch arrays disagree on the batch size: {shapes}")
         b = sizes.pop() * (jax.process_count() if self.process_local_batches else 1)
         if b % rows_per_example:
             raise ValueError(f"batch size {b} is not a whole number of examples of {rows_per_example} rows")
@@ -425,7 +429,7 @@ class Trainer:
         (LoRA models) scores with the adapters switched off: the base model, RL's reference policy.
 
         `last` = C returns only the last C tokens' log-probs [B, C], projecting the vocabulary at those
-        positions only: for an RL batch (`posttrain.rl.batch`), `last=batch["completion_mask"].shape[1]`
+        positions only: for an RL batch (`posttrain.rl.batch.RLBatch`), `last=batch.completion_len`
         gives the completion columns directly (what `completion_logprobs` slices out of the full result).
         """
         dev = self.put_batch(batch)  # read it with `distributed.to_host` (a collective with several processes)
@@ -435,6 +439,21 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- helpers
+def _map_arrays(fn, batch):
+    """`fn` over a batch's arrays: a dict's values (as they are), or the array leaves of a typed pytree batch."""
+    if isinstance(batch, dict):
+        return {k: fn(v) for k, v in batch.items()}
+    return jax.tree.map(fn, batch)
+
+
+def _named_arrays(batch) -> dict[str, Any]:
+    """A batch's arrays by name: a dict as it is, a typed pytree batch's non-None fields by field name."""
+    if isinstance(batch, dict):
+        return batch
+    return {jax.tree_util.keystr(path, simple=True, separator="."): v
+            for path, v in jax.tree_util.tree_flatten_with_path(batch)[0]}
+
+
 def _flat_with_names(tree):
     return [(path_names(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 

@@ -28,6 +28,9 @@ import json
 import math
 import time
 
+import ml_dtypes
+
+from posttrain.models.weights import flat_weights, nbytes, to_host
 from posttrain.rl.fleet.cluster import FleetError, connect, disconnect, require_ray
 from posttrain.rl.fleet.param_server import ParameterServer
 from posttrain.rl.fleet.worker import RolloutWorker
@@ -75,10 +78,6 @@ class FleetSource(RolloutSource):
     # ------------------------------------------------------------------ weights
     def publish(self, params, version: int) -> None:
         """Every `fleet.publish_every` versions, and always the first (a fresh or resumed run's weights)."""
-        import ml_dtypes
-
-        from posttrain.models.weights import flat_weights, nbytes, to_host
-
         if self.version is not None and version % self.fc.publish_every:
             return
         t0 = time.perf_counter()

@@ -1,0 +1,48 @@
+"""What a step's rollouts say, as numbers: per-sample correctness, each group's pass rate (what curation is
+fed) and the rollout metrics logged with every RL step (rewards, lengths, truncation, groups with signal)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from posttrain.algorithms import dapo
+from posttrain.rl.rollout import Rollouts
+
+__all__ = ["correct", "pass_rates", "rollout_metrics"]
+
+
+def correct(ro: Rollouts, correctness: str | None) -> np.ndarray:
+    """1.0 per sample the correctness reward calls right (>= 1), or with no such reward, that scores above 0."""
+    if correctness in ro.per_reward:
+        return (ro.per_reward[correctness] >= 1.0).astype(np.float64)
+    return (ro.rewards > 0).astype(np.float64)
+
+
+def pass_rates(ro: Rollouts, correctness: str | None) -> dict[int, float]:
+    """uid -> fraction of the group's samples that are correct (for curation)."""
+    c = correct(ro, correctness)
+    g = ro.group_size
+    return {int(ro.uid[j * g]): float(c[j * g:(j + 1) * g].mean()) for j in range(ro.num_groups)}
+
+
+def rollout_metrics(ro: Rollouts, correctness: str | None) -> dict[str, float]:
+    """reward/..., completion/..., groups/..., accuracy (with a correctness reward) and the reward workers'
+    failure and timeout counts of a step's rollouts."""
+    lengths = ro.completion_lengths()
+    m = {
+        "reward/mean": float(ro.rewards.mean()),
+        "reward/std": float(ro.rewards.std()),
+        "completion/length_mean": float(lengths.mean()),
+        "completion/length_max": float(lengths.max()),
+        "completion/truncated_fraction": float(np.mean([f == "length" for f in ro.finish_reasons])),
+        "groups/kept": float(ro.num_groups),
+        "groups/with_signal": float(dapo.groups_with_signal(ro.rewards, ro.group_size).sum()),
+    }
+    for name, vals in ro.per_reward.items():
+        m[f"reward/{name}"] = float(vals.mean())
+    if correctness in ro.per_reward:
+        m["accuracy"] = float(correct(ro, correctness).mean())
+    for k, v in ro.reward_stats.items():
+        if k.endswith(("failures", "timeouts")):
+            m[k] = float(v)
+    return m
