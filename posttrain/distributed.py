@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, to_dict
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -365,8 +365,6 @@ def broadcast_json(value: Any) -> Any:
 def config_digests(cfg) -> dict[str, str]:
     """A digest of every top-level section of a resolved config (the `distributed` section left out: the
     process ids differ by design)."""
-    from posttrain.config import to_dict
-
     d = to_dict(cfg)
     d.pop("distributed", None)
     return {k: hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -151,8 +151,8 @@ def test_each_former_upward_import_would_be_caught(mod, imports):
 # Function-local imports of posttrain's own modules hide the arrows between files; each one that stays says why
 # with a `# lazy: ...` comment on its line or the line above (an import cycle, or a module kept light).
 # cli/ is not checked: every subcommand imports inside `run` so that `posttrain --help` answers at once.
-# Files others are editing while this check lands (issue 22); empty this list once those changes are merged.
-LOCAL_IMPORTS_ALLOWED = {"distributed.py", "rl/dispatcher.py"}
+# Files exempt from the check (none today).
+LOCAL_IMPORTS_ALLOWED: set[str] = set()
 
 
 def unmarked_local_imports(root: Path, allowed=frozenset()) -> list[str]:

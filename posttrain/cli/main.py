@@ -55,7 +55,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from posttrain.models.gguf_io import GGUFError
     from posttrain.models.hf_io import CheckpointError
     from posttrain.rewards.checks import RewardDataError, RewardFailedError
-    from posttrain.rl.fleet.cluster import FleetError
+    from posttrain.rl.errors import FleetError
     from posttrain.models.tokenizer import TokenizerError
     from posttrain.training.errors import CheckpointSaveError, ResumeError, TrainingDivergedError
     from posttrain.training.runlock import RunLockError

@@ -14,11 +14,9 @@ import subprocess
 import sys
 import warnings
 
+from posttrain.rl.errors import FleetError
+
 __all__ = ["FleetError", "require_ray", "connect", "disconnect"]
-
-
-class FleetError(RuntimeError):
-    """The fleet cannot run (Ray missing or unreachable, every worker dead): one clear line for the user."""
 
 
 def require_ray():
