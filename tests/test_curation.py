@@ -96,6 +96,7 @@ def zero(prompts, completions, **fields):
 '''
 
 
+@pytest.mark.slow
 def test_cli_run_whose_every_record_gets_curated_finishes(tmp_path, compile_cache):
     """Issue 26: with every record curated the run waited forever for one that is not. It finishes now, says
     so in one line, and counts it. The timeout only turns a hang into a failure: the run takes far less."""

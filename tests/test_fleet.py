@@ -80,6 +80,7 @@ def metric_rows(out: Path) -> dict[int, dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_one_worker_at_staleness_zero_reproduces_the_synchronous_loop(toy):
     steps = 3
     sync = run_rl(load_rl_config(None, toy("sync", f"trainer.max_steps={steps}")))
@@ -258,6 +259,7 @@ def test_all_workers_dead_stops_with_a_checkpoint_and_names_them(toy):
     assert any(p.name.isdigit() for p in (out / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_a_hanging_reward_in_a_worker_is_timed_out_and_counted(toy):
     out = toy.dir / "hang"
     res = run_rl(load_rl_config(None, toy(

@@ -57,6 +57,7 @@ def test_attach_shapes_and_identity_at_init(fresh):
         lora.attach(model, rank=4, alpha=8.0, target=r".*q_proj")
 
 
+@pytest.mark.slow
 def test_only_adapters_train_merge_equals_adapters_and_switch_off_is_base(fresh):
     model = fresh()
     batches = _batches(3)

@@ -8,6 +8,7 @@ from posttrain.models.config import llama_like
 from posttrain.training.memory import step_memory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["generic", "cpu"])
 def test_remat_policies_order_temporary_memory(kernels):
     def temp(remat):

@@ -170,6 +170,7 @@ def test_truncation_policies_and_counts(tok):
 
 
 # ---------------------------------------------------------------------- micro-batching
+@pytest.mark.slow
 def test_dpo_grad_accum_equals_one_big_batch(tok):
     from posttrain.data.preference import stack_pairs
     from posttrain.models.config import llama_like
@@ -308,6 +309,7 @@ def _compare_grads(ours, torch_model, tol=1e-5):
         np.testing.assert_allclose(ours[n] / scale, t / scale, atol=tol, err_msg=n)
 
 
+@pytest.mark.slow
 def test_dpo_loss_logprobs_and_grads_equal_trl(trl_setup, tok, tmp_path):
     """DPOTrainer.compute_loss (sigmoid, β=0.5) on the same tiny model, reference and 4 pairs: TRL's own
     tokenisation equals ours, and loss, reward metrics and every parameter's gradient agree to 1e-5."""

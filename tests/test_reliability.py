@@ -268,6 +268,7 @@ def test_two_processes_on_one_folder(tmp_path):
 
 
 # ---------------------------------------------------------------------- 8. RL resume rows, concat statistics
+@pytest.mark.slow
 def test_rl_resume_writes_each_step_once_and_non_finite_loss_is_the_shared_error(tmp_path, monkeypatch):
     from posttrain.training.errors import TrainingDivergedError
     from posttrain.training.trainer import Trainer

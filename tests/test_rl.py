@@ -41,6 +41,7 @@ def toy(tmp_path):
     return cfg
 
 
+@pytest.mark.slow
 def test_grpo_learns_toy_pattern(toy):
     result = run_rl(toy("learn", "trainer.max_steps=16"))
     rewards = [h["reward/mean"] for h in result.history]
@@ -71,6 +72,7 @@ def test_resume_gives_identical_losses(toy):
                                [h["reward/mean"] for h in full.history[3:]], atol=0)
 
 
+@pytest.mark.slow
 def test_lora_rl_with_base_model_as_reference(toy):
     result = run_rl(toy("lora", "trainer.max_steps=3", "lora.enabled=true", "lora.rank=4", "algorithm.beta=0.1",
                         "algorithm.preset=dapo"))

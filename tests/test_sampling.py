@@ -99,6 +99,7 @@ def test_default_stop_ids_are_the_model_eos(llama):
     assert out[0].text == str(free[0].token_ids[0])
 
 
+@pytest.mark.slow
 def test_continuous_batching_matches_plain_batching(llama):
     """10 prompts through 3 slots (slots are refilled as sequences stop) == all 10 at once."""
     prompts = _prompts(lengths=(3, 16, 7, 11, 4, 15, 9, 2, 13, 6), seed=1)
@@ -125,6 +126,7 @@ def test_continuous_batching_matches_plain_batching(llama):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
+@pytest.mark.slow
 def test_cache_growth_gives_the_same_completions(llama):
     """A cache that grows with the sequences (here in steps of 8 positions, so several times per call, also
     while continuous batching admits new prompts) gives what a full-length cache gives."""
@@ -257,6 +259,7 @@ def test_committed_weights_compile_once(hf_checkpoint):
     assert (prefill._cache_size(), decode._cache_size()) == sizes
 
 
+@pytest.mark.slow
 def test_no_recompilation_within_a_bucket(llama):
     sampler = Sampler(llama, max_slots=8, max_len=64)
     params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9)

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
@@ -59,6 +61,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_generate_on_a_mesh(hf_checkpoint, tmp_path):
     path = hf_checkpoint("llama")
     script = tmp_path / "mesh_run.py"

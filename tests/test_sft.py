@@ -174,6 +174,7 @@ def test_lora_resume_and_bf16_export(tiny_llama, tmp_path):
     assert 0 < np.abs(theirs - ours).max() < 0.05
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(tiny_llama, tmp_path):
     out = tmp_path / "nan"
     cfg = _cfg(tiny_llama, out, "trainer.max_steps=10", "trainer.save_every=2", "trainer.eval_every=0",

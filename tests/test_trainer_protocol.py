@@ -51,6 +51,7 @@ def _trainer(grad_accum=1, seed=0, ref_seed=1):
                    frozen={"reference": init_model(CFG, seed=ref_seed)})
 
 
+@pytest.mark.slow
 def test_frozen_reference_is_a_step_argument_without_optimizer_state():
     tr = _trainer()
     batch = _pairs()
@@ -90,6 +91,7 @@ def test_frozen_reference_is_a_step_argument_without_optimizer_state():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grad_accum_keeps_the_rows_of_an_example_together():
     batch = _pairs(n_pairs=4)
     loss = uses_frozen(_pair_loss, "reference", rows_per_example=2)
