@@ -495,3 +495,36 @@ def test_rl_two_hosts_match_one_host(tmp_path, procs, tiny_llama):
     assert max(_rows(tmp_path / "one", "reward/mean").values()) > 0  # a reward with signal: the losses mean something
     samples = [json.loads(x) for x in open(tmp_path / "two" / "samples.jsonl")]
     assert [s["step"] for s in samples] == [1, 2]  # written once (by process 0)
+
+
+def test_a_known_error_from_a_failed_collective_asks_whether_a_peer_died_first(monkeypatch, tmp_path, capsys):
+    """A checkpoint save whose collective failed (a peer died mid-save) raises a known error wrapping JAX's
+    runtime error: the CLI asks whether every peer still answers before reporting it (the watchdog then says
+    which process died, in one line); a known error of another cause is reported at once."""
+    import importlib.machinery
+    import types
+
+    import jax
+
+    from posttrain import distributed
+    from posttrain.cli import main as cli
+    from posttrain.training.errors import CheckpointSaveError
+
+    asked = []
+    monkeypatch.setattr(distributed, "peers_alive", lambda *a, **k: asked.append(True) or True)
+    monkeypatch.setattr(distributed, "initialize", lambda *a, **k: False)
+    for cause, want in ((jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed"), [True]),
+                        (OSError(28, "No space left on device"), [])):
+        asked.clear()
+
+        def run(args, cause=cause):
+            raise CheckpointSaveError("cannot write checkpoints to X") from cause
+
+        fake = types.ModuleType("posttrain_fake_sub")
+        fake.run, fake.add_arguments = run, lambda p: None
+        fake.__spec__ = importlib.machinery.ModuleSpec("posttrain_fake_sub", None)
+        monkeypatch.setitem(sys.modules, "posttrain_fake_sub", fake)
+        monkeypatch.setitem(cli.SUBCOMMANDS, "sft", ("posttrain_fake_sub", "fake"))
+        assert cli._main(["--no-compile-cache", "sft"]) == 1
+        assert asked == want
+        assert capsys.readouterr().err.strip().endswith("error: cannot write checkpoints to X")

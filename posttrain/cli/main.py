@@ -79,6 +79,14 @@ def describe(e: BaseException) -> str | None:
     return None
 
 
+def from_the_runtime(e: BaseException) -> bool:
+    """Whether a known error wraps a failure of JAX's runtime (a checkpoint save's collective, say), which a
+    peer's death in a multi-process run causes: then the peer's death is what to report, not this error."""
+    import jax  # lazy: only on the error path (posttrain --help stays free of JAX)
+
+    return isinstance(e.__cause__, jax.errors.JaxRuntimeError)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description="JAX-native post-training for open LLMs.")
     parser.add_argument("--no-compile-cache", action="store_true",
@@ -211,8 +219,9 @@ def _main(argv: list[str] | None, supervise: bool = False) -> int:
         return 143
     except Exception as e:  # noqa: BLE001 - known types become one line; others keep their traceback
         message = None if debug else describe(e)
-        if message is None:
+        if message is None or from_the_runtime(e):
             distributed.peers_alive()  # several processes: a peer's death (its collectives fail) ends this one first
+        if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
         from posttrain.config import ConfigError
