@@ -51,10 +51,10 @@ SHARD_SCRIPT = textwrap.dedent(
     path = sys.argv[1]
     mesh = distributed.make_mesh(data=1, fsdp=4, tensor=2)
     vc = from_pretrained(path).cfg.vision
-    ids = np.full((2, 24), 20)
-    ids[0, 3:3 + vc.mm_tokens_per_image] = vc.image_token_id
-    ids[1, 5:5 + vc.mm_tokens_per_image] = vc.image_token_id
-    pix = np.random.default_rng(0).uniform(-1, 1, (2, 3, vc.image_size, vc.image_size)).astype(np.float32)
+    ids = np.full((4, 24), 20)
+    for r in range(4):
+        ids[r, 2 + r:2 + r + vc.mm_tokens_per_image] = vc.image_token_id
+    pix = np.random.default_rng(0).uniform(-1, 1, (4, 3, vc.image_size, vc.image_size)).astype(np.float32)
     fwd = jax.jit(lambda m, i, p: m(i, pixel_values=p))
     ref = np.asarray(fwd(from_pretrained(path), ids, pix))
     model = from_pretrained(path, mesh=mesh)

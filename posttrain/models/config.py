@@ -362,7 +362,8 @@ class ModelConfig:
             "tied embeddings": self.tie_word_embeddings,
             "sliding window": self.sliding_window if any(self.sliding_layers) else None,
             "rope": f"{self.rope.type} theta={self.rope.theta:g}",
-        } | ({"architecture": "Gemma3ForConditionalGeneration", **self.vision.describe()} if self.vision else {})
+        } | ({"architecture": "Gemma3ForConditionalGeneration", "model_type": "gemma3 (text: gemma3_text)",
+              **self.vision.describe()} if self.vision else {})
 
 
 def llama_like(**kw) -> ModelConfig:
