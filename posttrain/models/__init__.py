@@ -1,8 +1,10 @@
-"""posttrain.models: one Flax NNX decoder-only Transformer for Llama, Qwen2/3, Mistral and Gemma 2/3, with HF I/O."""
+"""posttrain.models: one Flax NNX decoder-only Transformer for Llama, Qwen2/3, Mistral and Gemma 2/3 (Gemma 3 also
+with its SigLIP vision tower: `ModelConfig.vision`), with HF I/O."""
 
 from posttrain.models.attention import KVCache
 from posttrain.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeConfig, UnsupportedModelError
 from posttrain.models.transformer import Transformer, init_model
+from posttrain.models.vision_config import VisionConfig
 
 __all__ = [
     "KVCache",
@@ -11,6 +13,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "Transformer",
     "UnsupportedModelError",
+    "VisionConfig",
     "init_model",
 ]
 
