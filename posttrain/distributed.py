@@ -362,6 +362,49 @@ def broadcast_json(value: Any) -> Any:
     return json.loads(out.tobytes().decode())
 
 
+_KV_PART = 2**21  # bytes per key-value entry (well under gRPC's message limit)
+
+
+def _kv_client():
+    from jax._src import distributed as jd
+
+    return jd.global_state.client
+
+
+def post_json(key: str, value: Any) -> None:
+    """Process 0 leaves `value` (JSON-able, any size) under `key` in the coordination service for the others to
+    `wait_json`: unlike `broadcast_json` no device collective waits meanwhile, so the others may wait for long
+    (a process that dies meanwhile is the watchdog's). No-op on one process."""
+    if jax.process_count() == 1:
+        return
+    data = json.dumps(value).encode()
+    client = _kv_client()
+    n = max(1, -(-len(data) // _KV_PART))
+    for i in range(n):
+        client.key_value_set_bytes(f"{key}/{i}", data[i * _KV_PART:(i + 1) * _KV_PART])
+    client.key_value_set(f"{key}/n", str(n))
+
+
+def wait_json(key: str, *, poll_s: float = 1.0) -> Any:
+    """The value process 0 `post_json`ed under `key`, waiting for it as long as it takes."""
+    client = _kv_client()
+    while True:
+        try:
+            n = int(client.blocking_key_value_get(f"{key}/n", int(poll_s * 1000)))
+            break
+        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not there yet; anything else is real
+            if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+                raise
+    data = b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", 60_000) for i in range(n))
+    return json.loads(data.decode())
+
+
+def drop_posted(key: str) -> None:
+    """Removes what `post_json` left under `key` (process 0, once every process has read it)."""
+    if jax.process_count() > 1:
+        _kv_client().key_value_delete(key)
+
+
 def config_digests(cfg) -> dict[str, str]:
     """A digest of every top-level section of a resolved config (the `distributed` section left out: the
     process ids differ by design)."""
