@@ -304,8 +304,22 @@ def initialize(cfg=None) -> bool:
         raise DistributedError(message(" ".join(str(e).split())[:300])) from None
     finally:
         timer.cancel()
+    _rearm_sigterm()
     _STATE["watchdog"] = Watchdog(settings["heartbeat_timeout_s"]).start()
     return True
+
+
+def _rearm_sigterm() -> None:
+    """JAX's preemption notifier, started by `jax.distributed.initialize`, installs its own (native) SIGTERM
+    handler, which only records the signal: the run would go on. The Python handler the command had installed
+    (a clean stop, `posttrain.cli.main`) is put back in charge."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _why_not_joined(settings: dict) -> str:

@@ -170,3 +170,37 @@ def test_two_trainer_processes_drive_the_fleet_through_kills_and_match_one(tmp_p
     assert any(r.get("fleet/requeued/worker_died", 0) >= 1 for r in m), "the worker kill hit a lease"
     # both processes published their blocks: the version holds the whole model (0.427 MB, float32)
     assert all(abs(r["fleet/publish_mb"] - 0.427) < 0.01 for r in m if "fleet/publish_mb" in r)
+
+
+SIGTERM_PROBE = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (print("stopped by SIGTERM", flush=True), sys.exit(143)))
+from posttrain import distributed
+distributed.initialize()
+print("joined", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_reaches_the_python_handler_after_jax_joins(tmp_path):
+    """JAX's preemption notifier takes SIGTERM over when the processes join; `initialize` gives it back."""
+    import sys
+
+    from test_multihost import _free_port
+
+    port = _free_port()
+    procs = Procs()
+    try:
+        hosts = [procs.start([sys.executable, "-c", SIGTERM_PROBE], _env(1, POSTTRAIN_COORDINATOR=f"127.0.0.1:{port}",
+                             POSTTRAIN_NUM_PROCESSES=2, POSTTRAIN_PROCESS_ID=i), tmp_path / f"p{i}.log") for i in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not all("joined" in Path(h.log).read_text() for h in hosts):
+            assert time.monotonic() < deadline and all(h.poll() is None for h in hosts), procs.logs()
+            time.sleep(0.1)
+        for h in hosts:
+            os.kill(h.pid, signal.SIGTERM)
+        assert procs.wait(hosts, 30) == [143, 143], procs.logs()
+        assert all("stopped by SIGTERM" in Path(h.log).read_text() for h in hosts)
+    finally:
+        procs.kill()
