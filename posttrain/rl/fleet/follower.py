@@ -20,6 +20,7 @@ import zlib
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from posttrain import distributed
 from posttrain.config import ConfigError
@@ -37,8 +38,6 @@ def check_hosts(fc) -> None:
     processes share one host only; otherwise a `ConfigError` on every process, with the reason."""
     if jax.process_count() == 1 or fc.ray_address is not None:
         return
-    from jax.experimental import multihost_utils
-
     mine = np.asarray([zlib.crc32(socket.gethostname().encode())], np.uint32)
     hosts = np.asarray(multihost_utils.process_allgather(mine)).ravel()
     if len(set(hosts.tolist())) > 1:
