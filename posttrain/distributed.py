@@ -20,6 +20,7 @@ must call it, it runs a collective) and for writing files once (`is_primary`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -474,6 +475,7 @@ class Watchdog:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._busy_seen: dict[tuple[int, str], float] = {}
 
     def start(self) -> "Watchdog":
         from jax._src import distributed as jd
@@ -504,7 +506,7 @@ class Watchdog:
                     v = self._client.key_value_try_get(f"posttrain/alive/{p}")
                     if p not in seen or seen[p][0] != v:
                         seen[p] = (v, now)
-                    elif now - seen[p][1] > self.timeout_s:
+                    elif now - seen[p][1] > self.timeout_s and not self._excused(p, now):
                         self._fail(f"process {p} of {n} stopped answering (nothing for {now - seen[p][1]:.0f}s)")
             except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone, or a key never came
                 if "NOT_FOUND" in str(e) and now - started < self.timeout_s:
@@ -513,6 +515,16 @@ class Watchdog:
                     return
                 what = "the coordinator (process 0) stopped answering" if me != 0 else "the coordination service failed"
                 self._fail(f"{what} ({' '.join(str(e).split())[:160]})")
+
+    def _excused(self, p: int, now: float) -> bool:
+        """Whether process `p` said it is in a call that may hold its interpreter (`busy`) and is still within the
+        seconds it asked for, counted from when this process first saw that notice."""
+        try:
+            v = self._client.key_value_try_get(f"posttrain/busy/{p}")
+        except Exception:  # noqa: BLE001 - NOT_FOUND: no notice
+            return False
+        first = self._busy_seen.setdefault((p, v), now)
+        return now - first < float(v.rsplit(":", 1)[1])
 
     def peers_alive(self, max_s: float | None = None) -> bool:
         """Waits until every other process has bumped its counter since this call (read afresh from the
@@ -555,6 +567,26 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+@contextlib.contextmanager
+def busy(seconds: float):
+    """Around a call that may hold this process's interpreter (the GIL) for long, e.g. joining Ray: this process's
+    watchdog cannot bump its counter meanwhile, so the other processes' watchdogs wait up to `seconds` more
+    before they call it dead (a no-op on one process)."""
+    dog = _STATE.get("watchdog")
+    if dog is None or dog._thread is None:
+        yield
+        return
+    key = f"posttrain/busy/{dog.me}"
+    dog._client.key_value_set(key, f"{time.monotonic_ns()}:{float(seconds)}", allow_overwrite=True)
+    try:
+        yield
+    finally:
+        try:
+            dog._client.key_value_delete(key)
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the watchdog says so
+            pass
 
 
 def peers_alive(max_s: float | None = None) -> bool:

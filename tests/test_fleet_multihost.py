@@ -133,7 +133,7 @@ def test_two_trainer_processes_drive_the_fleet_through_kills_and_match_one(tmp_p
         "optim.decay=constant", "trainer.log_every=1", "trainer.save_every=2", "trainer.progress=false",
         "trainer.async_checkpointing=false", "eval.at_start=false", "export_hf=false", f"trainer.max_steps={STEPS}",
         "fleet.workers=2", "fleet.max_staleness=0", "fleet.lease_groups=1", "fleet.max_restarts=-1",
-        "distributed.heartbeat_timeout_s=6")
+        "distributed.heartbeat_timeout_s=10")
     cache = {**compile_cache, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     procs = Procs()
     try:

@@ -26,7 +26,7 @@ from posttrain import distributed
 from posttrain.config import ConfigError
 from posttrain.rl.fleet.cluster import FleetError, join, require_ray
 from posttrain.rl.fleet.param_server import NAME
-from posttrain.rl.fleet.source import BATCH_KEY, RAY_KEY, publish_part
+from posttrain.rl.fleet.source import BATCH_KEY, JOIN_GRACE_S, RAY_KEY, publish_part
 from posttrain.rl.rollout import Rollouts
 from posttrain.rl.sources import RolloutSource
 
@@ -54,11 +54,12 @@ class FleetFollower(RolloutSource):
         self.ray = require_ray()
         self.fc = run.cfg.fleet
         where = distributed.wait_json(RAY_KEY)
-        join(where["address"], where["namespace"])
-        try:
-            self.ps = self.ray.get_actor(NAME)
-        except ValueError as e:
-            raise FleetError(f"this trainer process finds no parameter server in Ray ({e})") from None
+        with distributed.busy(self.fc.connect_timeout_s + JOIN_GRACE_S):  # joining Ray may hold the GIL for seconds
+            join(where["address"], where["namespace"])
+            try:
+                self.ps = self.ray.get_actor(NAME)
+            except ValueError as e:
+                raise FleetError(f"this trainer process finds no parameter server in Ray ({e})") from None
         self._publish = (0.0, 0)
 
     def publish(self, params, version: int) -> None:
@@ -90,4 +91,5 @@ class FleetFollower(RolloutSource):
 
     def close(self) -> None:
         if self.ray.is_initialized():
-            self.ray.shutdown()  # leaves the instance; process 0 (which started or joined it) ends its part
+            with distributed.busy(JOIN_GRACE_S):
+                self.ray.shutdown()  # leaves the instance; process 0 (which started or joined it) ends its part

@@ -51,6 +51,7 @@ PIPELINE = 2  # leases in flight per worker
 PROBE_RETRY_S = 2.0
 HEARTBEAT_S = 5.0  # between heartbeats to each serving worker
 MAX_TASK_ERRORS = 3  # failed rollout calls (not deaths) in a row before the run stops with the error
+JOIN_GRACE_S = 120.0  # how long a trainer process may be unresponsive while it starts or joins Ray
 RAY_KEY = "posttrain/fleet/ray"  # where process 0 tells the other trainer processes how to reach Ray
 BATCH_KEY = "posttrain/fleet/batch"  # + /STEP: a step's batch (or the error that stops the run), from process 0
 
@@ -73,9 +74,10 @@ class FleetSource(RolloutSource):
         ray = self.ray = require_ray()
         self.fc = fc = run.cfg.fleet
         namespace = f"posttrain-{os.getpid()}-{time.time_ns()}"
-        self.started = connect(fc, num_cpus_needed=fc.workers * fc.worker_cpus, namespace=namespace)
-        self.ps = ray.remote(num_cpus=0)(ParameterServer).options(name=NAME).remote(fc.keep_versions)
-        self.ray.get(self.ps.latest_version.remote())  # up before the other trainer processes look it up
+        with distributed.busy(fc.connect_timeout_s + JOIN_GRACE_S):  # Ray's start-up may hold the GIL for seconds
+            self.started = connect(fc, num_cpus_needed=fc.workers * fc.worker_cpus, namespace=namespace)
+            self.ps = ray.remote(num_cpus=0)(ParameterServer).options(name=NAME).remote(fc.keep_versions)
+            self.ray.get(self.ps.latest_version.remote())  # up before the other trainer processes look it up
         distributed.post_json(RAY_KEY, {"address": ray.get_runtime_context().gcs_address, "namespace": namespace})
         worker_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
             num_cpus=fc.worker_cpus, num_gpus=fc.worker_gpus or None, resources=dict(fc.worker_resources) or None,
@@ -286,4 +288,5 @@ class FleetSource(RolloutSource):
                 self.ray.kill(h)
             except Exception:  # noqa: BLE001 - already gone; nothing to release
                 pass
-        disconnect(self.started)
+        with distributed.busy(JOIN_GRACE_S):
+            disconnect(self.started)
