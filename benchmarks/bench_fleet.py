@@ -170,18 +170,19 @@ def _chunks(part: dict, chunk_bytes: int):
 
 def transfer_costs(models=tuple(QWEN25), workers=(1, 4), parts: int = 2) -> list[dict]:
     """Publish and pull seconds and bytes for random bf16 weights shaped like Qwen2.5 (`QWEN25`), through the
-    fleet's own code: `parts` publishers (trainer processes, here actors on this node) each `ray.put` their
-    chunks of their blocks and `add` them to the `ParameterServer`; then 1 and 4 workers (actors) pull the
-    newest version at the same time, `assemble` it and copy every weight once (what loading it onto their
-    devices costs). Workers on one node read the same copy in the object store."""
+    fleet's own code: `parts` publishers (trainer processes, here actors on this node) each `ray.put` the chunks
+    of their blocks and `add` them to the `ParameterServer` (publish: from the first put to the version
+    complete); then 1, and then 4 workers (actors) at once pull that version, assemble it weight by weight and
+    copy every weight once (what loading it onto their devices costs). Workers on one node read the same copy
+    in the object store. Memory: the version once in the store, plus a weight or so per worker."""
     import numpy as np
     import ray
 
     from posttrain.rl.fleet.param_server import ParameterServer
-    from posttrain.rl.fleet.shards import CHUNK_BYTES, assemble
+    from posttrain.rl.fleet.shards import CHUNK_BYTES, assembled
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=5 * 2**30)
+             object_store_memory=4 * 2**30, _memory=2**30)  # fixed sizes: the machine's free memory varies
 
     @ray.remote(num_cpus=0)
     class Publisher:
@@ -191,21 +192,27 @@ def transfer_costs(models=tuple(QWEN25), workers=(1, 4), parts: int = 2) -> list
 
         def publish(self, ps, version):
             t0 = time.perf_counter()
-            refs = [ray.put(c) for c in _chunks(self.blocks, CHUNK_BYTES)]
             nbytes = sum(b.nbytes for _, _, b in self.blocks.values())
+            refs = []
+            for chunk in _chunks(self.blocks, CHUNK_BYTES):
+                refs.append(ray.put(chunk))
+                for path, *_ in chunk:  # this copy is in the store now
+                    del self.blocks[path]
             ray.get(ps.add.remote(version, self.part, self.parts, refs, nbytes))
-            return time.perf_counter() - t0, nbytes
+            return t0, time.perf_counter(), nbytes
 
     @ray.remote(num_cpus=0)
     class Puller:
         def pull(self, ps):
             t0 = time.perf_counter()
             _, refs = ray.get(ps.latest.remote())
-            flat = assemble(ray.get(refs))
-            scratch = np.empty(max(x.nbytes for x in flat.values()), np.uint8)
-            for x in flat.values():  # one copy of every weight: what loading it onto devices costs
+            scratch, total = np.empty(0, np.uint8), 0
+            for _, x in assembled(ray.get(refs)):  # one copy of every weight: what loading it onto devices costs
+                if scratch.nbytes < x.nbytes:
+                    scratch = np.empty(x.nbytes, np.uint8)
                 np.copyto(scratch[: x.nbytes], x.reshape(-1).view(np.uint8))
-            return time.perf_counter() - t0, int(sum(x.nbytes for x in flat.values()))
+                total += x.nbytes
+            return time.perf_counter() - t0, total
 
     pullers = [Puller.remote() for _ in range(max(workers))]
     out = []
@@ -214,22 +221,21 @@ def transfer_costs(models=tuple(QWEN25), workers=(1, 4), parts: int = 2) -> list
         params = sum(int(np.prod(s)) for s in shapes.values())
         ps = ray.remote(num_cpus=0)(ParameterServer).remote(1)
         pubs = [Publisher.remote(shapes, p, parts) for p in range(parts)]
-        ray.get([p.__ray_ready__.remote() for p in pubs])
-        for v, w in enumerate(workers):
-            t0 = time.perf_counter()
-            res = ray.get([p.publish.remote(ps, v) for p in pubs])
-            publish_s = time.perf_counter() - t0
+        ray.get([p.__ray_ready__.remote() for p in pubs] + [pl.__ray_ready__.remote() for pl in pullers])
+        res = ray.get([p.publish.remote(ps, 0) for p in pubs])
+        publish_s = max(t1 for _, t1, _ in res) - min(t0 for t0, _, _ in res)
+        for w in workers:
             t0 = time.perf_counter()
             pulls = ray.get([pl.pull.remote(ps) for pl in pullers[:w]])
             out.append({"model": name, "params_b": params / 1e9, "workers": w, "trainer_parts": parts,
-                        "publish_s": publish_s, "publish_bytes": sum(b for _, b in res),
+                        "publish_s": publish_s, "publish_bytes": sum(b for _, _, b in res),
                         "pull_s_mean": float(np.mean([t for t, _ in pulls])), "pull_wall_s": time.perf_counter() - t0,
                         "pull_bytes_per_worker": pulls[0][1]})
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out[-1].items()}), flush=True)
         for h in (*pubs, ps):
             ray.kill(h)
         del pubs, ps
-        time.sleep(1.0)  # the store frees this model's objects before the next one
+        time.sleep(2.0)  # the store frees this model's objects before the next one
     ray.shutdown()
     return out
 

@@ -134,7 +134,9 @@ def test_two_trainer_processes_drive_the_fleet_through_kills_and_match_one(tmp_p
         "trainer.async_checkpointing=false", "eval.at_start=false", "export_hf=false", f"trainer.max_steps={STEPS}",
         "fleet.workers=2", "fleet.max_staleness=0", "fleet.lease_groups=1", "fleet.max_restarts=-1",
         "distributed.heartbeat_timeout_s=10")
-    cache = {**compile_cache, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    # Ray's memory monitor counts every process on the machine (other test runs too): it would kill the workers
+    cache = {**compile_cache, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+             "RAY_memory_monitor_refresh_ms": "0"}
     procs = Procs()
     try:
         one = procs.start(args + [f"output_dir={tmp_path / 'one'}"], _env(8, **cache), tmp_path / "one.log")

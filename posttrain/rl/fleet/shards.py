@@ -23,7 +23,7 @@ import numpy as np
 
 from posttrain.models.weights import flat_weights
 
-__all__ = ["CHUNK_BYTES", "local_chunks", "put_chunks", "assemble"]
+__all__ = ["CHUNK_BYTES", "local_chunks", "put_chunks", "assembled", "assemble"]
 
 CHUNK_BYTES = 256 * 2**20  # one object in the store: large enough to stream well, small enough to pipeline
 
@@ -72,19 +72,18 @@ def put_chunks(ray, params, dtype=None, chunk_bytes: int = CHUNK_BYTES) -> tuple
     return refs, total
 
 
-def assemble(chunks) -> dict[str, np.ndarray]:
-    """`{path: full array}` from the chunks of every trainer process. A weight that came whole is used as it is
-    (read-only, in place in the object store); one in blocks is written into a new array. Blocks missing or
-    overlapping are an error (a version is recorded complete only with every process's chunks)."""
+def assembled(chunks):
+    """Yields `(path, full array)` from the chunks of every trainer process, one weight at a time. A weight that
+    came whole is used as it is (read-only, in place in the object store); one in blocks is written into a new
+    array. Blocks missing are an error (a version is recorded complete only with every process's chunks)."""
     parts: dict[str, list[tuple]] = {}
     for chunk in chunks:
         for path, shape, index, block in chunk:
             parts.setdefault(path, []).append((tuple(shape), tuple(tuple(i) for i in index), block))
-    out = {}
     for path, blocks in parts.items():
         shape = blocks[0][0]
         if len(blocks) == 1 and all(i == (0, s) for i, s in zip(blocks[0][1], shape)):
-            out[path] = blocks[0][2]
+            yield path, blocks[0][2]
             continue
         full = np.empty(shape, blocks[0][2].dtype)
         covered = 0
@@ -93,5 +92,9 @@ def assemble(chunks) -> dict[str, np.ndarray]:
             covered += block.size
         if covered != full.size:
             raise ValueError(f"weights {path!r}: the published blocks cover {covered} of {full.size} elements")
-        out[path] = full
-    return out
+        yield path, full
+
+
+def assemble(chunks) -> dict[str, np.ndarray]:
+    """`{path: full array}` of `assembled(chunks)`."""
+    return dict(assembled(chunks))
