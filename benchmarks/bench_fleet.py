@@ -7,20 +7,34 @@
    trainer step (wall clock between step ends, from `trained.jsonl`, after --warmup steps, which carry the
    compiles and the workers' start), samples/s, mean staleness, the fleet's publish/pull seconds, worker
    busy fraction, and held-out greedy accuracy after the same number of steps.
-3. Publish and pull seconds per MB of float32 weights through the parameter server (4-128 MB), and the
-   dispatcher's own cost per prompt group (lease + complete + take + commit).
-4. A scaling model fed by these measurements (see `scaling_model`), printed for 8, 64 and 512 workers.
+3. Weight transfer through the fleet's own code (`posttrain.rl.fleet.shards`, `ParameterServer`): random bf16
+   weights shaped like Qwen2.5 at 0.1, 0.5 and 1.5 B parameters, published by 2 trainer parts (each its own
+   blocks, `ray.put` once) and pulled (assembled, every weight copied once) by 1 and then 4 workers at once;
+   seconds and bytes. And the dispatcher's own cost per prompt group (lease + complete + take + commit).
+4. Scaling models fed by these measurements: the step (`scaling_model`, 8/64/512 workers) and the weights
+   per version (`weight_scaling`: 8/64/512 workers at 8 per node, 1 or 8 trainer hosts, --nic-gbps).
 
-Where the scaling model stops holding: (a) one parameter-server actor serves every pull, so its node's egress
-(workers x weights MB per publish) bounds the step once it exceeds the step time: at 512 workers and a 1.5B
-model in bf16 (~3 GB) that is 1.5 TB per version, so beyond a few dozen workers per version the weights must
-fan out through per-node object stores or a broadcast tree (one pull per node, not per worker); (b) the
-trainer's time is taken as linear in 1 / trainer devices (data parallel), which holds while the per-device
-batch stays large enough; (c) the dispatcher is one Python object in the trainer process: at ~10 us per
-group it is negligible up to ~10^4 groups per step; (d) generation time per group is taken as constant,
-i.e. workers kept busy with leases and no slow stragglers (the staleness bound makes the trainer wait for
-the slowest lease of a batch).
+Where one parameter server stops scaling, and what then. The parameter server moves no bytes: it holds
+references, one `latest()` call per lease (the calls per second it answers are measured here: at ~10^3
+per second, 512 workers may each lease every half second). The bytes go from each trainer host's object store to each worker
+node once (workers on a node share the node's copy), so a trainer host sends nodes x bytes / T per version
+(T trainer hosts, each publishing its own blocks) and a node receives the whole version. At 512 workers
+(64 nodes of 8) and 1.5 B parameters in bf16 (3.1 GB) over 100 Gb/s NICs that is 16 s per version from a
+single trainer host, 2 s from 8; a node's own ingress is 0.25 s. One store per trainer host therefore stops
+scaling when nodes x bytes / T / NIC exceeds the time between publishes (`fleet.publish_every` x step
+time): for these sizes at 512 workers that happens only with one trainer host and steps under ~16 s, so the
+relay tree is described here, not built. What the design does then: a relay tree over the worker nodes
+(the first nodes to hold a version serve the next ones, chunk by chunk, so the trainer hosts send each
+chunk k times and a version reaches every node in about log_k(nodes) x chunk / NIC + bytes / NIC), which
+Ray's object manager partly gives already (a node may fetch an object from any node that holds a copy),
+or a broadcast over the workers' own collectives when they share a fabric. Limits of the step model: (a) the
+trainer's time is taken as linear in 1 / trainer devices (data parallel), which holds while the
+per-device batch stays large enough; (b) the dispatcher is one Python object in trainer process 0: at
+~10 us per group it is negligible up to ~10^4 groups per step; (c) generation time per group is taken as
+constant, i.e. workers kept busy with leases and no slow stragglers (the staleness bound makes the
+trainer wait for the slowest lease of a batch).
 
+    python benchmarks/bench_fleet.py --transfer-only [--transfer-models 0.1B 0.5B 1.5B] [--nic-gbps 100]
     python benchmarks/bench_fleet.py [--steps 20] [--warmup 3] [--work-dir /tmp/bench_fleet] [--modes ...]
 """
 
@@ -203,6 +217,10 @@ def transfer_costs(models=tuple(QWEN25), workers=(1, 4), parts: int = 2) -> list
 
     @ray.remote(num_cpus=0)
     class Puller:
+        def calls(self, ps, n):
+            for _ in range(n):
+                ray.get(ps.latest.remote())
+
         def pull(self, ps):
             t0 = time.perf_counter()
             _, refs = ray.get(ps.latest.remote())
@@ -232,6 +250,10 @@ def transfer_costs(models=tuple(QWEN25), workers=(1, 4), parts: int = 2) -> list
                         "pull_s_mean": float(np.mean([t for t, _ in pulls])), "pull_wall_s": time.perf_counter() - t0,
                         "pull_bytes_per_worker": pulls[0][1]})
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out[-1].items()}), flush=True)
+        if name == models[0]:  # the server's call rate (latest() from 4 workers at once)
+            t0 = time.perf_counter()
+            ray.get([pl.calls.remote(ps, 100) for pl in pullers])
+            print(f"parameter server: {400 / (time.perf_counter() - t0):.0f} latest() calls/s", flush=True)
         for h in (*pubs, ps):
             ray.kill(h)
         del pubs, ps
