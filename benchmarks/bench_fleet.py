@@ -171,8 +171,10 @@ def random_weights(shapes: dict[str, tuple], part: int = 0, parts: int = 1) -> d
 
 
 def _chunks(part: dict, chunk_bytes: int):
+    """Chunks of `part`'s blocks, taken out of `part` as they go (the caller keeps only the current chunk)."""
     chunk, size = [], 0
-    for path, (shape, index, block) in part.items():
+    for path in list(part):
+        shape, index, block = part.pop(path)
         if chunk and size + block.nbytes > chunk_bytes:
             yield chunk
             chunk, size = [], 0
@@ -208,10 +210,8 @@ def transfer_costs(models=tuple(QWEN25), workers=(1, 4), parts: int = 2) -> list
             t0 = time.perf_counter()
             nbytes = sum(b.nbytes for _, _, b in self.blocks.values())
             refs = []
-            for chunk in _chunks(self.blocks, CHUNK_BYTES):
+            for chunk in _chunks(self.blocks, CHUNK_BYTES):  # each block dropped here once it is in the store
                 refs.append(ray.put(chunk))
-                for path, *_ in chunk:  # this copy is in the store now
-                    del self.blocks[path]
             ray.get(ps.add.remote(version, self.part, self.parts, refs, nbytes))
             return t0, time.perf_counter(), nbytes
 

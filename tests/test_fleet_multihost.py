@@ -15,8 +15,6 @@ import signal
 import time
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 from conftest import write_toy_task
 from test_multihost import Procs, _assert_last_word, _env, _hosts, _posttrain
@@ -33,34 +31,49 @@ STEPS = 6
 
 
 # ---------------------------------------------------------------------- fast: shards and the parameter server
-@pytest.mark.slow  # JAX start-up on a loaded machine: a few seconds
+SHARDS_PROBE = """
+import jax, ml_dtypes, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from posttrain.distributed import make_mesh
+from posttrain.rl.fleet.shards import assemble, local_chunks
+
+n = len(jax.devices())
+assert n == 8, n
+mesh = make_mesh(data=1, fsdp=-1, tensor=1)
+w = np.arange(8 * n * 3, dtype=np.float32).reshape(8 * n, 3)
+flat = {"sharded": jax.device_put(w, NamedSharding(mesh, PartitionSpec("fsdp", None))),
+        "replicated": jax.device_put(w[:2], NamedSharding(mesh, PartitionSpec())), "host": np.ones(5, np.int32)}
+chunks = list(local_chunks(flat, chunk_bytes=w.nbytes // 2))
+entries = [e for c in chunks for e in c]
+assert len(chunks) > 1 and sum(e[0] == "sharded" for e in entries) == n  # one block per device
+assert sum(e[0] == "replicated" for e in entries) == 1  # a replicated weight goes once
+out = assemble(chunks)
+np.testing.assert_array_equal(out["sharded"], w)
+np.testing.assert_array_equal(out["replicated"], w[:2])
+assert out["host"].dtype == np.int32
+half = assemble(local_chunks(flat, dtype=ml_dtypes.bfloat16))
+assert half["sharded"].dtype == ml_dtypes.bfloat16 and half["host"].dtype == np.int32
+try:
+    assemble([[e for e in entries if e[0] == "sharded"][1:]])
+except ValueError as e:
+    assert "cover" in str(e)
+else:
+    raise AssertionError("a missing block was not noticed")
+print("ok")
+"""
+
+
+@pytest.mark.slow  # a JAX process of 8 CPU devices
 def test_blocks_are_published_once_and_assemble_to_the_whole_weights():
-    from jax.sharding import NamedSharding, PartitionSpec
+    import subprocess
+    import sys
 
-    from posttrain.distributed import make_mesh
-    from posttrain.rl.fleet.shards import assemble, local_chunks
-
-    n = len(jax.devices())
-    mesh = make_mesh(data=1, fsdp=-1, tensor=1)
-    w = np.arange(8 * n * 3, dtype=np.float32).reshape(8 * n, 3)
-    flat = {"sharded": jax.device_put(w, NamedSharding(mesh, PartitionSpec("fsdp", None))),
-            "replicated": jax.device_put(w[:2], NamedSharding(mesh, PartitionSpec())), "host": np.ones(5, np.int32)}
-    chunks = list(local_chunks(flat, chunk_bytes=w.nbytes // 2))
-    entries = [e for c in chunks for e in c]
-    assert len(chunks) > 1 and sum(e[0] == "sharded" for e in entries) == n  # one block per device, none twice
-    assert sum(e[0] == "replicated" for e in entries) == 1
-    out = assemble(chunks)
-    np.testing.assert_array_equal(out["sharded"], w)
-    np.testing.assert_array_equal(out["replicated"], w[:2])
-    assert out["host"].dtype == np.int32
-    import ml_dtypes
-
-    half = assemble(local_chunks(flat, dtype=ml_dtypes.bfloat16))
-    assert half["sharded"].dtype == ml_dtypes.bfloat16 and half["host"].dtype == np.int32
-    with pytest.raises(ValueError, match="cover"):  # a block missing
-        assemble([[("w", (4, 3), ((0, 2), (0, 3)), w[:2]), ("w", (4, 3), ((3, 4), (0, 3)), w[3:4])]])
+    done = subprocess.run([sys.executable, "-c", SHARDS_PROBE], env=_env(8), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
 
+@pytest.mark.slow  # imports Ray
 def test_a_version_is_complete_only_with_every_process_part():
     from posttrain.rl.fleet.param_server import ParameterServer
 
