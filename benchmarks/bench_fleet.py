@@ -244,7 +244,11 @@ def transfer_costs(models=tuple(QWEN25), workers=(1, 4), parts: int = 2) -> list
         publish_s = max(t1 for _, t1, _ in res) - min(t0 for t0, _, _ in res)
         for w in workers:
             t0 = time.perf_counter()
-            pulls = ray.get([pl.pull.remote(ps) for pl in pullers[:w]])
+            try:
+                pulls = ray.get([pl.pull.remote(ps) for pl in pullers[:w]])
+            except ray.exceptions.RayActorError as e:  # e.g. the OOM killer on a machine short of memory
+                print(f"{name}, {w} workers: a worker died while pulling ({type(e).__name__}); skipped", flush=True)
+                break
             out.append({"model": name, "params_b": params / 1e9, "workers": w, "trainer_parts": parts,
                         "publish_s": publish_s, "publish_bytes": sum(b for _, _, b in res),
                         "pull_s_mean": float(np.mean([t for t, _ in pulls])), "pull_wall_s": time.perf_counter() - t0,
