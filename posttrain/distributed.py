@@ -20,6 +20,7 @@ must call it, it runs a collective) and for writing files once (`is_primary`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -305,8 +306,22 @@ def initialize(cfg=None) -> bool:
         raise DistributedError(message(" ".join(str(e).split())[:300])) from None
     finally:
         timer.cancel()
+    _rearm_sigterm()
     _STATE["watchdog"] = Watchdog(settings["heartbeat_timeout_s"]).start()
     return True
+
+
+def _rearm_sigterm() -> None:
+    """JAX's preemption notifier, started by `jax.distributed.initialize`, installs its own (native) SIGTERM
+    handler, which only records the signal: the run would go on. The Python handler the command had installed
+    (a clean stop, `posttrain.cli.main`) is put back in charge."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _why_not_joined(settings: dict) -> str:
@@ -361,6 +376,49 @@ def broadcast_json(value: Any) -> Any:
     buf[: len(data)] = data[:n]
     out = np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)
     return json.loads(out.tobytes().decode())
+
+
+_KV_PART = 2**21  # bytes per key-value entry (well under gRPC's message limit)
+
+
+def _kv_client():
+    from jax._src import distributed as jd
+
+    return jd.global_state.client
+
+
+def post_json(key: str, value: Any) -> None:
+    """Process 0 leaves `value` (JSON-able, any size) under `key` in the coordination service for the others to
+    `wait_json`: unlike `broadcast_json` no device collective waits meanwhile, so the others may wait for long
+    (a process that dies meanwhile is the watchdog's). No-op on one process."""
+    if jax.process_count() == 1:
+        return
+    data = json.dumps(value).encode()
+    client = _kv_client()
+    n = max(1, -(-len(data) // _KV_PART))
+    for i in range(n):
+        client.key_value_set_bytes(f"{key}/{i}", data[i * _KV_PART:(i + 1) * _KV_PART])
+    client.key_value_set(f"{key}/n", str(n))
+
+
+def wait_json(key: str, *, poll_s: float = 1.0) -> Any:
+    """The value process 0 `post_json`ed under `key`, waiting for it as long as it takes."""
+    client = _kv_client()
+    while True:
+        try:
+            n = int(client.blocking_key_value_get(f"{key}/n", int(poll_s * 1000)))
+            break
+        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not there yet; anything else is real
+            if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+                raise
+    data = b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", 60_000) for i in range(n))
+    return json.loads(data.decode())
+
+
+def drop_posted(key: str) -> None:
+    """Removes what `post_json` left under `key` (process 0, once every process has read it)."""
+    if jax.process_count() > 1:
+        _kv_client().key_value_delete(key)
 
 
 def config_digests(cfg) -> dict[str, str]:
@@ -418,6 +476,7 @@ class Watchdog:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._busy_seen: dict[tuple[int, str], float] = {}
 
     def start(self) -> "Watchdog":
         from jax._src import distributed as jd
@@ -448,7 +507,7 @@ class Watchdog:
                     v = self._client.key_value_try_get(f"posttrain/alive/{p}")
                     if p not in seen or seen[p][0] != v:
                         seen[p] = (v, now)
-                    elif now - seen[p][1] > self.timeout_s:
+                    elif now - seen[p][1] > self.timeout_s and not self._excused(p, now):
                         self._fail(f"process {p} of {n} stopped answering (nothing for {now - seen[p][1]:.0f}s)")
             except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone, or a key never came
                 if "NOT_FOUND" in str(e) and now - started < self.timeout_s:
@@ -457,6 +516,16 @@ class Watchdog:
                     return
                 what = "the coordinator (process 0) stopped answering" if me != 0 else "the coordination service failed"
                 self._fail(f"{what} ({' '.join(str(e).split())[:160]})")
+
+    def _excused(self, p: int, now: float) -> bool:
+        """Whether process `p` said it is in a call that may hold its interpreter (`busy`) and is still within the
+        seconds it asked for, counted from when this process first saw that notice."""
+        try:
+            v = self._client.key_value_try_get(f"posttrain/busy/{p}")
+        except Exception:  # noqa: BLE001 - NOT_FOUND: no notice
+            return False
+        first = self._busy_seen.setdefault((p, v), now)
+        return now - first < float(v.rsplit(":", 1)[1])
 
     def peers_alive(self, max_s: float | None = None) -> bool:
         """Waits until every other process has bumped its counter since this call (read afresh from the
@@ -499,6 +568,26 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+@contextlib.contextmanager
+def busy(seconds: float):
+    """Around a call that may hold this process's interpreter (the GIL) for long, e.g. joining Ray: this process's
+    watchdog cannot bump its counter meanwhile, so the other processes' watchdogs wait up to `seconds` more
+    before they call it dead (a no-op on one process)."""
+    dog = _STATE.get("watchdog")
+    if dog is None or dog._thread is None:
+        yield
+        return
+    key = f"posttrain/busy/{dog.me}"
+    dog._client.key_value_set(key, f"{time.monotonic_ns()}:{float(seconds)}", allow_overwrite=True)
+    try:
+        yield
+    finally:
+        try:
+            dog._client.key_value_delete(key)
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the watchdog says so
+            pass
 
 
 def peers_alive(max_s: float | None = None) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from posttrain.config import ConfigError, load_config
+from posttrain.config import load_config
 from posttrain.rl.config import RLConfig
 from posttrain.rl.setup import RLResult, RLRun
 from posttrain.rl.sources import InProcessSource
@@ -31,15 +31,14 @@ def load_rl_config(path: str | Path | None, overrides=()) -> RLConfig:
 
 
 def make_source(run: RLRun):
-    """The in-process sampler, or the Ray fleet when `fleet.workers` is set."""
+    """The in-process sampler, or the Ray fleet when `fleet.workers` is set (on a multi-process trainer, process
+    0 drives the fleet and the others follow it: `posttrain.rl.fleet.follower`)."""
     if run.cfg.fleet.enabled:
         # lazy: posttrain.rl.fleet loads Ray (seconds): only fleet runs need it
-        from posttrain.rl.fleet import FleetSource
+        from posttrain.rl.fleet import FleetFollower, FleetSource, check_hosts
 
-        if jax.process_count() > 1:
-            raise ConfigError("fleet.workers: the Ray fleet runs with a one-process trainer; a multi-host trainer "
-                              "samples in-process on its global mesh (leave fleet.workers unset)")
-        return FleetSource(run)
+        check_hosts(run.cfg.fleet)  # a multi-process trainer: where Ray can serve all of its processes
+        return FleetSource(run) if jax.process_index() == 0 else FleetFollower(run)
     return InProcessSource(run)
 
 

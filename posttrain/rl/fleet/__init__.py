@@ -6,6 +6,7 @@ from posttrain.rl.fleet.cluster import FleetError, require_ray
 
 require_ray()
 
+from posttrain.rl.fleet.follower import FleetFollower, check_hosts  # noqa: E402
 from posttrain.rl.fleet.source import FleetSource  # noqa: E402
 
-__all__ = ["FleetSource", "FleetError"]
+__all__ = ["FleetSource", "FleetFollower", "FleetError", "check_hosts"]

@@ -16,7 +16,7 @@ import warnings
 
 from posttrain.rl.errors import FleetError
 
-__all__ = ["FleetError", "require_ray", "connect", "disconnect"]
+__all__ = ["FleetError", "require_ray", "connect", "join", "disconnect"]
 
 
 def require_ray():
@@ -40,8 +40,9 @@ def _check_reachable(address: str, timeout_s: float) -> None:
                          f"start one with `ray start --head --port={port}` on that host") from None
 
 
-def connect(fleet, *, num_cpus_needed: float) -> bool:
-    """Starts (no address) or joins (`auto`, HOST:PORT) Ray; returns True when the run started it."""
+def connect(fleet, *, num_cpus_needed: float, namespace: str | None = None) -> bool:
+    """Starts (no address) or joins (`auto`, HOST:PORT) Ray, in the run's own `namespace` (where the other
+    trainer processes find its parameter server by name); returns True when the run started it."""
     ray = require_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback/private clusters; see the README for others
@@ -53,16 +54,31 @@ def connect(fleet, *, num_cpus_needed: float) -> bool:
         with warnings.catch_warnings():  # Ray starts its processes by fork + exec; none of them runs JAX
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
             ray.init(address="local", num_cpus=int(-(-cpus // 1)), include_dashboard=False, log_to_driver=False,
-                     runtime_env=env)
+                     runtime_env=env, namespace=namespace)
         _start_reaper()
         return True
     if fleet.ray_address != "auto":
         _check_reachable(fleet.ray_address, fleet.connect_timeout_s)
     try:
-        ray.init(address=fleet.ray_address, runtime_env=env, log_to_driver=False)
+        ray.init(address=fleet.ray_address, runtime_env=env, log_to_driver=False, namespace=namespace)
     except (ConnectionError, RuntimeError) as e:
         raise FleetError(f"fleet.ray_address={fleet.ray_address}: cannot join the Ray cluster ({e})") from None
     return False
+
+
+def join(address: str, namespace: str) -> None:
+    """Another trainer process joins the Ray instance that process 0 started or joined (`address`: its GCS)."""
+    ray = require_ray()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise FleetError(f"this trainer process cannot join process 0's Ray instance at {address} ({e}); every "
+                         "trainer host must be a node of the Ray cluster (see the README: multi-host trainer with "
+                         "the fleet)") from None
 
 
 def disconnect(started: bool) -> None:

@@ -1,7 +1,7 @@
 """The fleet as a rollout source: the trainer's side of asynchronous RL on Ray.
 
-    trainer process                                   Ray actors
-      publish(params, v) --- weights {path: array} --> ParameterServer (versions, object store)
+    trainer process(es)                               Ray actors
+      publish(params, v) --- chunks of its blocks ---> ParameterServer (versions, object store)
                                                            ^ latest()  (pulled at the start of a lease)
       dispatcher.lease(k) --- rollout(lease) ---------> RolloutWorker 1..W (own devices, Sampler, rewards)
       dispatcher.complete <-- scored groups + versions -+
@@ -19,6 +19,11 @@ worker coming up counts as progress), the run saves a checkpoint and stops with 
 down. Each worker that comes up (again) is recorded in `fleet_workers.jsonl` (name, pid, host, Ray node).
 Worker results carry timings, from which the step's metrics come (pull seconds, busy fraction,
 samples/s); the trainer side measures publish seconds and bytes.
+
+A multi-process trainer (JAX multi-controller): process 0 is the one Ray driver that runs the dispatcher
+and this source; every process publishes its own blocks of the weights (`publish_part`), and the others
+(`posttrain.rl.fleet.follower.FleetFollower`) join the same Ray instance only for that, and read each
+step's batch (or the error that stops the run) from what process 0 leaves in JAX's coordination service.
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import time
 
+import jax
 import ml_dtypes
 
-from posttrain.models.weights import flat_weights, nbytes, to_host
+from posttrain import distributed
 from posttrain.rl.fleet.cluster import FleetError, connect, disconnect, require_ray
-from posttrain.rl.fleet.param_server import ParameterServer
+from posttrain.rl.fleet.param_server import NAME, ParameterServer
+from posttrain.rl.fleet.shards import put_chunks
 from posttrain.rl.fleet.worker import RolloutWorker
+from posttrain.rl.rollout import Rollouts
 from posttrain.rl.sources import RolloutSource
 
 __all__ = ["FleetSource"]
@@ -42,6 +51,21 @@ PIPELINE = 2  # leases in flight per worker
 PROBE_RETRY_S = 2.0
 HEARTBEAT_S = 5.0  # between heartbeats to each serving worker
 MAX_TASK_ERRORS = 3  # failed rollout calls (not deaths) in a row before the run stops with the error
+JOIN_GRACE_S = 120.0  # how long a trainer process may be unresponsive while it starts or joins Ray
+RAY_KEY = "posttrain/fleet/ray"  # where process 0 tells the other trainer processes how to reach Ray
+BATCH_KEY = "posttrain/fleet/batch"  # + /STEP: a step's batch (or the error that stops the run), from process 0
+
+
+def wire_dtype(fc):
+    return ml_dtypes.bfloat16 if fc.transfer_dtype == "bfloat16" else None
+
+
+def publish_part(ray, ps, params, version: int, fc) -> tuple[bool, int]:
+    """This trainer process's blocks of the weights, published as `version` (see `posttrain.rl.fleet.shards`):
+    (whether the version is complete, bytes this process put)."""
+    refs, nbytes = put_chunks(ray, params, wire_dtype(fc))
+    done = ray.get(ps.add.remote(version, jax.process_index(), jax.process_count(), refs, nbytes))
+    return bool(done), nbytes
 
 
 class FleetSource(RolloutSource):
@@ -49,8 +73,12 @@ class FleetSource(RolloutSource):
         super().__init__(run)
         ray = self.ray = require_ray()
         self.fc = fc = run.cfg.fleet
-        self.started = connect(fc, num_cpus_needed=fc.workers * fc.worker_cpus)
-        self.ps = ray.remote(num_cpus=0)(ParameterServer).remote(fc.keep_versions)
+        namespace = f"posttrain-{os.getpid()}-{time.time_ns()}"
+        with distributed.busy(fc.connect_timeout_s + JOIN_GRACE_S):  # Ray's start-up may hold the GIL for seconds
+            self.started = connect(fc, num_cpus_needed=fc.workers * fc.worker_cpus, namespace=namespace)
+            self.ps = ray.remote(num_cpus=0)(ParameterServer).options(name=NAME).remote(fc.keep_versions)
+            self.ray.get(self.ps.latest_version.remote())  # up before the other trainer processes look it up
+        distributed.post_json(RAY_KEY, {"address": ray.get_runtime_context().gcs_address, "namespace": namespace})
         worker_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
             num_cpus=fc.worker_cpus, num_gpus=fc.worker_gpus or None, resources=dict(fc.worker_resources) or None,
             max_restarts=fc.max_restarts, max_task_retries=0)
@@ -81,10 +109,33 @@ class FleetSource(RolloutSource):
         if self.version is not None and version % self.fc.publish_every:
             return
         t0 = time.perf_counter()
-        flat = to_host(flat_weights(params), dtype=ml_dtypes.bfloat16 if self.fc.transfer_dtype == "bfloat16" else None)
-        self.ray.get(self.ps.publish.remote(version, flat))
+        done, nbytes = publish_part(self.ray, self.ps, params, version, self.fc)
+        while not done:  # the other trainer processes' blocks (a process that died is the watchdog's)
+            time.sleep(0.01)
+            done = self.ray.get(self.ps.complete.remote(version))
         self.version = version
-        self._publish = (time.perf_counter() - t0, nbytes(flat))
+        self._publish = (time.perf_counter() - t0, self.ray.get(self.ps.info.remote())["bytes"][version])
+
+    # ------------------------------------------------------------------ batches (and acks) for every process
+    def next(self, step: int) -> Rollouts:
+        """The step's groups; on a multi-process trainer also left for the other processes (`FleetFollower`),
+        as JSON, which every process then trains on (process 0 too: the same numbers everywhere)."""
+        try:
+            ro = super().next(step)
+        except FleetError as e:
+            self._stop_others(step, str(e))
+            raise
+        if jax.process_count() == 1:
+            return ro
+        wire = ro.to_json()
+        distributed.post_json(f"{BATCH_KEY}/{step}", {"rollouts": wire})
+        distributed.drop_posted(f"{BATCH_KEY}/{step - 1}")  # every process trained step - 1: it read that one
+        return Rollouts.from_json(json.loads(json.dumps(wire)))
+
+    def _stop_others(self, step: int, message: str, save: int | None = None) -> None:
+        if not getattr(self, "_stopped", False):
+            self._stopped = True
+            distributed.post_json(f"{BATCH_KEY}/{step}", {"error": message, "save": save})
 
     # ------------------------------------------------------------------ work
     def _hand_out(self, step: int) -> None:
@@ -203,13 +254,15 @@ class FleetSource(RolloutSource):
         fc = self.fc
         limit = fc.stall_timeout_s if self.delivered else max(fc.stall_timeout_s, fc.start_timeout_s)
         if time.monotonic() - self.last_result > limit:
-            self.run.save(step - 1)
-            self.run.ckpt.wait()
             down = sorted(n for n in self.workers if n not in self.up)
             detail = ", ".join(f"{n}: {self.last_error.get(n, 'no result')}" for n in down) or "none down"
             key = "stall_timeout_s" if self.delivered else "start_timeout_s"
-            raise FleetError(f"no rollout worker delivered anything for {limit:g} s (fleet.{key}); workers down: "
-                             f"{detail}. A checkpoint of step {step - 1} was saved: rerun the command to resume.")
+            message = (f"no rollout worker delivered anything for {limit:g} s (fleet.{key}); workers down: "
+                       f"{detail}. A checkpoint of step {step - 1} was saved: rerun the command to resume.")
+            self._stop_others(step, message, save=step - 1)  # every trainer process saves (a collective)
+            self.run.save(step - 1)
+            self.run.ckpt.wait()
+            raise FleetError(message)
 
     # ------------------------------------------------------------------ metrics and shutdown
     def metrics(self, step: int, rollouts) -> dict[str, float]:
@@ -235,4 +288,5 @@ class FleetSource(RolloutSource):
                 self.ray.kill(h)
             except Exception:  # noqa: BLE001 - already gone; nothing to release
                 pass
-        disconnect(self.started)
+        with distributed.busy(JOIN_GRACE_S):
+            disconnect(self.started)

@@ -1,7 +1,7 @@
 """A rollout worker: a Ray actor with its own devices, model, `Sampler` and reward process pool.
 
 Each `rollout` call is one lease: pull the newest weights from the parameter server if they are newer
-than the ones loaded (staged into the sampler's model between calls, never during one), generate the
+than the ones loaded (every trainer process's chunks, assembled for this worker's own model: staged into the sampler's model between calls, never during one), generate the
 leased groups (a group's samples depend only on (seed, uid, weights)), score them with the reward runner
 (time limits, failures counted), and return the scored groups stamped with the weights' version and the
 sampler's per-token log-probs. The actor keeps no state the run needs: Ray restarts a dead one
@@ -20,6 +20,7 @@ import ray
 
 from posttrain.models import tokenizer as tok_lib
 from posttrain.rl.config import RewardsSection, RolloutConfig
+from posttrain.rl.fleet.shards import assemble
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rl.rollout import generate_rollouts
 from posttrain.sampling import Sampler
@@ -61,7 +62,7 @@ class RolloutWorker:
         self._set("pulling")
         version, refs = ray.get(self.ps.latest.remote())
         if version > self.version:
-            self.sampler.load_weights(ray.get(refs[0]), version)
+            self.sampler.load_weights(assemble(ray.get(refs)), version)
             self.version = version
             return time.perf_counter() - t0
         return 0.0
