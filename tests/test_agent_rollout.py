@@ -234,28 +234,38 @@ def test_environment_tools_and_final_reward(tok, pool):
 
 
 # ---------------------------------------------------------------------- configuration errors (CLI)
-def cli_error(*args, cwd=REPO):
-    proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
-    lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return lines
+BAD = "def untyped(x):\n    return x\n\nclass NoReset:\n    pass\n"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["rollout.tools=[nonexist.py:search]"], "rollout.tools[0]: tool file 'nonexist.py' not found"),
+    (["rollout.tools=[posttrain.tools:nosuch]"], "rollout.tools[0]: tool 'nosuch' not found"),
+    (["rollout.tools=[{tmp}/t.py:untyped]"], "rollout.tools[0]: tool"),
+    (["rollout.environment={tmp}/t.py:NoReset"], "rollout.environment: environment class NoReset"),
+    (["rollout.tools=[calculator]", "rollout.tool_format=xml"], "rollout.tool_format"),
+    (["rollout.tools=[calculator]", "rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
+    (["rollout.tools=[calculator]", "fleet.workers=2"], "fleet.workers: multi-turn rollouts"),
+])
+def test_bad_agent_configs_are_one_line_errors(tmp_path, capsys, overrides, expected):
+    """Through the CLI's entry point (in-process: the errors come before any model loads)."""
+    from posttrain.cli.main import main
+
+    (tmp_path / "t.py").write_text(BAD)
+    args = ["rl", str(REPO / "configs/rl_smoke.yaml"), f"output_dir={tmp_path / 'out'}",
+            f"data.train={REPO / 'tests/data/rl_prompts_tiny.jsonl'}", "data.eval=null",
+            *(o.replace("{tmp}", str(tmp_path)) for o in overrides)]
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and expected in lines[0] and "Traceback" not in err, lines
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override, expected", [
-    ("rollout.tools=[nonexist.py:search]", "rollout.tools[0]: tool file 'nonexist.py' not found"),
-    ("rollout.tools=[posttrain.tools:nosuch]", "rollout.tools[0]: tool 'nosuch' not found"),
-    ("rollout.tools=[{tmp}/t.py:untyped]", "rollout.tools[0]: tool"),
-    ("rollout.environment={tmp}/t.py:NoReset", "rollout.environment: environment class NoReset"),
-    ("rollout.tools=[calculator] rollout.tool_format=xml", "rollout.tool_format"),
-    ("rollout.tools=[calculator] fleet.workers=2", "fleet.workers: multi-turn rollouts"),
-    ("rewards.functions=[{name: nonexist.py:fn}]", "nonexist.py"),
-])
-def test_bad_agent_configs_are_one_line_errors(tmp_path, override, expected):
-    (tmp_path / "t.py").write_text("def untyped(x):\n    return x\n\nclass NoReset:\n    pass\n")
-    args = ["rl", "configs/rl_smoke.yaml", f"output_dir={tmp_path / 'out'}",
-            *override.replace("{tmp}", str(tmp_path)).split(" ")]
-    lines = cli_error(*args)
-    assert len(lines) == 1 and expected in lines[0], lines
+def test_bad_reward_reference_is_one_line_from_the_command(tmp_path):
+    """The `posttrain` command itself (tools and rewards share the loader): one line, no traceback."""
+    for override, expected in (("rewards.functions=[{name: nonexist.py:fn}]", "reward file 'nonexist.py' not found"),):
+        proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "rl", "configs/rl_smoke.yaml",
+                               f"output_dir={tmp_path / 'out'}", override], capture_output=True, text=True,
+                              cwd=REPO, timeout=300)
+        lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+        assert proc.returncode != 0 and len(lines) == 1 and expected in lines[0], proc.stderr
