@@ -174,6 +174,8 @@ def per_problem(e: dict[str, Any], records: Sequence[dict[str, Any]], *, correct
             row["greedy"] = {"text": g.texts[i], "answer": answer_key(g.texts[i], correctness),
                              "correct": bool(g_ok[i]), "reward": float(g.rewards[i]),
                              "finish_reason": g.finish_reasons[i]}
+            if g.trajectories:  # multi-turn: the conversation, tool calls and results
+                row["greedy"]["trajectory"] = g.trajectories[i]
         if s is not None:
             texts = s.texts[i * n:(i + 1) * n]
             answers = [answer_key(t, correctness) for t in texts]
