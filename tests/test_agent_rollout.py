@@ -13,8 +13,8 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +28,7 @@ from posttrain.rl.metrics import agent_metrics
 from posttrain.rl.rollout import Rollouts, generate_rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
-from posttrain.sampling.params import Completion
+from posttrain.sampling.params import Completion, TurnEnd
 from posttrain.tools import ToolPool, load_tools
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,50 +64,41 @@ def flood(x: int) -> str:
 '''
 
 
-@dataclass
-class TurnEnd:
-    prompt_index: int
-    sample_index: int
-    turn: int
-    token_ids: list
-    logprobs: list
-    finish_reason: str
-    room: int
-
-
 class ScriptedSampler:
     """Follows `Sampler.generate`'s multi-turn contract; the model's turn k of sequence (p, i) is the text
-    `script(p, i, k)` tokenized (plus the stop token), with made-up log-probs, cut at the token budget."""
+    `script(p, i, k)` tokenized (plus the stop token), with made-up log-probs, cut at the turn's budget."""
 
     def __init__(self, tok, script):
         self.tok, self.script, self.version = tok, script, 0
         self.rng = np.random.default_rng(0)
+        self.cfg = SimpleNamespace(max_position_embeddings=100_000)
+        self.max_len = None
 
-    def generate(self, prompts, params, *, key_ids=None, on_turn_end=None, progress=False):
+    def generate(self, prompts, params, *, key_ids=None, on_turn_end=None, max_len=None, progress=False):
         out = []
         for p in range(len(prompts)):
             for i in range(params.n):
                 ids, lps, mask, reason = [], [], [], "stop"
                 for k in range(100):
                     turn = self.tok.encode(self.script(p, i, k), add_special_tokens=False) + [self.tok.eos_token_id]
-                    room = params.max_new_tokens - len(ids)
-                    turn, reason = (turn, "stop") if len(turn) <= room else (turn[:room], "length")
+                    budget = params.max_new_tokens
+                    turn, reason = (turn, "stop") if len(turn) <= budget else (turn[:budget], "length")
                     tlp = (-self.rng.random(len(turn))).tolist()
                     ids += turn
                     lps += tlp
                     mask += [1] * len(turn)
-                    more = on_turn_end(TurnEnd(p, i, k, turn, tlp, reason, params.max_new_tokens - len(ids)))
+                    length = len(prompts[p]) + len(ids)
+                    room = (max_len or 100_000) - length - 1
+                    more = on_turn_end(TurnEnd(p, i, k, turn, tlp, None, reason, room, length))
                     if isinstance(more, cf.Future):
                         more = more.result(timeout=60)
                     if more is None:
                         break
-                    assert len(more) < params.max_new_tokens - len(ids)
+                    assert len(more) <= room
                     ids += more
                     lps += [0.0] * len(more)
                     mask += [0] * len(more)
-                c = Completion(p, i, ids, lps, None, reason, self.tok.decode(ids))
-                c.mask = mask
-                out.append(c)
+                out.append(Completion(p, i, ids, lps, None, reason, self.tok.decode(ids), mask=mask, turns=k + 1))
         return out
 
 
@@ -128,6 +119,7 @@ def call(name, **args):
 
 
 def run(tok, pool, tools, script, records, *, limits=AgentLimits(), max_new=2000, n=1, env=None):
+    """Multi-turn rollouts of `records` under the scripted sampler (`max_new`: each turn's token budget)."""
     agent = Agent(tok, tools=tools, environment=env, limits=limits, pool=pool)
     prompts = [agent.prompt_ids(agent.first_messages(r)) for r in records]
     sampler = ScriptedSampler(tok, script)
@@ -204,7 +196,7 @@ def test_limits_turns_calls_and_truncation(tok, pool):
     assert [r["error"] for r in t["tool_results"]] == [None, None, None, "limit"]  # the 4th call is refused
     # an append that does not fit in the trajectory's budget ends it cleanly, marked truncated
     budget = len(tok.encode(always(0, 0, 0), add_special_tokens=False)) + 1 + 10
-    ro, _ = run(tok, pool, tools, always, [{"prompt": "x"}], max_new=budget)
+    ro, _ = run(tok, pool, tools, always, [{"prompt": "x"}], limits=AgentLimits(max_total_tokens=budget))
     assert ro.finish_reasons == ["truncated"]
     assert len(ro.completion_ids[0]) <= budget and ro.completion_mask[0][-1] == 1
     assert agent_metrics(ro.trajectories)["agent/truncated_frac"] == 1.0

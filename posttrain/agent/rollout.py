@@ -12,8 +12,8 @@ At each turn end the trajectory
    malformed calls, unknown tools, calls past `max_tool_calls` and tool failures become `{"error": ...}`
    tool messages and are counted; outputs are cut to `max_tool_output_tokens` with a marker;
 4. returns the ids to append: the suffix `ChatTemplateAppender` renders for the new messages and the next
-   assistant header (loss mask 0). When they do not fit in the slot's remaining positions the trajectory
-   ends cleanly with finish reason `truncated`.
+   assistant header (loss mask 0). When they do not fit (the sampler's `room`, or `max_total_tokens` after
+   the prompt) the trajectory ends cleanly with finish reason `truncated`.
 Finish reasons: `stop` (answered, or the environment ended the game), `length` (the model's turn hit the
 token budget), `truncated` (an append did not fit), `max_turns`.
 """
@@ -37,11 +37,13 @@ __all__ = ["Agent", "AgentLimits", "AgentRollout", "Trajectory"]
 
 @dataclass(frozen=True)
 class AgentLimits:
-    """Per-trajectory limits: assistant turns, tool calls in all, tokens of one tool output, seconds per call."""
+    """Per-trajectory limits: assistant turns, tool calls in all, tokens of one tool output, seconds per call, and
+    tokens after the prompt (sampled and appended; 0: only the sampler's context limit)."""
     max_turns: int = 8
     max_tool_calls: int = 16
     max_tool_output_tokens: int = 512
     tool_timeout_s: float = 10.0
+    max_total_tokens: int = 0
 
 
 class Agent:
@@ -220,7 +222,10 @@ class Trajectory:
         with self.agent.lock:
             append = self.agent.appender.append_ids(new, ids[-1] if len(ids) else None)
         self.messages += self.agent.appender.convert(new)
-        if len(append) >= room:  # at least one position must be left for the model's next token
+        budget = self.agent.limits.max_total_tokens
+        if budget:  # after the prompt, sampled and appended tokens together, one left for the next turn
+            room = min(room, budget - (len(self.buffer) - self.prompt_len) - 1)
+        if len(append) > room:  # `room`: the most ids an append may hold (the next token's position kept)
             return self._end("truncated")
         self.buffer.add_appended(append)
         return append
@@ -278,6 +283,7 @@ class AgentRollout:
         return self.trajectories[key]
 
     def __call__(self, end) -> Any:
+        """`Sampler.generate`'s `on_turn_end` (a `posttrain.sampling.TurnEnd` in)."""
         traj = self.trajectory(end.prompt_index, end.sample_index)
         return traj.on_turn(end.token_ids, end.logprobs, end.finish_reason, end.room)
 

@@ -11,12 +11,17 @@ from posttrain.agent.templates import TemplateError
 from posttrain.config import ConfigError
 from posttrain.tools import ToolPool, load_tools
 
-__all__ = ["agent_enabled", "build_agent", "load_agent_parts"]
+__all__ = ["agent_enabled", "build_agent", "load_agent_parts", "total_budget"]
 
 
 def agent_enabled(rollout) -> bool:
     """Whether the rollout section asks for multi-turn rollouts (tools or an environment)."""
     return bool(rollout.tools) or bool(rollout.environment)
+
+
+def total_budget(rollout) -> int:
+    """Tokens after the prompt per trajectory: `max_total_tokens`, or max_turns x max_new_tokens."""
+    return rollout.max_total_tokens or rollout.max_turns * rollout.max_new_tokens
 
 
 def load_agent_parts(rollout) -> tuple[dict, EnvironmentSpec | None]:
@@ -35,7 +40,8 @@ def build_agent(rollout, tokenizer, *, system_prompt: str | None = None, prompt_
     """The `Agent` of a rollout section for `tokenizer` (its chat template checked for tools and appends)."""
     tools, env = parts if parts is not None else load_agent_parts(rollout)
     limits = AgentLimits(max_turns=rollout.max_turns, max_tool_calls=rollout.max_tool_calls,
-                         max_tool_output_tokens=rollout.max_tool_output_tokens, tool_timeout_s=rollout.tool_timeout_s)
+                         max_tool_output_tokens=rollout.max_tool_output_tokens, tool_timeout_s=rollout.tool_timeout_s,
+                         max_total_tokens=total_budget(rollout))
     key = "rollout.environment" if env is not None and not tools else "rollout.tools"
     try:
         return Agent(tokenizer, tools=tools, environment=env, fmt=rollout.tool_format, limits=limits,

@@ -174,7 +174,7 @@ def generate_rollouts(
     rollout = None
     if agent is not None:
         rollout = AgentRollout(agent, [records[r] for r in record_indices], prompt_ids)
-        kwargs["on_turn_end"] = rollout
+        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
     completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
     trajs = [rollout.finished(c) for c in completions] if rollout is not None else None
     g = params.n
@@ -216,6 +216,16 @@ def generate_rollouts(
         completion_mask=[] if trajs is None else [list(t.buffer.loss_mask[t.prompt_len:]) for t in trajs],
         trajectories=[] if trajs is None else [t.summary() for t in trajs],
     )
+
+
+def _context_limit(sampler, prompt_ids, params: SamplingParams, agent: Agent) -> int | None:
+    """The call's context limit for multi-turn rollouts: the longest prompt plus the trajectory budget (capped
+    by the sampler's own limit); None without a budget (the sampler's limit)."""
+    budget = agent.limits.max_total_tokens
+    if not budget:
+        return None
+    limit = min(x for x in (getattr(sampler, "max_len", None), sampler.cfg.max_position_embeddings) if x)
+    return min(max(len(p) for p in prompt_ids) + max(budget, params.max_new_tokens), limit)
 
 
 def _add_env_rewards(trajs, total, per_reward):

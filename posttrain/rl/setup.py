@@ -128,7 +128,7 @@ class RLRun:
             raise ValueError("rollout.group_size must be >= 2 for RLOO")
         self.dynamic_sampling = bool(preset.get("dynamic_sampling"))
         self.max_drops_per_step = cfg.learner.max_resample_rounds * cfg.rollout.batch_prompts
-        self.loss_kwargs = policy_loss_kwargs(preset, cfg.learner, cfg.rollout.max_new_tokens)
+        self.loss_kwargs = policy_loss_kwargs(preset, cfg.learner, cfg.rollout.completion_budget)
 
     def _read_data(self, cfg: RLConfig) -> None:
         """The reward runner, then the train (and held-out) prompts, checked against the rewards."""
