@@ -221,12 +221,12 @@ class Trajectory:
     def _append_messages(self, new: list[dict], ids: Sequence[int], room: int):
         with self.agent.lock:
             append = self.agent.appender.append_ids(new, ids[-1] if len(ids) else None)
-        self.messages += self.agent.appender.convert(new)
         budget = self.agent.limits.max_total_tokens
         if budget:  # after the prompt, sampled and appended tokens together, one left for the next turn
             room = min(room, budget - (len(self.buffer) - self.prompt_len) - 1)
         if len(append) > room:  # `room`: the most ids an append may hold (the next token's position kept)
-            return self._end("truncated")
+            return self._end("truncated")  # the messages keep what the model saw: not these
+        self.messages += self.agent.appender.convert(new)
         self.buffer.add_appended(append)
         return append
 
