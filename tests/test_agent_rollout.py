@@ -253,6 +253,23 @@ def test_bad_agent_configs_are_one_line_errors(tmp_path, capsys, overrides, expe
     assert len(lines) == 1 and expected in lines[0] and "Traceback" not in err, lines
 
 
+def test_template_that_cannot_carry_tool_turns_is_a_config_error(tmp_path):
+    """A chat template that is not prefix-preserving stops the set-up with one line naming the key."""
+    from test_agent import NOT_PREFIX_PRESERVING, chatml_tokenizer
+
+    from posttrain.agent.setup import build_agent
+    from posttrain.config import ConfigError
+    from posttrain.rl.config import RolloutConfig
+
+    tok, stops = chatml_tokenizer(tmp_path, NOT_PREFIX_PRESERVING)
+    with pytest.raises(ConfigError, match=r"^rollout.tools: chat template .* is not prefix-preserving") as e:
+        build_agent(RolloutConfig(tools=["calculator"], stop_token_ids=stops), tok)
+    assert "\n" not in str(e.value)
+    env = RolloutConfig(environment="posttrain.agent.envs.guess_number:GuessNumber", stop_token_ids=stops)
+    with pytest.raises(ConfigError, match=r"^rollout.environment: chat template"):
+        build_agent(env, tok)
+
+
 @pytest.mark.slow
 def test_bad_reward_reference_is_one_line_from_the_command(tmp_path):
     """The `posttrain` command itself (tools and rewards share the loader): one line, no traceback."""
