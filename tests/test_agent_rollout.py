@@ -296,6 +296,7 @@ def guess_cfg(tmp_path_factory):
     def cfg(name, *overrides):
         return load_rl_config(None, [
             f"output_dir={folder / name}", "model.path=tiny:llama", f"data.train={folder / 'guess.jsonl'}",
+            f"data.eval={folder / 'guess.jsonl'}", "data.eval_limit=2",
             "rollout.batch_prompts=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
             f"rollout.stop_token_ids=[{', '.join(str(i) for i in range(2, 60))}]",
             "rollout.environment=posttrain.agent.envs.guess_number:GuessNumber", "rollout.max_turns=4",
@@ -335,6 +336,8 @@ def test_multi_turn_rl_token_in_token_out_and_exact_resume(guess_cfg, tok):
                 "agent/truncated_frac", "reward/environment"):
         assert key in full.history[-1], key
     assert max(h["agent/turns_mean"] for h in full.history) > 1
+    [final] = full.evals  # the held-out evaluation runs the same multi-turn rollout
+    assert final["eval/turns_mean"] >= 1 and "eval/accuracy" in final
 
     cfg = guess_cfg("resumed", *overrides)
     first = run_rl(cfg, stop_after=2)
@@ -343,3 +346,25 @@ def test_multi_turn_rl_token_in_token_out_and_exact_resume(guess_cfg, tok):
     np.testing.assert_allclose([h["loss"] for h in second.history], [h["loss"] for h in full.history[2:]],
                                rtol=0, atol=1e-6)
     assert [h["agent/turns_mean"] for h in second.history] == [h["agent/turns_mean"] for h in full.history[2:]]
+
+
+@pytest.mark.slow
+def test_generate_runs_the_multi_turn_rollout(tmp_path):
+    """`posttrain generate --environment ...`: each output line holds the trajectory (messages, turns, the loss
+    mask over the ids after the prompt); `--tools` with a bad reference is a one-line error before any model
+    loads."""
+    from posttrain.cli.main import main
+
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"prompt": "guess", "secret": 5, "max_guesses": 3}) + "\n")
+    assert main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--output", str(out),
+                 "--environment", "posttrain.agent.envs.guess_number:GuessNumber", "--max-new-tokens", "8",
+                 "--n", "2", "--no-progress"]) == 0
+    rows = [json.loads(x) for x in open(out)]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["messages"][0]["content"].startswith("I am thinking of a whole number")
+        assert len(r["loss_mask"]) == len(r["token_ids"]) and r["turns"] >= 1
+        assert r["text"] == [m for m in r["messages"] if m["role"] == "assistant"][-1]["content"]
+    assert main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--output", str(out),
+                 "--tools", "nonexist.py:f"]) == 1
