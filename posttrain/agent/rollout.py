@@ -65,6 +65,7 @@ class Agent:
         self.stop_ids = set(tokenizer.eos_token_ids if stop_ids is None else stop_ids)
         self.pool = pool or ToolPool(num_workers=4)
         self._own_pool = pool is None
+        self.threads = cf.ThreadPoolExecutor(max_workers=self.pool.num_workers, thread_name_prefix="agent-env")
         self.lock = threading.RLock()  # the tokenizer is used from tool-callback threads too
 
     def env_record(self, record: dict) -> dict:
@@ -110,8 +111,33 @@ class Agent:
             return self.tok.decode(ids[:limit]) + f"\n[... output cut: {len(ids) - limit} more tokens]"
 
     def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
         if self._own_pool:
             self.pool.close()
+
+
+def _when_all(futures: list[cf.Future], then):
+    """`then([results])` at once when every future is done, else a Future of it (completed in the thread that
+    finishes the last one; an exception in `then` is the Future's, so the sampler sees it)."""
+    if all(f.done() for f in futures):
+        return then([f.result() for f in futures])
+    out: cf.Future = cf.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            try:
+                out.set_result(then([f.result() for f in futures]))
+            except BaseException as e:  # noqa: BLE001 - surfaces in the sampler, not lost in a thread
+                out.set_exception(e)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out
 
 
 class Trajectory:
@@ -152,25 +178,7 @@ class Trajectory:
         if self.turns >= self.agent.limits.max_turns:
             return self._end("max_turns")
         futures = self._submit(parsed)
-        if all(f.done() for f in futures):
-            return self._append([f.result() for f in futures], ids, room)
-        out: cf.Future = cf.Future()
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def done(_):
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                try:
-                    out.set_result(self._append([f.result() for f in futures], ids, room))
-                except BaseException as e:  # noqa: BLE001 - surfaces in the sampler, not lost in a thread
-                    out.set_exception(e)
-
-        for f in futures:
-            f.add_done_callback(done)
-        return out
+        return _when_all(futures, lambda results: self._append(results, ids, room))
 
     def _submit(self, parsed) -> list[cf.Future]:
         """Futures of `(message, record)`: the calls within `max_tool_calls`, then refusals and parse errors."""
@@ -208,7 +216,12 @@ class Trajectory:
         return self._append_messages(new, ids, room)
 
     def _step(self, text: str, ids: Sequence[int], room: int):
-        res = self.env.step(text)
+        """The environment's `step` runs in the agent's threads (a slow game or simulated user parks only this
+        slot); then its observation is appended, or the trajectory ends."""
+        return _when_all([self.agent.threads.submit(self.env.step, text)],
+                         lambda results: self._after_step(results[0], ids, room))
+
+    def _after_step(self, res, ids: Sequence[int], room: int):
         if res.error is not None:
             self.env_error = res.error
             self.tool_errors += 1
