@@ -55,7 +55,7 @@ def _turn_tokens(c):
     return turns + ([cur] if cur else [])
 
 
-@pytest.mark.parametrize("turns", [2, 3])
+@pytest.mark.parametrize("turns", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_greedy_continuation_equals_generation_from_scratch(model, turns):
     sampler = Sampler(model, max_slots=8)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
@@ -87,6 +87,7 @@ def test_greedy_continuation_equals_generation_from_scratch(model, turns):
     assert stats["continuation_calls"] == turns - 1  # the slots' turns end together: one extend call per turn
 
 
+@pytest.mark.slow
 def test_layout_room_and_errors(model):
     sampler = Sampler(model, max_slots=8)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
@@ -181,6 +182,7 @@ def test_sampled_turns_do_not_depend_on_answer_timing(model):
     assert any(c.finish_reason == "stop" for c in now)
 
 
+@pytest.mark.slow
 def test_slot_count_follows_the_request(model):
     sampler = Sampler(model)  # max_slots=32 by default
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
