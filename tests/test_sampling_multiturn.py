@@ -4,6 +4,7 @@ prefill counts, parked slots, timing-independent sampling, the completion's layo
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
 import threading
 
@@ -196,3 +197,71 @@ def test_slot_count_follows_the_request(model):
     # the slot count does not change the completions
     assert [c.token_ids for c in Sampler(model, max_slots=3).generate(_prompts(lengths=(4, 5, 6)), params)] == \
         [c.token_ids for c in small]
+
+
+MULTI_PROCESS = """
+import concurrent.futures, json, sys, threading
+from posttrain import distributed
+distributed.initialize()
+from posttrain.models import init_model
+from posttrain.models.config import llama_like
+from posttrain.sampling import Sampler, SamplingParams
+
+pid = int(sys.argv[1])
+model = distributed.shard_model(init_model(llama_like(vocab_size=96, max_position_embeddings=128), seed=3),
+                                distributed.make_mesh())
+params = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=[])
+
+def on_turn_end(t):
+    # process 1 answers late and wrongly: process 0's answers must be the ones used, whenever they come
+    ids = None if t.turn >= 2 else [3 + (t.prompt_index * 7 + t.turn) % 50] * (2 + t.prompt_index)
+    if pid == 1:
+        ids = None if t.turn == 0 and t.prompt_index == 1 else [90] * 3
+    fut = concurrent.futures.Future()
+    delay = (0.3 if pid == 1 else 0.05 * t.prompt_index)
+    threading.Timer(delay, fut.set_result, args=(ids,)).start()
+    return fut
+
+out = Sampler(model, max_slots=4).generate([[5, 6, 7], [8] * 9, [9, 10], [11] * 4, [12] * 6], params,
+                                           on_turn_end=on_turn_end, max_len=64)
+print("RESULT" + json.dumps([[c.token_ids, c.mask] for c in out]), flush=True)
+distributed.finish()
+"""
+
+
+@pytest.mark.slow
+def test_multi_process_turns_follow_process_0(tmp_path):
+    """Two processes (4 CPU devices each) on one mesh: their futures resolve at different times and process
+    1's callback answers differently; both end with the completions of one process running process 0's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYTHONPATH=str(root), POSTTRAIN_COMPILE_CACHE="0", POSTTRAIN_COORDINATOR=f"127.0.0.1:{port}",
+               POSTTRAIN_NUM_PROCESSES="2")
+    ps = [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS, str(i)], env={**env, "POSTTRAIN_PROCESS_ID": str(i)},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in ps]
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in ps] == [0, 0], logs
+    got = [json.loads(next(x for x in log.splitlines() if x.startswith("RESULT"))[6:]) for log in logs]
+
+    def on_turn_end(t):
+        return None if t.turn >= 2 else [3 + (t.prompt_index * 7 + t.turn) % 50] * (2 + t.prompt_index)
+
+    ref = Sampler(init_model(llama_like(vocab_size=96, max_position_embeddings=128), seed=3), max_slots=4).generate(
+        [[5, 6, 7], [8] * 9, [9, 10], [11] * 4, [12] * 6], SamplingParams(max_new_tokens=5, temperature=0.0,
+                                                                         stop_token_ids=[]),
+        on_turn_end=on_turn_end, max_len=64)
+    assert got[0] == got[1] == [[c.token_ids, c.mask] for c in ref]
