@@ -39,9 +39,20 @@ ends when every slot is done, when enough slots are free to admit waiting prompt
 full, or after `segment_steps` steps; only then does the host look at the results (one transfer per
 segment, none per token).
 
-Continuous batching. The host loop alternates prefill of waiting prompts into free slots with decode
-segments, so a few long completions do not hold the other slots idle: a finished slot takes the next
-prompt. Prompts are admitted in order; a prompt's samples are admitted together (up to the slot count).
+Continuous batching. The host loop (`posttrain.sampling.scheduler.SlotScheduler`) alternates prefill of
+waiting prompts into free slots with decode segments, so a few long completions do not hold the other slots
+idle: a finished slot takes the next prompt. Prompts are admitted in order; a prompt's samples are admitted
+together (up to the slot count).
+
+Slot count. A call uses `slots_for(sequences)` slots: the next power of two from 8, at most `max_slots`
+(rounded to the mesh), so a small request never computes empty slots and the few sizes a workload meets
+are each compiled once (the decode state is kept for the last (slots, cache length) used).
+
+Continuation (multi-turn). When a turn ends and `on_turn_end` appends ids, the extend program (`_extend`)
+computes only those ids, plus the turn's last sampled token (sampled but not yet fed), against the slot's
+kept cache: rows of appended ids (rows and lengths bucketed to powers of two, so few shapes compile), the
+slots' cache rows gathered with a scratch tail for the padding columns, written back whole; the next token
+is drawn from the last appended id's logits. See the scheduler's docstring for parking and multi-process.
 
 Compilation. What is static: slots, the cache capacity, the prefill (rows, bucket) shape, greedy-or-not,
 top_k, top-p on or off and segment_steps. Temperature, top_p's value, min_p, seed, max_new_tokens and the
@@ -51,8 +62,9 @@ with top-p). A greedy program holds no sampling code and compiles in ~40% less t
 most of a first call's cost on CPU. The programs are shared by every sampler of a model of the same
 structure, and the weights are read from the model at every call (RL updates them in place between calls).
 
-Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only, so the
-same seed gives the same completions whatever the slot count or scheduling.
+Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only (the index
+after the prompt, appended ids counted), so the same seed gives the same completions whatever the slot
+count, scheduling or, in multi-turn calls, the time an answer arrives.
 
 Multi-host: on a mesh over several processes every process runs this same host loop. Its decisions
 (admissions, cache growth, when a slot is done) depend only on the prompts and on what the host reads
