@@ -199,7 +199,8 @@ def test_post_init_errors_become_config_errors():
 # ---------------------------------------------------------------------- the shipped configs
 SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
            "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo",
-           "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill", "vlm_gemma3_4b.yaml": "sft"}
+           "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill", "vlm_gemma3_4b.yaml": "sft",
+           "agent_gsm8k_python.yaml": "rl", "agent_chain_sum_calculator.yaml": "rl"}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -251,8 +252,14 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
         from posttrain.data import read_prompts
 
         fields = set(read_prompts(cfg.data.train)[0])
+    if cfg.rollout.multi_turn:  # the tools and environment load; rewards may read the conversation
+        from posttrain.agent.setup import load_agent_parts
+
+        tools, env = load_agent_parts(cfg.rollout)
+        fields |= {"messages"}
     runner.check_fields(fields | {"completion_lengths"})
-    assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions] + [None] * (SHIPPED[name] == "distill")
+    own = ["environment"] * bool(cfg.rollout.environment)
+    assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions] + own + [None] * (SHIPPED[name] == "distill")
     runner.close()
 
 
