@@ -560,7 +560,7 @@ class Sampler:
         every slot is free at the start of a call, so its contents do not matter)."""
         cfg = self.cfg
         config = self._state_config_for(slots, cache_len)
-        if self._state is None or self._state_config != config:
+        if self._state is None or self._state_config != config or self._state.last_token.is_deleted():
             self._state = None  # free the old cache before allocating the new one
             cache_dims = (cfg.num_layers, slots, cfg.num_kv_heads, cache_len, cfg.head_dim)
             state = _init_jit(cache_dims, jnp.dtype(cfg.compute_dtype), config[3], self.model.mesh, config[5])
@@ -637,11 +637,11 @@ class Sampler:
             decode_text=self.tokenizer.decode if self.tokenizer is not None else None)
         try:
             out = sched.run()
-        finally:
+        finally:  # the latest state, also after an error (every slot is free again at the next call's start)
             if sched.progress is not None:
                 sched.progress.close()
-        self._state = sched.ds
-        self._state_config = self._state_config_for(slots, sched.cache_len)  # the cache may have grown
+            self._state = sched.ds
+            self._state_config = self._state_config_for(slots, sched.cache_len)  # the cache may have grown
         self.last_stats = dict(sched.stats, slots=slots, max_len=max_len, cache_len=sched.cache_len)
         return out
 
