@@ -632,8 +632,7 @@ class Sampler:
         sched = SlotScheduler(
             self._programs(params, stop), ds, prompts, params, slots=slots, max_len=max_len, caps=caps,
             cache_len=cache_len, stop=stop, vocab_size=self.cfg.vocab_size, key_ids=key_ids, on_turn_end=on_turn_end,
-            quantum=max(1, math.ceil(self.refill_fraction * slots)), segment_steps=self.segment_steps,
-            profile=self.profile, progress=_Progress(progress, total) if progress else None,
+            quantum=max(1, math.ceil(self.refill_fraction * slots)), profile=self.profile, progress=_Progress(progress, total) if progress else None,
             decode_text=self.tokenizer.decode if self.tokenizer is not None else None)
         try:
             out = sched.run()
