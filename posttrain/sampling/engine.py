@@ -562,7 +562,7 @@ class Sampler:
         every slot is free at the start of a call, so its contents do not matter)."""
         cfg = self.cfg
         config = self._state_config_for(slots, cache_len)
-        if self._state is None or self._state_config != config:
+        if self._state is None or self._state_config != config or self._state.last_token.is_deleted():
             self._state = None  # free the old cache before allocating the new one
             cache_dims = (cfg.num_layers, slots, cfg.num_kv_heads, cache_len, cfg.head_dim)
             state = _init_jit(cache_dims, jnp.dtype(cfg.compute_dtype), config[3], self.model.mesh, config[5])
@@ -634,16 +634,15 @@ class Sampler:
         sched = SlotScheduler(
             self._programs(params, stop), ds, prompts, params, slots=slots, max_len=max_len, caps=caps,
             cache_len=cache_len, stop=stop, vocab_size=self.cfg.vocab_size, key_ids=key_ids, on_turn_end=on_turn_end,
-            quantum=max(1, math.ceil(self.refill_fraction * slots)), segment_steps=self.segment_steps,
-            profile=self.profile, progress=_Progress(progress, total) if progress else None,
+            quantum=max(1, math.ceil(self.refill_fraction * slots)), profile=self.profile, progress=_Progress(progress, total) if progress else None,
             decode_text=self.tokenizer.decode if self.tokenizer is not None else None)
         try:
             out = sched.run()
-        finally:
+        finally:  # the latest state, also after an error (every slot is free again at the next call's start)
             if sched.progress is not None:
                 sched.progress.close()
-        self._state = sched.ds
-        self._state_config = self._state_config_for(slots, sched.cache_len)  # the cache may have grown
+            self._state = sched.ds
+            self._state_config = self._state_config_for(slots, sched.cache_len)  # the cache may have grown
         self.last_stats = dict(sched.stats, slots=slots, max_len=max_len, cache_len=sched.cache_len)
         return out
 

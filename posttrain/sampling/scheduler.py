@@ -98,20 +98,20 @@ class SlotScheduler:
 
     prompts: token id lists; params: the call's `SamplingParams`; max_len: the context limit of every sequence
     (prompt and all turns); caps: the cache capacities the call may grow through, starting at cache_len with
-    the donated state ds; stop: the stop ids; key_ids: per-prompt key ids or None; on_turn_end: the multi-turn
-    callback or None; quantum: free slots that end a segment early for waiting prompts (or, in multi-turn
-    calls with none waiting, turns that end one); progress: a `_Progress`-like object or None.
+    the donated state ds; stop: the stop ids; key_ids: per-prompt ids replacing the prompt index in the sampling
+    keys, or None; on_turn_end: the multi-turn callback or None; quantum: free slots that end a segment early
+    for waiting prompts (or, in multi-turn calls with none waiting, turns that end one); progress: a `_Progress`-like object or None.
     """
 
     def __init__(self, programs: Programs, ds, prompts: list[list[int]], params: SamplingParams, *, slots: int,
                  max_len: int, caps: list[int], cache_len: int, stop: list[int], vocab_size: int,
-                 key_ids: list[int] | None = None, on_turn_end: Callable[[TurnEnd], object] | None = None, quantum: int = 1, segment_steps: int = 128,
-                 profile: bool = False, progress=None, decode_text: Callable | None = None):
+                 key_ids: list[int] | None = None, on_turn_end: Callable[[TurnEnd], object] | None = None,
+                 quantum: int = 1, profile: bool = False, progress=None, decode_text: Callable | None = None):
         self.programs, self.ds = programs, ds
         self.prompts, self.params = prompts, params
         self.slots, self.max_len, self.caps, self.cache_len = slots, max_len, caps, cache_len
         self.stop_set, self.vocab_size = set(stop), vocab_size
-        self.on_turn_end, self.quantum, self.segment_steps = on_turn_end, quantum, segment_steps
+        self.on_turn_end, self.quantum = on_turn_end, quantum
         self.profile, self.progress, self.decode_text = profile, progress, decode_text
         self.n = params.n
         self.key_ids = key_ids
