@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
+
 PROMPT_FIELDS = ("prompt", "question", "problem", "messages")  # tried in order when --prompt-field is not given
 
 
@@ -43,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-slots", type=int, default=64, help="sequences decoded at once (at most)")
     p.add_argument("--reward-workers", type=int, default=2, help="reward processes (0 = in this process)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_agent_arguments(p)  # with --environment, --reward environment scores by the environment's reward
 
 
 def default_ks(n: int) -> list[int]:
@@ -129,37 +132,47 @@ def run(args) -> int:
     from posttrain.sampling import Sampler
 
     console = Console(stderr=True)
-    records = read_prompts(args.data, prompt_field=_prompt_field(args.data, args.prompt_field))
+    prompt_field = _prompt_field(args.data, args.prompt_field)
+    records = read_prompts(args.data, prompt_field=prompt_field)
     if args.limit:
         records = records[: args.limit]
-    spec = RewardSpec.coerce(args.reward)
-    with RewardRunner([spec], num_workers=args.reward_workers) as runner:
+    checked = check_agent(args)
+    by_env = checked is not None and args.reward == "environment"
+    spec = None if by_env else RewardSpec.coerce(args.reward)
+    correctness = "environment" if by_env else spec.name
+    with RewardRunner([spec] if spec else [], num_workers=args.reward_workers) as runner:
         runner.check_records(records)  # a missing field fails before the model loads
         folder = model_folder(args.model)
         tok = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype)
+        agent = make_agent(checked, tok, system_prompt=args.system_prompt, prompt_field=prompt_field)
         ids = []
         from posttrain.data.sources import DataError
 
         for i, r in enumerate(records):
-            x = encode_prompt(tok, r["prompt"], chat=args.chat, system_prompt=args.system_prompt)
+            x = (agent.prompt_ids(agent.first_messages(r)) if agent is not None
+                 else encode_prompt(tok, r["prompt"], chat=args.chat, system_prompt=args.system_prompt))
             if not x:
                 raise DataError(f"{records.where(i)}: the prompt is empty")
             ids.append(x)
         total = len(records) * max(args.n, 1)
         slots = min(args.max_slots, 1 << (total - 1).bit_length())
         sampler = Sampler(model, tok, max_slots=slots)
-        e = evaluate(sampler, records, ids, runner, correctness=spec.name, max_new_tokens=args.max_new_tokens,
-                     k=ks, n_samples=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                     progress=not args.no_progress)
-    rows = per_problem(e, records, correctness=spec.name, k=ks)
+        try:
+            e = evaluate(sampler, records, ids, runner, correctness=correctness, max_new_tokens=args.max_new_tokens,
+                         k=ks, n_samples=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                         progress=not args.no_progress, agent=agent)
+        finally:
+            if agent is not None:
+                agent.close()
+    rows = per_problem(e, records, correctness=correctness, k=ks)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     summary = {k: v for k, v in e.items() if not k.startswith("_")}
-    summary.update({"model": str(args.model), "data": str(args.data), "reward": spec.name, "n": args.n,
+    summary.update({"model": str(args.model), "data": str(args.data), "reward": correctness, "n": args.n,
                     "temperature": args.temperature, "chat": bool(args.chat)})
     out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(summary_table(summary, f"{args.model} on {args.data} ({len(records)} problems, n={args.n})"))

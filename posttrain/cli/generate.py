@@ -1,4 +1,8 @@
-"""`posttrain generate`: completions for a JSONL file of prompts (`prompt` text or chat `messages`) to a JSONL file."""
+"""`posttrain generate`: completions for a JSONL file of prompts (`prompt` text or chat `messages`) to a JSONL file.
+
+With `--tools` or `--environment` each sample is a multi-turn conversation (`posttrain.agent`): the output
+line then holds the whole trajectory (messages, tool calls and results, turns, the token ids after the prompt
+with their `loss_mask`: 1 where sampled, 0 where appended) and `text` is the last assistant message."""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
 
 
 class InputError(ValueError):
@@ -29,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-slots", type=int, default=32, help="sequences decoded at once (at most)")
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: fitted to the prompts)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_agent_arguments(p)
 
 
 def read_prompts(path: str | Path) -> list[dict]:
@@ -83,17 +90,48 @@ def encode_prompts(records: list[dict], tokenizer, chat: bool, source: str) -> l
     return out
 
 
+def agent_prompts(records: list[dict], agent, source: str) -> tuple[list[dict], list[list[int]]]:
+    """Multi-turn: the records with the prompt (text or messages) under `prompt`, and their first prompts
+    rendered with the tools (an environment's `reset` that fails names the line)."""
+    records = [{**{k: v for k, v in r.items() if k != "messages"}, "prompt": r.get("messages", r.get("prompt"))}
+               for r in records]
+    prompts = []
+    for r in records:
+        try:
+            prompts.append(agent.prompt_ids(agent.first_messages(r)))
+        except Exception as e:  # noqa: BLE001 - the user's environment: named with the line
+            raise InputError(f"{source}, line {r['_line']}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    return records, prompts
+
+
+def write_output(path: str, completions, rollout=None) -> Path:
+    """One JSON line per completion (with its trajectory when `rollout`, the multi-turn driver, is given)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for c in completions:
+            row = {"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
+                   "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            if rollout is not None:
+                traj = rollout.finished(c)
+                row |= traj.summary() | {"text": traj.final_text, "loss_mask": traj.buffer.loss_mask[traj.prompt_len:]}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return out
+
+
 def run(args) -> int:
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 1
 
+    from posttrain.agent.rollout import AgentRollout
     from posttrain.sampling import Sampler, SamplingParams
 
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p, n=args.n, seed=args.seed)
         records = read_prompts(args.prompts)
+        checked = check_agent(args)
     except ValueError as e:
         return fail(str(e))
 
@@ -106,30 +144,27 @@ def run(args) -> int:
         folder = resolve_path(resolve_model_path(args.model))
         tokenizer = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype)
-        prompts = encode_prompts(records, tokenizer, args.chat, args.prompts)
+        agent = make_agent(checked, tokenizer)
+        if agent is not None:
+            records, prompts = agent_prompts(records, agent, args.prompts)
+        else:
+            prompts = encode_prompts(records, tokenizer, args.chat, args.prompts)
         slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
         sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
     try:
-        completions = sampler.generate(prompts, params, progress=not args.no_progress)
+        rollout = None if agent is None else AgentRollout(agent, records, prompts)
+        completions = sampler.generate(prompts, params, progress=not args.no_progress,
+                                       **({} if rollout is None else {"on_turn_end": rollout}))
     except ValueError as e:
         m = re.match(r"prompt (\d+) ", str(e))  # the sampler names prompts by index: name the line too
         where = f"{args.prompts}, line {records[int(m.group(1))]['_line']}: " if m else ""
         return fail(where + str(e))
-
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for c in completions:
-            f.write(json.dumps({
-                "prompt_index": c.prompt_index,
-                "sample_index": c.sample_index,
-                "text": c.text,
-                "token_ids": c.token_ids,
-                "logprobs": c.logprobs,
-                "finish_reason": c.finish_reason,
-            }) + "\n")
+    finally:
+        if agent is not None:
+            agent.close()
+    out = write_output(args.output, completions, rollout)
     stats = sampler.last_stats
     print(f"wrote {len(completions)} completions to {out} "
           f"({stats.get('generated_tokens', 0)} tokens, {stats.get('seconds', 0.0):.1f}s)", file=sys.stderr)

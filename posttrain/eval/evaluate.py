@@ -108,14 +108,15 @@ def _ks(k: int | Sequence[int]) -> list[int]:
 def evaluate(sampler, records: Sequence[dict[str, Any]], prompt_ids: list[list[int]], reward_runner, *,
              correctness: str | None, max_new_tokens: int, k: int | Sequence[int] = 0, n_samples: int = 0,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, greedy: bool = True,
-             progress: bool = False) -> dict[str, Any]:
+             progress: bool = False, agent=None) -> dict[str, Any]:
     """Greedy pass@1 (`eval/accuracy`), mean reward and length; with k > 0 (an int or a list) also, from
     n = max(n_samples, k) draws per problem at `temperature`: `eval/pass@1_sampled`, `eval/pass@k` and
     `eval/maj@k` for every k > 1.
 
     `correctness` names the reward whose value 1.0 means a correct answer (e.g. "math_answer"); without
     one, a completion is correct when its total reward is positive. Besides the metrics, the dict holds
-    `_greedy` and `_sampled` (the `Rollouts`, or None) for sample logs and `per_problem`.
+    `_greedy` and `_sampled` (the `Rollouts`, or None) for sample logs and `per_problem`. `agent`: multi-turn
+    rollouts with its tools or environment (`posttrain.agent`), then `eval/turns_mean` and `eval/tool_calls_mean`.
     """
     idx = list(range(len(records)))
     out: dict[str, Any] = {"eval/num_prompts": len(records)}
@@ -123,12 +124,15 @@ def evaluate(sampler, records: Sequence[dict[str, Any]], prompt_ids: list[list[i
     if greedy:
         g = generate_rollouts(sampler, records, idx, prompt_ids,
                               SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), reward_runner,
-                              progress=progress)
+                              progress=progress, agent=agent)
         out.update({
             "eval/accuracy": float(correct(g, correctness).mean()),
             "eval/reward_mean": float(g.rewards.mean()),
             "eval/completion_length": float(g.completion_lengths().mean()),
         })
+        if g.trajectories:
+            out["eval/turns_mean"] = float(np.mean([t["turns"] for t in g.trajectories]))
+            out["eval/tool_calls_mean"] = float(np.mean([t["num_tool_calls"] for t in g.trajectories]))
     sampled = None
     ks = _ks(k)
     if ks:
@@ -136,7 +140,7 @@ def evaluate(sampler, records: Sequence[dict[str, Any]], prompt_ids: list[list[i
         sampled = generate_rollouts(
             sampler, records, idx, prompt_ids,
             SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed),
-            reward_runner, progress=progress)
+            reward_runner, progress=progress, agent=agent)
         ok = correct(sampled, correctness).reshape(len(records), n)
         answers = [answer_key(t, correctness) for t in sampled.texts]
         c = ok.sum(axis=1)
@@ -170,6 +174,8 @@ def per_problem(e: dict[str, Any], records: Sequence[dict[str, Any]], *, correct
             row["greedy"] = {"text": g.texts[i], "answer": answer_key(g.texts[i], correctness),
                              "correct": bool(g_ok[i]), "reward": float(g.rewards[i]),
                              "finish_reason": g.finish_reasons[i]}
+            if g.trajectories:  # multi-turn: the conversation, tool calls and results
+                row["greedy"]["trajectory"] = g.trajectories[i]
         if s is not None:
             texts = s.texts[i * n:(i + 1) * n]
             answers = [answer_key(t, correctness) for t in texts]

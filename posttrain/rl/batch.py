@@ -89,7 +89,9 @@ def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: n
                    pad_id: int = 0, multiple: int = 16) -> RLBatch:
     """The `RLBatch` of scored rollouts: model inputs [N, P+C]; per-token [N, C]; `advantages` [N] or [N, C].
 
-    `seq_weights` [N] scale each sequence's loss mask (0 drops it, e.g. DAPO overlong filtering).
+    `seq_weights` [N] scale each sequence's loss mask (0 drops it, e.g. DAPO overlong filtering). Multi-turn
+    rollouts (`rollouts.completion_mask`) have loss mask 1 on sampled tokens only; the trajectory's advantage
+    is then spread over them (a per-sequence advantage applies to every token with mask 1).
     """
     n = len(rollouts)
     p = bucket_length(max(len(x) for x in rollouts.prompt_ids), multiple)
@@ -98,11 +100,12 @@ def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: n
     attention_mask = np.zeros((n, p + c), np.int32)
     loss_mask = np.zeros((n, c), np.float32)
     behaviour_logp = np.zeros((n, c), np.float32)
+    masks = rollouts.completion_mask or [None] * n  # multi-turn: 0 on appended tokens (tool results, headers)
     for i, (prompt, comp, lp) in enumerate(zip(rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs)):
         input_ids[i, p - len(prompt): p] = prompt
         input_ids[i, p: p + len(comp)] = comp
         attention_mask[i, p - len(prompt): p + len(comp)] = 1
-        loss_mask[i, : len(comp)] = 1.0
+        loss_mask[i, : len(comp)] = 1.0 if masks[i] is None else masks[i]
         behaviour_logp[i, : len(comp)] = lp
     if seq_weights is not None:
         loss_mask *= np.asarray(seq_weights, np.float32)[:, None]

@@ -37,7 +37,17 @@ class PromptData:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    """Sampling of the G completions per prompt (G = group_size)."""
+    """Sampling of the G completions per prompt (G = group_size).
+
+    Multi-turn rollouts (`posttrain.agent`), on when `tools` or `environment` is set: `tools` are references
+    like reward functions (`calculator`, `posttrain.tools:calculator`, `my_tools.py:search`); `environment` a
+    class (`my_env.py:Wordle`) whose public typed methods are tools too. `tool_format`: how the model writes
+    calls (hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`). Limits per trajectory: `max_turns`
+    assistant turns, `max_tool_calls` calls in all, `max_tool_output_tokens` per result (cut with a marker),
+    `tool_timeout_s` per call; `tool_workers` processes run the calls. `max_new_tokens` is then each turn's
+    budget, and `max_total_tokens` the trajectory's after the prompt, sampled and appended tokens together
+    (0: max_turns x max_new_tokens); an append past it ends the trajectory as `truncated`.
+    """
 
     batch_prompts: int = 8
     group_size: int = 8
@@ -47,6 +57,35 @@ class RolloutConfig:
     top_k: int = 0
     max_slots: int = 0  # concurrent sequences in the sampler (0 = all of a step's rollouts)
     stop_token_ids: list[int] | None = None
+    tools: list[str] = dataclasses.field(default_factory=list)
+    environment: str | None = None
+    tool_format: Literal["hermes", "llama3", "mistral"] = "hermes"
+    max_turns: int = 8
+    max_tool_calls: int = 16
+    max_tool_output_tokens: int = 512
+    tool_timeout_s: float = 10.0
+    tool_workers: int = 4
+    max_total_tokens: int = 0
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools) or bool(self.environment)
+
+    @property
+    def completion_budget(self) -> int:
+        """Tokens after the prompt at most: max_new_tokens, or a multi-turn trajectory's total."""
+        if not self.multi_turn:
+            return self.max_new_tokens
+        return self.max_total_tokens or self.max_turns * self.max_new_tokens
+
+    def __post_init__(self):
+        at_least("rollout.max_turns", self.max_turns, 1)
+        at_least("rollout.max_tool_calls", self.max_tool_calls, 0)
+        at_least("rollout.max_tool_output_tokens", self.max_tool_output_tokens, 1)
+        at_least("rollout.tool_workers", self.tool_workers, 1)
+        at_least("rollout.max_total_tokens", self.max_total_tokens, 0, "0 = max_turns x max_new_tokens")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"rollout.tool_timeout_s must be > 0, found {self.tool_timeout_s}")
 
 
 @dataclasses.dataclass

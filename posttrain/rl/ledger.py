@@ -1,6 +1,8 @@
 """The RL run's row files: `trained.jsonl`, the ledger of trained groups (per step: their uids and records,
 policy versions and staleness; from it "every prompt trained exactly once" is checked), and `samples.jsonl`
-(a training sample per logged step, greedy held-out samples per evaluation). On a multi-host run only
+(a training sample per logged step, greedy held-out samples per evaluation) and, for multi-turn rollouts,
+`trajectories.jsonl` (a few trajectories per logged step: messages, tool calls and results, token ids, loss
+mask, log-probs, turns, finish reason). On a multi-host run only
 process 0 writes them; the others write nowhere."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from posttrain.rl.rollout import Rollouts
 
 __all__ = ["Ledger", "ROW_FILES"]
 
-ROW_FILES = ("samples.jsonl", "trained.jsonl")  # rows of steps after a restored checkpoint are dropped
+ROW_FILES = ("samples.jsonl", "trained.jsonl", "trajectories.jsonl")  # rows of steps after a restored checkpoint are dropped
 
 
 class Ledger:
@@ -25,6 +27,7 @@ class Ledger:
     def __init__(self, out: Path, primary: bool = True):
         self.samples = open(out / "samples.jsonl" if primary else os.devnull, "a", encoding="utf-8")
         self.trained = open(out / "trained.jsonl" if primary else os.devnull, "a", encoding="utf-8")
+        self.trajectories = open(out / "trajectories.jsonl" if primary else os.devnull, "a", encoding="utf-8")
 
     def record_trained(self, step: int, ro: Rollouts, uids: list[int]) -> None:
         """The step's trained groups: uids, record indices, policy versions and the largest staleness."""
@@ -43,6 +46,18 @@ class Ledger:
                                            "completion": ro.texts[i], "reward": float(ro.rewards[i])}) + "\n")
         self.samples.flush()
 
+    def record_trajectories(self, step: int, kind: str, ro: Rollouts, n: int) -> None:
+        """The first `n` trajectories of multi-turn rollouts (nothing for single-turn ones): the conversation,
+        and the token ids after the prompt with their loss mask and log-probs (None where not sampled)."""
+        for i in range(min(n, len(ro.trajectories))):
+            mask = ro.completion_mask[i]
+            self.trajectories.write(json.dumps({
+                "step": step, "kind": kind, "uid": ro.uid[i] if ro.uid else None, "reward": float(ro.rewards[i]),
+                **ro.trajectories[i], "prompt_ids": ro.prompt_ids[i], "token_ids": ro.completion_ids[i],
+                "loss_mask": mask, "logprobs": [float(p) if m else None for p, m in zip(ro.logprobs[i], mask)]},
+                ensure_ascii=False) + "\n")
+        self.trajectories.flush()
+
     def close(self) -> None:
-        for f in (self.samples, self.trained):
+        for f in (self.samples, self.trained, self.trajectories):
             f.close()

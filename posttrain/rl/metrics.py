@@ -8,7 +8,7 @@ import numpy as np
 from posttrain.algorithms import dapo
 from posttrain.rl.rollout import Rollouts
 
-__all__ = ["correct", "pass_rates", "rollout_metrics"]
+__all__ = ["agent_metrics", "correct", "pass_rates", "rollout_metrics"]
 
 
 def correct(ro: Rollouts, correctness: str | None) -> np.ndarray:
@@ -45,4 +45,17 @@ def rollout_metrics(ro: Rollouts, correctness: str | None) -> dict[str, float]:
     for k, v in ro.reward_stats.items():
         if k.endswith(("failures", "timeouts")):
             m[k] = float(v)
+    if ro.trajectories:
+        m |= agent_metrics(ro.trajectories)
     return m
+
+
+def agent_metrics(trajectories: list[dict]) -> dict[str, float]:
+    """Multi-turn rollouts: assistant turns and tool calls per trajectory (means), failed tool calls and tool
+    seconds (sums over the step), and the fraction of trajectories ended because an append did not fit."""
+    t = trajectories
+    return {"agent/turns_mean": float(np.mean([x["turns"] for x in t])),
+            "agent/tool_calls_mean": float(np.mean([x["num_tool_calls"] for x in t])),
+            "agent/tool_errors": float(sum(x["tool_errors"] for x in t)),
+            "agent/tool_seconds": float(sum(x["tool_seconds"] for x in t)),
+            "agent/truncated_frac": float(np.mean([x["finish_reason"] == "truncated" for x in t]))}

@@ -16,11 +16,12 @@ __all__ = ["reward_runner", "rollout_sampling_params"]
 
 def reward_runner(rewards: RewardsSection, rollout: RolloutConfig, preset: dict) -> RewardRunner:
     """The configured rewards, plus DAPO's overlong penalty when the algorithm preset asks for it and the
-    rewards do not already name it (its budget is the rollout's `max_new_tokens`)."""
+    rewards do not already name it (its budget is the rollout's `max_new_tokens`, or a multi-turn trajectory's
+    `completion_budget`)."""
     specs = [dataclasses.replace(RewardSpec.coerce(r.name), weight=r.weight, kwargs=dict(r.kwargs))
              for r in rewards.functions]
     if preset.get("overlong_penalty") and not any(r.name == "overlong_penalty" for r in rewards.functions):
-        budget = rollout.max_new_tokens
+        budget = rollout.completion_budget
         cache = max(1, int(round(preset.get("overlong_cache_fraction", 0.2) * budget)))
         specs.append(RewardSpec(name="overlong_penalty", fn=overlong_penalty(budget, cache), weight=1.0))
     return RewardRunner(specs, timeout_s=rewards.timeout_s, failure_value=rewards.failure_value,

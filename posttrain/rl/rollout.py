@@ -5,6 +5,13 @@
 log-probs (the behaviour policy's), finish reasons, texts, the reward total and each reward's value, and
 per sample the group's uid (its position in the prompt stream) and the first and last policy version of
 the weights that generated it.
+
+Multi-turn rollouts (an `Agent`: tools or an environment, `posttrain.agent`) add per sample the completion
+mask (1 on sampled tokens, 0 on appended tool results, observations and turn headers, whose log-probs are
+0.0) and the trajectory's summary (messages, tool calls and results, turns, counts, finish reason). The
+reward functions score the last assistant message (`texts`) and may take the whole conversation as the
+`messages` field; an environment's reward (per-turn rewards summed plus its `reward(...)`) is the
+`environment` reward, added to the total with weight 1.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from posttrain import distributed
+from posttrain.agent.rollout import Agent, AgentRollout
 from posttrain.sampling import Sampler, SamplingParams
 
 
@@ -40,9 +48,11 @@ class Rollouts:
     uid: list[int] = dataclasses.field(default_factory=list)  # [N] the group's uid (prompt stream position)
     version_first: list[int] = dataclasses.field(default_factory=list)  # [N] policy version at the first token
     version_last: list[int] = dataclasses.field(default_factory=list)  # [N] ... and at the last token
+    completion_mask: list[list[int]] = dataclasses.field(default_factory=list)  # [N] multi-turn: 1 = sampled
+    trajectories: list[dict] = dataclasses.field(default_factory=list)  # [N] multi-turn: `Trajectory.summary()`
 
     _PER_SAMPLE = ("record_index", "prompt_ids", "completion_ids", "logprobs", "finish_reasons", "texts",
-                   "prompts_text", "uid", "version_first", "version_last")
+                   "prompts_text", "uid", "version_first", "version_last", "completion_mask", "trajectories")
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -151,25 +161,40 @@ def generate_rollouts(
     *,
     uids: list[int] | None = None,
     progress: bool = False,
+    agent: Agent | None = None,
 ) -> Rollouts:
     """Samples `params.n` completions per prompt and scores them with `reward_runner` (a `RewardRunner`).
 
     `records[i]` for i in `record_indices` (a list, or a dict holding only those records). With `uids`
     (one per prompt: the groups' stream positions), a group's samples are drawn from keys of (seed, uid),
     so they do not depend on which other groups share the call, and each sample is stamped with the
-    sampler's weights version. `progress` shows the sampler's progress bar."""
-    completions = sampler.generate(prompt_ids, params, key_ids=uids, **({"progress": True} if progress else {}))
+    sampler's weights version. `progress` shows the sampler's progress bar. `agent`: multi-turn rollouts
+    (the sampler calls its trajectories at every turn end; see the module docstring)."""
+    kwargs: dict[str, Any] = {"progress": True} if progress else {}
+    rollout = None
+    if agent is not None:
+        rollout = AgentRollout(agent, [records[r] for r in record_indices], prompt_ids)
+        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
+    completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
+    trajs = [rollout.finished(c) for c in completions] if rollout is not None else None
     g = params.n
     n = len(completions)
     rec_idx = [record_indices[c.prompt_index] for c in completions]
-    texts = [c.text if c.text is not None else "" for c in completions]
+    if trajs is None:
+        texts = [c.text if c.text is not None else "" for c in completions]
+    else:
+        texts = [t.final_text for t in trajs]
     prompts = [prompt_text(records[i]["prompt"]) for i in rec_idx]
     fields: dict[str, list] = {}
     for key in records[record_indices[0]]:
         if key != "prompt":
             fields[key] = [records[i].get(key) for i in rec_idx]
     fields["completion_lengths"] = [len(c.token_ids) for c in completions]
+    if trajs is not None:
+        fields["messages"] = [t.messages for t in trajs]
     total, per_reward, stats = score_once(reward_runner, prompts, texts, fields)
+    if trajs is not None:
+        total, per_reward = _add_env_rewards(trajs, total, per_reward)
     version = int(getattr(sampler, "version", None) or 0)  # the weights' policy version (`Sampler.load_weights`)
     assert len(total) == n
     return Rollouts(
@@ -178,7 +203,8 @@ def generate_rollouts(
         prompt_ids=[list(prompt_ids[c.prompt_index]) for c in completions],
         completion_ids=[list(c.token_ids) for c in completions],
         logprobs=[list(c.logprobs) for c in completions],
-        finish_reasons=[c.finish_reason for c in completions],
+        finish_reasons=[c.finish_reason for c in completions] if trajs is None else [t.summary()["finish_reason"]
+                                                                                     for t in trajs],
         texts=texts,
         prompts_text=prompts,
         rewards=np.asarray(total, np.float32),
@@ -187,4 +213,25 @@ def generate_rollouts(
         uid=[uids[c.prompt_index] for c in completions] if uids is not None else [],
         version_first=[version] * n,
         version_last=[version] * n,
+        completion_mask=[] if trajs is None else [list(t.buffer.loss_mask[t.prompt_len:]) for t in trajs],
+        trajectories=[] if trajs is None else [t.summary() for t in trajs],
     )
+
+
+def _context_limit(sampler, prompt_ids, params: SamplingParams, agent: Agent) -> int | None:
+    """The call's context limit for multi-turn rollouts: the longest prompt plus the trajectory budget (capped
+    by the sampler's own limit); None without a budget (the sampler's limit)."""
+    budget = agent.limits.max_total_tokens
+    if not budget:
+        return None
+    limit = min(x for x in (getattr(sampler, "max_len", None), sampler.cfg.max_position_embeddings) if x)
+    return min(max(len(p) for p in prompt_ids) + max(budget, params.max_new_tokens), limit)
+
+
+def _add_env_rewards(trajs, total, per_reward):
+    """The environment's reward per trajectory (when it gives one) as the `environment` reward, added to the total."""
+    env = [t.env_reward() for t in trajs]
+    if all(r is None for r in env):
+        return total, per_reward
+    values = np.asarray([0.0 if r is None else r for r in env], np.float32)
+    return np.asarray(total, np.float32) + values, {**per_reward, "environment": values}

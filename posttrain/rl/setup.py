@@ -22,6 +22,8 @@ import numpy as np
 from flax import nnx
 
 from posttrain import distributed
+from posttrain.agent.rollout import Agent
+from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
 from posttrain.algorithms import dapo
 from posttrain.algorithms.policy import ISLevel
 from posttrain.algorithms.registry import ADVANTAGES, get, loss_kwargs
@@ -53,12 +55,18 @@ class RLResult:
     hf_dir: Path | None
 
 
-def _encode_all(tok, records, data: PromptData) -> list[list[int]]:
-    """Prompt token ids of every record (chat template or text); an empty or too long prompt is an error
-    naming its file and line."""
+def _encode_all(tok, records, data: PromptData, agent: Agent | None = None) -> list[list[int]]:
+    """Prompt token ids of every record (chat template or text; with an `agent`, its first messages rendered
+    with the tools); an empty or too long prompt is an error naming its file and line."""
     out = []
     for i, r in enumerate(records):
-        ids = encode_prompt(tok, r["prompt"], chat=data.chat, system_prompt=data.system_prompt)
+        if agent is not None:
+            try:
+                ids = agent.prompt_ids(agent.first_messages(r))
+            except Exception as e:  # the environment's reset failed on this record
+                raise DataError(f"{records.where(i)}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+        else:
+            ids = encode_prompt(tok, r["prompt"], chat=data.chat, system_prompt=data.system_prompt)
         if not ids:
             raise DataError(f"{records.where(i)}: the prompt is empty")
         if len(ids) > data.max_prompt_tokens:
@@ -96,6 +104,7 @@ class RLRun:
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, Any]] = []
         self._sampler = None
+        self.agent: Agent | None = None
         try:
             self._setup(cfg)
         except BaseException:
@@ -119,11 +128,12 @@ class RLRun:
             raise ValueError("rollout.group_size must be >= 2 for RLOO")
         self.dynamic_sampling = bool(preset.get("dynamic_sampling"))
         self.max_drops_per_step = cfg.learner.max_resample_rounds * cfg.rollout.batch_prompts
-        self.loss_kwargs = policy_loss_kwargs(preset, cfg.learner, cfg.rollout.max_new_tokens)
+        self.loss_kwargs = policy_loss_kwargs(preset, cfg.learner, cfg.rollout.completion_budget)
 
     def _read_data(self, cfg: RLConfig) -> None:
         """The reward runner, then the train (and held-out) prompts, checked against the rewards."""
         self.runner = reward_runner(cfg.rewards, cfg.rollout, self.preset)
+        self._agent_parts = self._check_agent(cfg)
         self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
         self.runner.check_records(self.records)
         self.eval_records = None
@@ -138,8 +148,24 @@ class RLRun:
         lc = cfg.learner
         self.trainer = self.run.build_trainer(updates=cfg.trainer.max_steps * lc.ppo_epochs * lc.minibatches)
         self.tok = self.run.tokenizer()
-        self.prompt_ids = _encode_all(self.tok, self.records, cfg.data)
-        self.eval_ids = _encode_all(self.tok, self.eval_records, cfg.data) if self.eval_records else None
+        if self._agent_parts is not None:
+            self.agent = build_agent(cfg.rollout, self.tok, system_prompt=cfg.data.system_prompt,
+                                     prompt_field=cfg.data.prompt_field, parts=self._agent_parts)
+        self.prompt_ids = _encode_all(self.tok, self.records, cfg.data, self.agent)
+        self.eval_ids = _encode_all(self.tok, self.eval_records, cfg.data, self.agent) if self.eval_records else None
+
+    @staticmethod
+    def _check_agent(cfg: RLConfig):
+        """The tools and environment of multi-turn rollouts (None: single-turn), checked before the model loads."""
+        if not agent_enabled(cfg.rollout):
+            return None
+        if cfg.fleet.enabled:
+            raise ConfigError("fleet.workers: multi-turn rollouts (rollout.tools / rollout.environment) run in-process "
+                              "for now; leave fleet.workers unset")
+        if distributed.is_multiprocess():
+            raise ConfigError("rollout.tools: multi-turn rollouts run on a one-process trainer for now (every process "
+                              "would run the tools and could read different results)")
+        return load_agent_parts(cfg.rollout)
 
     def _build_learner(self, cfg: RLConfig) -> None:
         """The learner: the policy loss, its epochs and minibatches, and the reference scorer when beta > 0."""
@@ -231,7 +257,7 @@ class RLRun:
         t0 = time.perf_counter()
         e = evaluate(sampler, self.eval_records, self.eval_ids, self.runner, correctness=cfg.rewards.correctness,
                      max_new_tokens=cfg.rollout.max_new_tokens, k=cfg.eval.k, n_samples=cfg.eval.n_samples,
-                     temperature=cfg.eval.temperature, seed=cfg.trainer.seed + 7919 * step)
+                     temperature=cfg.eval.temperature, seed=cfg.trainer.seed + 7919 * step, agent=self.agent)
         greedy = e.pop("_greedy")
         e.pop("_sampled")
         e["eval/seconds"] = time.perf_counter() - t0
@@ -249,6 +275,7 @@ class RLRun:
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
             self.logger.log(step, m)
             self.ledger.record_samples(step, "train", ro, 1)
+            self.ledger.record_trajectories(step, "train", ro, cfg.eval.log_samples)
         self.logger.advance(step)
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.max_steps:
             self.evaluate(step)
@@ -268,5 +295,7 @@ class RLRun:
                 self.ledger.close()
             if self.runner is not None:
                 self.runner.close()
+            if self.agent is not None:
+                self.agent.close()
         finally:
             self.run.close()  # logs; waits for a pending save (bounded: never a hang); releases the run lock

@@ -100,7 +100,8 @@ class InProcessSource(RolloutSource):
         lease = d.lease("local", max(1, d.admissible(step - 1, self.version)))
         t0 = time.perf_counter()
         items = run.lease_items(lease)
-        ro = generate_rollouts(self.sampler, *items, run.sampling_params, run.runner, uids=lease.uids)
+        ro = generate_rollouts(self.sampler, *items, run.sampling_params, run.runner, uids=lease.uids,
+                               agent=run.agent)
         self._t_generate += time.perf_counter() - t0
         self._complete(lease.id, ro)
 

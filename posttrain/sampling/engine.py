@@ -66,7 +66,6 @@ import collections
 import dataclasses
 import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -82,23 +81,15 @@ from posttrain.models import kernels as kernels_lib
 from posttrain.models.attention import KVCache
 from posttrain.models.weights import flat_weights, load_flat_weights
 from posttrain.sampling.filters import choose_tokens
-from posttrain.sampling.params import Completion, SamplingParams
+from posttrain.sampling.params import Completion, SamplingParams, TurnEnd
+from posttrain.sampling.scheduler import MIN_BUCKET, Programs, SlotScheduler, length_bucket
+from posttrain.sampling.scheduler import pow2 as _pow2
 
 #: Python-side trace counter of the compiled functions ("prefill", "decode", "init"): a new entry means
 #: a new compilation (tests assert that new prompt lengths inside a bucket add none).
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
-MIN_BUCKET = 16
 MIN_CACHE_STEP = 256  # default cache growth step at least (see "Cache growth")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def length_bucket(n: int, cap: int, minimum: int = MIN_BUCKET) -> int:
-    """Padded prefill length of a prompt of n tokens: the next power of two >= max(n, minimum), at most cap."""
-    return min(_pow2(max(n, minimum)), cap)
 
 
 @jax.tree_util.register_dataclass
@@ -233,6 +224,69 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     return ds, (tok, lp, slp)
 
 
+def _gather_rows(cache: KVCache, rows, extra: int, ks) -> KVCache:
+    """Rows `rows` [R] of a cache (clipped into range), each padded with `extra` empty positions."""
+    def take(a, axis):
+        a = jnp.take(a, rows, axis=0, mode="clip")
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(a, widths)
+
+    return KVCache(tuple(take(a, ks.k_seq_axis) for a in cache.k), tuple(take(a, ks.v_seq_axis) for a in cache.v),
+                   take(cache.valid, 1))
+
+
+def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new, stop_ids, temperature, top_p, min_p,
+            *, top_k: int, greedy: bool, nucleus: bool):
+    """Continues slots after a turn: computes only their new tokens against the slots' kept caches.
+
+    Row r [Lb] of `ids` is for slot `slot[r]` (index S = padding row, dropped): column 0 is ignored and
+    replaced by the slot's pending last token (sampled, not yet fed), columns 1..lens[r]-1 are the appended
+    ids. They are written at the slot's positions position..position+lens[r]-1; padding columns go to
+    positions past the cache (a scratch extension of the gathered rows, never written back). The next token
+    is drawn from the last real column's logits with the sample's key at sequence index n_after[r] (the
+    tokens after the prompt so far, appended ones included); max_new[r] is the slot's new total budget.
+    Returns the state and the first tokens, log-probs and sampling log-probs [R].
+    """
+    TRACE_COUNTS["extend"] += 1
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    ks = kernels_lib.get(cfg)
+    cache = ds.cache
+    slots, cap = cache.valid.shape
+    n_rows, lb = ids.shape
+    src = jnp.minimum(slot, slots - 1)
+    ids = ids.at[:, 0].set(ds.last_token[src])
+    col = jnp.arange(lb, dtype=jnp.int32)[None, :]
+    real = col < lens[:, None]
+    start = ds.position[src]
+    pos = jnp.where(real, start[:, None] + col, cap + col)
+    sub = _gather_rows(cache, src, lb, ks)
+    h, sub = model.hidden_states(ids, attention_mask=real, positions=pos, cache=sub)
+    logits = model.logits(h[jnp.arange(n_rows), lens - 1][:, None])[:, 0]
+    keys = lambda: _step_keys(ds.key[src], n_after)  # noqa: E731
+    tok, lp, slp = choose_tokens(logits, keys, top_k, greedy, temperature, top_p, min_p, nucleus=nucleus,
+                                 kernels=cfg)
+    done = _is_stop(tok, stop_ids) | (n_after + 1 >= max_new)
+
+    k_idx, v_idx = _seq_index(ks.k_seq_axis, slot, cap), _seq_index(ks.v_seq_axis, slot, cap)
+    k = tuple(c.at[k_idx].set(t[_seq_index(ks.k_seq_axis, slice(None), cap)], mode="drop")
+              for c, t in zip(cache.k, sub.k))
+    v = tuple(c.at[v_idx].set(t[_seq_index(ks.v_seq_axis, slice(None), cap)], mode="drop")
+              for c, t in zip(cache.v, sub.v))
+    valid = cache.valid.at[slot].set(sub.valid[:, :cap], mode="drop")
+
+    def put(arr, values):
+        return arr.at[slot].set(values, mode="drop")
+
+    ds = dataclasses.replace(
+        ds, cache=KVCache(k, v, valid), last_token=put(ds.last_token, tok), position=put(ds.position, start + lens),
+        active=put(ds.active, ~done), n_generated=put(ds.n_generated, n_after + 1), max_new=put(ds.max_new, max_new),
+    )
+    ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:], cfg.kernels))
+    return ds, (tok, lp, slp)
+
+
 def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, temperature, top_p, min_p, *,
             top_k: int, greedy: bool, nucleus: bool, budget: int):
     """Decode steps in one `while_loop` until no slot is active, `min_free` slots are free, or
@@ -342,6 +396,22 @@ def _compiled_for(graphdef):
     return prefill, decode
 
 
+_EXTEND: list[tuple] = []  # (graphdef, extend), most recent last; shared by all samplers
+
+
+def _extend_for(graphdef):
+    """The jitted continuation program (`_extend`) for one model structure (found as in `_compiled_for`)."""
+    for i, entry in enumerate(_EXTEND):
+        if entry[0] == graphdef:
+            _EXTEND.append(_EXTEND.pop(i))
+            return entry[1]
+    extend = jax.jit(functools.partial(_extend, graphdef), static_argnames=("top_k", "greedy", "nucleus"),
+                     donate_argnames=("ds",))
+    _EXTEND.append((graphdef, extend))
+    del _EXTEND[:-8]
+    return extend
+
+
 class _Progress:
     """A rich progress bar (completions done, tokens/s) or a user callback(done, total, tokens, seconds)."""
 
@@ -422,15 +492,18 @@ class Sampler:
 
     @property
     def slots(self) -> int:
-        """Slots of the cache: max_slots, rounded up to a multiple of the mesh's data x fsdp size."""
-        slots = self.max_slots
+        """Slots of the largest call: max_slots, rounded up to a multiple of the mesh's data x fsdp size
+        (a call uses `slots_for(its sequences)`)."""
+        return self._mesh_round(self.max_slots)
+
+    def _mesh_round(self, slots: int) -> int:
         mesh = getattr(self.model, "mesh", None)
         if mesh is not None:
             ways = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
             slots = -(-slots // ways) * ways
         return slots
 
-    def _validate(self, prompts, params: SamplingParams) -> tuple[int, str]:
+    def _validate(self, prompts, params: SamplingParams, max_len: int | None = None) -> tuple[int, str]:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         vocab = self.cfg.vocab_size
@@ -438,6 +511,10 @@ class Sampler:
         limit, what = max_pos, f"model context (max_position_embeddings={max_pos})"
         if self.max_len is not None and self.max_len < limit:
             limit, what = self.max_len, f"sampler cache (max_len={self.max_len})"
+        if max_len is not None:
+            if not 2 <= max_len <= limit:
+                raise ValueError(f"max_len={max_len} must be in [2, {limit}] (the {what})")
+            limit, what = max_len, f"call's context limit (max_len={max_len})"
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
@@ -498,183 +575,90 @@ class Sampler:
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams | None = None, *,
                  progress: bool | Callable[[int, int, int, float], None] = False,
-                 key_ids: Sequence[int] | None = None) -> list[Completion]:
+                 key_ids: Sequence[int] | None = None,
+                 on_turn_end: Callable[[TurnEnd], object] | None = None,
+                 max_len: int | None = None) -> list[Completion]:
         """One `Completion` per prompt and sample: prompt order, the `n` samples of a prompt in a row.
 
         progress: True for a rich progress bar, or a callable(done, total, generated_tokens, seconds).
         key_ids: one integer per prompt that replaces its position in the sampling keys: sample i of prompt p
           draws from keys of (seed, key_ids[p], i), so a prompt's samples do not depend on which other
           prompts share the call (RL gives each prompt group a unique id).
+        on_turn_end: multi-turn (token-in/token-out) rollouts. Each time a sequence's turn ends (a stop token,
+          or the turn's `max_new_tokens`, or the context limit) it is called with a `TurnEnd` (the turn's
+          sampled ids and log-probs, its finish reason, `room`: the most ids an append may hold). It returns
+          None (the sequence is finished), a list of token ids to append (prefilled into the slot against
+          its kept KV cache, then the next turn is sampled with a fresh max_new_tokens budget), or a
+          `concurrent.futures.Future` of either: the slot is parked meanwhile and the other slots go on
+          decoding. Appending more than `room` ids raises ValueError. The sequence's `Completion` then holds
+          every id after the prompt (in order), log-probs 0.0 at appended ids, `mask` (1 sampled / 0
+          appended) and `turns`. Sampling keys depend on (seed, key id, sample, index in the sequence) only.
+          Multi-process meshes: every process calls it, process 0's answers count (`sampling.scheduler`).
+        max_len: the context limit of each sequence (prompt and every turn) for this call; None = the
+          sampler's max_len, else (multi-turn) the model's max_position_embeddings or (single turn) the
+          next power of two of the longest prompt plus max_new_tokens.
         """
         params = params or SamplingParams()
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
-        self._validate(prompts, params)
+        limit, _ = self._validate(prompts, params, max_len)
         if key_ids is not None:
             key_ids = [int(k) for k in key_ids]
             if len(key_ids) != len(prompts) or any(not 0 <= k < 2**31 for k in key_ids):
                 raise ValueError(f"key_ids must hold one integer in [0, 2**31) per prompt ({len(prompts)})")
         if not prompts:
             return []
-        n = params.n
-        total = len(prompts) * n
-        max_new = params.max_new_tokens
-        slots = self.slots
+        total = len(prompts) * params.n
+        slots = self.slots_for(total)
         longest = max(len(p) for p in prompts)
-        if self.max_len is not None:
-            max_len = self.max_len
-        else:
-            max_len = min(_pow2(max(longest + max_new, MIN_BUCKET)),
-                          max(self.cfg.max_position_embeddings, longest + max_new))
+        max_len = max_len or (limit if self.max_len is not None or on_turn_end is not None else
+                              min(_pow2(max(longest + params.max_new_tokens, MIN_BUCKET)), limit))
         stop = self._default_stop_ids() if params.stop_token_ids is None else list(params.stop_token_ids)
-        stop_set = set(stop)
-        stop_arr = np.full(max(8, _pow2(len(stop))), -1, np.int32)
-        stop_arr[: len(stop)] = stop
-        top_k = 0 if params.greedy or params.top_k >= self.cfg.vocab_size else params.top_k
-        greedy = bool(params.greedy)
-        static = dict(top_k=top_k, greedy=greedy, nucleus=not greedy and params.top_p < 1.0)
-        scalars = dict(temperature=np.float32(params.temperature if not greedy else 1.0),
-                       top_p=np.float32(params.top_p), min_p=np.float32(params.min_p))
-        graphdef, state = nnx.split(self.model)
-        prefill_fn, decode_fn = _compiled_for(graphdef)
         caps = self.capacities(max_len)
-
-        def capacity_for(n: int) -> int:  # the smallest capacity holding n positions (or max_len)
-            return next((c for c in caps if c >= min(n, max_len)), max_len)
-
-        cache_len = capacity_for(length_bucket(longest, max_len) + 1)
+        cache_len = next((c for c in caps if c >= min(length_bucket(longest, max_len) + 1, max_len)), max_len)
         ds = self._ensure_state(slots, cache_len)
         self._state = None  # donated below; restored when the call completes
-
-        waiting = collections.deque([i, 0] for i in range(len(prompts)))  # [prompt index, next sample]
-        waiting_samples = total
-        quantum = max(1, math.ceil(self.refill_fraction * slots))
-        owner: list[tuple[int, int] | None] = [None] * slots
-        toks: dict[tuple[int, int], list[int]] = {}
-        lps: dict[tuple[int, int], list[float]] = {}
-        slps: dict[tuple[int, int], list[float]] = {}
-        finished: dict[tuple[int, int], Completion] = {}
-        stats = collections.Counter()
-        t0 = time.perf_counter()
-        bar = _Progress(progress, total) if progress else None
-        generated = 0
-
-        def target() -> int:
-            head = min(n - waiting[0][1], slots)
-            return min(waiting_samples, max(head, quantum))
-
-        def grow_to(n: int):  # pads the cache so that it holds n positions
-            nonlocal ds, cache_len
-            if n > cache_len:
-                cache_len = capacity_for(n)
-                ds = _grow_jit(ds, cache_len, self.model.mesh, kernels_lib.resolve(self.cfg.kernels))
-                stats["cache_resizes"] += 1
-
+        sched = SlotScheduler(
+            self._programs(params, stop), ds, prompts, params, slots=slots, max_len=max_len, caps=caps,
+            cache_len=cache_len, stop=stop, vocab_size=self.cfg.vocab_size, key_ids=key_ids, on_turn_end=on_turn_end,
+            quantum=max(1, math.ceil(self.refill_fraction * slots)), segment_steps=self.segment_steps,
+            profile=self.profile, progress=_Progress(progress, total) if progress else None,
+            decode_text=self.tokenizer.decode if self.tokenizer is not None else None)
         try:
-            while waiting or any(o is not None for o in owner):
-                pending = None
-                free = [s for s in range(slots) if owner[s] is None]
-                if waiting and (len(free) >= target() or len(free) == slots):
-                    rows, asg = [], []  # asg: (row, slot, prompt, sample)
-                    while waiting:
-                        p, nxt = waiting[0]
-                        chunk = min(n - nxt, slots)
-                        if chunk > len(free) - len(asg):
-                            break
-                        rows.append(p)
-                        for j in range(chunk):
-                            s = free[len(asg)]
-                            asg.append((len(rows) - 1, s, p, nxt + j))
-                            owner[s] = (p, nxt + j)
-                        waiting_samples -= chunk
-                        if nxt + chunk == n:
-                            waiting.popleft()
-                        else:
-                            waiting[0][1] = nxt + chunk
-                    grow_to(length_bucket(max(len(prompts[p]) for p in rows), max_len) + 1)
-                    ds, pending = self._run_prefill(prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new,
-                                                    params.seed, stop_arr, scalars, static, stats, key_ids)
-                    pending = (asg, pending)
-                min_free = target() if waiting else slots + 1
-                t_dec = time.perf_counter()
-                if max_new > 1:
-                    # where each occupied slot writes next: prompt length + tokens so far - 1 (>= 1 token each)
-                    lead = max(len(prompts[o[0]]) + max(len(toks.get(o, ())), 1) - 1 for o in owner if o is not None)
-                    grow_to(lead + 1)
-                    ds, record, steps = decode_fn(state, ds, np.int32(min_free), np.int32(cache_len - lead), stop_arr,
-                                                  **scalars, **static, budget=self.segment_steps)
-                    stats["decode_segments"] += 1
-                else:  # every sample is complete after its first token
-                    record, steps = None, 0
-                # one read per segment; on a multi-host mesh a collective that every process runs alike
-                host = distributed.to_host((pending[1] if pending else None, record, steps, ds.active))
-                stats["decode_seconds"] += time.perf_counter() - t_dec
-                first, record, steps, active = host
-                steps = int(steps)
-                stats["decode_steps"] += steps
-                if pending:
-                    f_tok, f_lp, f_slp = (x.tolist() for x in first)
-                    for a, (_, s, p, i) in enumerate(pending[0]):
-                        toks[(p, i)], lps[(p, i)], slps[(p, i)] = [f_tok[a]], [f_lp[a]], [f_slp[a]]
-                    generated += len(pending[0])
-                for s, o in enumerate(owner):
-                    if o is None:
-                        continue
-                    emit = record[3][:steps, s] if steps else None
-                    if steps and emit.any():
-                        r_tok, r_lp, r_slp = record[0], record[1], record[2]
-                        toks[o].extend(r_tok[:steps, s][emit].tolist())
-                        lps[o].extend(r_lp[:steps, s][emit].tolist())
-                        slps[o].extend(r_slp[:steps, s][emit].tolist())
-                        generated += int(emit.sum())
-                    if not active[s]:
-                        finished[o] = self._completion(o, toks.pop(o), lps.pop(o), slps.pop(o), stop_set, params)
-                        owner[s] = None
-                if bar is not None:
-                    bar.update(len(finished), generated, time.perf_counter() - t0)
+            out = sched.run()
         finally:
-            if bar is not None:
-                bar.close()
-        self._state = ds
-        self._state_config = self._state_config_for(slots, cache_len)  # the cache may have grown
-        stats["generated_tokens"] = generated
-        stats["seconds"] = time.perf_counter() - t0
-        stats["slots"] = slots
-        stats["max_len"] = max_len
-        stats["cache_len"] = cache_len
-        self.last_stats = dict(stats)
-        return [finished[(p, i)] for p in range(len(prompts)) for i in range(n)]
+            if sched.progress is not None:
+                sched.progress.close()
+        self._state = sched.ds
+        self._state_config = self._state_config_for(slots, sched.cache_len)  # the cache may have grown
+        self.last_stats = dict(sched.stats, slots=slots, max_len=max_len, cache_len=sched.cache_len)
+        return out
 
-    def _run_prefill(self, prefill_fn, state, ds, prompts, rows, asg, slots, max_len, max_new, seed, stop_arr,
-                     scalars, static, stats, key_ids=None):
-        n_rows = min(_pow2(len(rows)), slots)
-        lb = length_bucket(max(len(prompts[p]) for p in rows), max_len)
-        ids = np.zeros((n_rows, lb), np.int32)
-        lens = np.ones((n_rows,), np.int32)
-        for r, p in enumerate(rows):
-            ids[r, : len(prompts[p])] = prompts[p]
-            lens[r] = len(prompts[p])
-        a_row = np.zeros((slots,), np.int32)
-        a_slot = np.full((slots,), slots, np.int32)  # index `slots` = no assignment (dropped)
-        a_prompt = np.zeros((slots,), np.int32)
-        a_sample = np.zeros((slots,), np.int32)
-        for a, (r, s, p, i) in enumerate(asg):
-            a_row[a], a_slot[a], a_prompt[a], a_sample[a] = r, s, (p if key_ids is None else key_ids[p]), i
-        t = time.perf_counter()
-        ds, first = prefill_fn(state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, np.uint32(seed),
-                                 np.int32(max_new), stop_arr, **scalars, **static)
-        if self.profile:
-            jax.block_until_ready(first)
-            stats["prefill_seconds"] += time.perf_counter() - t
-        stats["prefill_calls"] += 1
-        stats["prefill_rows"] += len(rows)
-        stats["prefill_tokens"] += int(lens[: len(rows)].sum())
-        return ds, first
+    def slots_for(self, total: int) -> int:
+        """The slot count of a call of `total` sequences: the next power of two from 8 at least (so that a
+        few static sizes cover every request), at most max_slots, rounded up to a multiple of the mesh's data
+        x fsdp size."""
+        return self._mesh_round(min(self.max_slots, max(8, _pow2(total))))
 
-    def _completion(self, key, tokens, logprobs, slogprobs, stop_set, params) -> Completion:
-        reason = "stop" if tokens and tokens[-1] in stop_set else "length"
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
-        return Completion(
-            prompt_index=key[0], sample_index=key[1], token_ids=tokens, logprobs=logprobs,
-            sampling_logprobs=slogprobs if params.modifies_distribution else None,
-            finish_reason=reason, text=text,
+    def _programs(self, params: SamplingParams, stop: list[int]) -> Programs:
+        """The compiled programs with the model state and this call's sampling values bound."""
+        stop_arr = np.full(max(8, _pow2(len(stop))), -1, np.int32)
+        stop_arr[: len(stop)] = stop
+        greedy = bool(params.greedy)
+        top_k = 0 if greedy or params.top_k >= self.cfg.vocab_size else params.top_k
+        kw = dict(top_k=top_k, greedy=greedy, nucleus=not greedy and params.top_p < 1.0,
+                  temperature=np.float32(params.temperature if not greedy else 1.0),
+                  top_p=np.float32(params.top_p), min_p=np.float32(params.min_p))
+        graphdef, state = nnx.split(self.model)
+        prefill_fn, decode_fn = _compiled_for(graphdef)
+        extend_fn = _extend_for(graphdef)
+        seed = np.uint32(params.seed)
+        mesh, kernels = self.model.mesh, kernels_lib.resolve(self.cfg.kernels)
+        return Programs(
+            prefill=lambda ds, ids, lens, a_row, a_slot, a_prompt, a_sample, max_new: prefill_fn(
+                state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, seed, max_new, stop_arr, **kw),
+            decode=lambda ds, min_free, max_steps: decode_fn(state, ds, min_free, max_steps, stop_arr, **kw,
+                                                             budget=self.segment_steps),
+            extend=lambda ds, ids, lens, slot, n_after, max_new: extend_fn(state, ds, ids, lens, slot, n_after,
+                                                                           max_new, stop_arr, **kw),
+            grow=lambda ds, new_len: _grow_jit(ds, new_len, mesh, kernels),
         )

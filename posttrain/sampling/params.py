@@ -76,6 +76,12 @@ class Completion:
     temperature 1), what RL importance ratios need. sampling_logprobs[i]: under the distribution it was
     actually drawn from (temperature and filters applied); None for greedy decoding or when that
     distribution is the raw one. finish_reason: "stop" (the last token is a stop token) or "length".
+
+    Multi-turn sequences (`Sampler.generate(..., on_turn_end=...)`): token_ids holds every id after the
+    prompt, the sampled ids of each turn and the ids appended after it, interleaved in sequence order;
+    logprobs (and sampling_logprobs) are 0.0 at appended positions; mask[i] is 1 where token_ids[i] was
+    sampled and 0 where it was appended; turns counts the turns sampled; finish_reason is the last turn's.
+    Plain single-turn calls leave mask None and turns 1.
     """
 
     prompt_index: int
@@ -85,3 +91,28 @@ class Completion:
     sampling_logprobs: list[float] | None
     finish_reason: Literal["stop", "length"]
     text: str | None = None
+    mask: list[int] | None = None
+    turns: int = 1
+
+
+@dataclasses.dataclass
+class TurnEnd:
+    """What `on_turn_end` is told when one turn of a multi-turn sequence ends (see `Sampler.generate`).
+
+    prompt_index, sample_index: the sequence (as in `Completion`). turn: 0-based index of the turn that ended.
+    token_ids, logprobs, sampling_logprobs: this turn's sampled ids and their log-probs (sampling_logprobs
+    None unless the params modify the distribution). finish_reason: "stop" (a stop token ended the turn) or
+    "length" (the turn's max_new_tokens, or the context limit). room: the most ids an append may hold now
+    (the positions left before the context limit, less the one the next sampled token needs; 0 when nothing
+    fits). length: tokens in the sequence so far, prompt included.
+    """
+
+    prompt_index: int
+    sample_index: int
+    turn: int
+    token_ids: list[int]
+    logprobs: list[float]
+    sampling_logprobs: list[float] | None
+    finish_reason: Literal["stop", "length"]
+    room: int
+    length: int

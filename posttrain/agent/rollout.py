@@ -1,0 +1,295 @@
+"""The multi-turn rollout driver: one `Trajectory` per sampled sequence, driven by the sampler's turn ends.
+
+`Agent` holds what a run sets up once (tools, environment class, chat-template appender, tool-call format,
+limits, the tool worker pool); `AgentRollout` is the `on_turn_end` callback of one `Sampler.generate` call.
+At each turn end the trajectory
+1. records the turn's sampled ids and log-probs (`TokenBuffer`, loss mask 1) and decodes them, only to read
+   them (model text is never encoded again);
+2. ends (returns None) when the model stopped without a tool call, ran out of tokens, the environment says
+   it is done, or `max_turns` turns were sampled;
+3. otherwise parses the tool calls (`tool_format`), runs them concurrently in the `ToolPool` (a slot waiting
+   for them is parked by the sampler: the callback returns a Future) or asks the environment's `step`;
+   malformed calls, unknown tools, calls past `max_tool_calls` and tool failures become `{"error": ...}`
+   tool messages and are counted; outputs are cut to `max_tool_output_tokens` with a marker;
+4. returns the ids to append: the suffix `ChatTemplateAppender` renders for the new messages and the next
+   assistant header (loss mask 0). When they do not fit (the sampler's `room`, or `max_total_tokens` after
+   the prompt) the trajectory ends cleanly with finish reason `truncated`.
+Finish reasons: `stop` (answered, or the environment ended the game), `length` (the model's turn hit the
+token budget), `truncated` (an append did not fit), `max_turns`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from posttrain.agent.buffer import TokenBuffer
+from posttrain.agent.environments import EnvironmentSpec, EnvSession, trajectory_reward
+from posttrain.agent.parsers import parse_error_messages, parse_tool_calls
+from posttrain.agent.templates import ChatTemplateAppender
+from posttrain.tools import ToolPool, ToolRecord, tool_message
+from posttrain.tools.execution import error_content
+
+__all__ = ["Agent", "AgentLimits", "AgentRollout", "Trajectory"]
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """Per-trajectory limits: assistant turns, tool calls in all, tokens of one tool output, seconds per call, and
+    tokens after the prompt (sampled and appended; 0: only the sampler's context limit)."""
+    max_turns: int = 8
+    max_tool_calls: int = 16
+    max_tool_output_tokens: int = 512
+    tool_timeout_s: float = 10.0
+    max_total_tokens: int = 0
+
+
+class Agent:
+    """A run's multi-turn set-up: `tools` (name -> Tool), `environment` (or None), the appender, `fmt`, limits."""
+
+    def __init__(self, tokenizer, *, tools: dict | None = None, environment: EnvironmentSpec | None = None,
+                 fmt: str = "hermes", limits: AgentLimits = AgentLimits(), stop_ids: Sequence[int] | None = None,
+                 system_prompt: str | None = None, prompt_field: str = "prompt", pool: ToolPool | None = None,
+                 template_name: str | None = None):
+        self.tok = tokenizer
+        self.prompt_field = prompt_field
+        self.tools = dict(tools or {})
+        self.environment = environment
+        self.fmt = fmt
+        self.limits = limits
+        self.system_prompt = system_prompt
+        schemas = [t.schema for t in self.tools.values()] + list(environment.schemas if environment else ())
+        self.appender = ChatTemplateAppender(tokenizer, schemas, stop_ids=stop_ids, name=template_name)
+        self.stop_ids = set(tokenizer.eos_token_ids if stop_ids is None else stop_ids)
+        self.pool = pool or ToolPool(num_workers=4)
+        self._own_pool = pool is None
+        self.lock = threading.RLock()  # the tokenizer is used from tool-callback threads too
+
+    def env_record(self, record: dict) -> dict:
+        """The dataset row as the environment sees it: the prompt under its own field name again (the prompt
+        reader moved it to `prompt`)."""
+        if self.prompt_field == "prompt" or "prompt" not in record:
+            return record
+        return {**record, self.prompt_field: record["prompt"]}
+
+    def first_messages(self, record: dict, env: EnvSession | None = None) -> list[dict]:
+        """The conversation's first messages: the environment's `reset(record)` (on `env`, else on a fresh
+        instance), else the record's prompt (text as a user turn, or messages) with the system prompt added."""
+        if self.environment is not None:
+            return (env or self.environment.make()).reset(self.env_record(record))
+        prompt = record["prompt"]
+        msgs = [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+    def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The rendered first prompt (tools in the template or its system-prompt section), generation prompt last."""
+        with self.lock:
+            return self.appender.prompt_ids(messages)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """A turn's text, for reading only (its stop token left out)."""
+        ids = list(ids)
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        with self.lock:
+            return self.tok.decode(ids, skip_special_tokens=False)
+
+    def cut_output(self, content: str) -> str:
+        """`content`, or its first `max_tool_output_tokens` tokens and a marker."""
+        limit = self.limits.max_tool_output_tokens
+        if len(content) <= limit:  # no tokenizer makes more tokens than characters
+            return content
+        with self.lock:
+            ids = self.tok.encode(content, add_special_tokens=False)
+            if len(ids) <= limit:
+                return content
+            return self.tok.decode(ids[:limit]) + f"\n[... output cut: {len(ids) - limit} more tokens]"
+
+    def close(self) -> None:
+        if self._own_pool:
+            self.pool.close()
+
+
+class Trajectory:
+    """One sequence's conversation, token buffer, tool calls and results, and counts (see the module docstring)."""
+
+    def __init__(self, agent: Agent, record: dict, prompt_ids: Sequence[int]):
+        self.agent, self.record = agent, record
+        self.env: EnvSession | None = agent.environment.make() if agent.environment is not None else None
+        first = agent.first_messages(record, self.env)
+        self.messages: list[dict] = agent.appender.prompt_messages(first)
+        self.tools = {**agent.tools, **(self.env.tools if self.env is not None else {})}
+        self.buffer = TokenBuffer()
+        self.buffer.add_prompt(prompt_ids)
+        self.prompt_len = len(self.buffer)
+        self.tool_calls: list[dict] = []
+        self.tool_results: list[dict] = []
+        self.turns = 0
+        self.num_calls = 0
+        self.tool_errors = 0
+        self.tool_seconds = 0.0
+        self.finish_reason: str | None = None
+        self.env_error: str | None = None
+
+    # ------------------------------------------------------------------ one turn end
+    def on_turn(self, ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, room: int):
+        """The sampler's turn end: None (done), the ids to append, or a Future of either."""
+        self.buffer.add_sampled(ids, logprobs)
+        self.turns += 1
+        text = self.agent.decode(ids)
+        self.messages.append({"role": "assistant", "content": text})
+        if finish_reason != "stop":
+            return self._end("length")
+        if self.env is not None and self.env.spec.has_step:
+            return self._step(text, ids, room)
+        parsed = parse_tool_calls(text, self.agent.fmt)
+        if not parsed:
+            return self._end("stop")
+        if self.turns >= self.agent.limits.max_turns:
+            return self._end("max_turns")
+        futures = self._submit(parsed)
+        if all(f.done() for f in futures):
+            return self._append([f.result() for f in futures], ids, room)
+        out: cf.Future = cf.Future()
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_):
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                try:
+                    out.set_result(self._append([f.result() for f in futures], ids, room))
+                except BaseException as e:  # noqa: BLE001 - surfaces in the sampler, not lost in a thread
+                    out.set_exception(e)
+
+        for f in futures:
+            f.add_done_callback(done)
+        return out
+
+    def _submit(self, parsed) -> list[cf.Future]:
+        """Futures of `(message, record)`: the calls within `max_tool_calls`, then refusals and parse errors."""
+        lim = self.agent.limits
+        out = []
+        for call in parsed.calls:
+            self.tool_calls.append({"turn": self.turns, "name": call.name, "arguments": call.arguments,
+                                    **({"id": call.id} if call.id else {})})
+            if self.num_calls >= lim.max_tool_calls:
+                f: cf.Future = cf.Future()
+                f.set_result((tool_message(call.name, error_content(
+                    f"tool call limit reached ({lim.max_tool_calls} calls per conversation)"), call.id),
+                    ToolRecord(call.name, 0.0, "limit")))
+            else:
+                f = self.agent.pool.submit(self.tools, call, timeout=lim.tool_timeout_s,
+                                           max_output_chars=lim.max_tool_output_tokens * 16)
+            self.num_calls += 1
+            out.append(f)
+        for pair in parse_error_messages(parsed):
+            f = cf.Future()
+            f.set_result(pair)
+            out.append(f)
+        return out
+
+    def _append(self, results: list[tuple[dict, ToolRecord]], ids: Sequence[int], room: int):
+        new = []
+        for msg, rec in results:
+            if rec.error is None:  # error messages are ours, short, and must stay JSON
+                msg = dict(msg, content=self.agent.cut_output(msg["content"]))
+            new.append(msg)
+            self.tool_errors += rec.error is not None
+            self.tool_seconds += rec.seconds
+            self.tool_results.append({"turn": self.turns, "name": rec.name, "content": msg["content"],
+                                      "error": rec.error, "seconds": round(rec.seconds, 4)})
+        return self._append_messages(new, ids, room)
+
+    def _step(self, text: str, ids: Sequence[int], room: int):
+        res = self.env.step(text)
+        if res.error is not None:
+            self.env_error = res.error
+            self.tool_errors += 1
+        if res.done or res.observation is None:
+            return self._end("stop")
+        if self.turns >= self.agent.limits.max_turns:
+            return self._end("max_turns")
+        return self._append_messages([{"role": "user", "content": self.agent.cut_output(res.observation)}], ids, room)
+
+    def _append_messages(self, new: list[dict], ids: Sequence[int], room: int):
+        with self.agent.lock:
+            append = self.agent.appender.append_ids(new, ids[-1] if len(ids) else None)
+        self.messages += self.agent.appender.convert(new)
+        budget = self.agent.limits.max_total_tokens
+        if budget:  # after the prompt, sampled and appended tokens together, one left for the next turn
+            room = min(room, budget - (len(self.buffer) - self.prompt_len) - 1)
+        if len(append) > room:  # `room`: the most ids an append may hold (the next token's position kept)
+            return self._end("truncated")
+        self.buffer.add_appended(append)
+        return append
+
+    def _end(self, reason: str) -> None:
+        self.finish_reason = reason
+        return None
+
+    # ------------------------------------------------------------------ the finished trajectory
+    def check(self, token_ids: Sequence[int], logprobs: Sequence[float], mask: Sequence[int]) -> None:
+        """Token-in/token-out: the sampler's completion must be exactly this buffer after the prompt."""
+        b = self.buffer
+        got = (list(map(int, token_ids)), list(map(int, mask)))
+        if got != (b.ids[self.prompt_len:], b.loss_mask[self.prompt_len:]):
+            raise RuntimeError("multi-turn rollout: the sampler's tokens differ from the trajectory's buffer "
+                               f"(prompt {self.prompt_len} tokens, {len(got[0])} vs {len(b) - self.prompt_len} after it)")
+        sampled = [p for p, m in zip(logprobs, mask) if m]
+        if any(abs(a - c) > 1e-6 for a, c in zip(sampled, [p for p, m in zip(b.logprobs, b.loss_mask) if m])):
+            raise RuntimeError("multi-turn rollout: the sampler's log-probs differ from the trajectory's buffer")
+
+    @property
+    def final_text(self) -> str:
+        """The last assistant message: what the reward functions score."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
+    def env_reward(self) -> float | None:
+        """The environment's reward (per-turn rewards summed plus its `reward(...)`), or None without one."""
+        if self.env is None or not (self.env.spec.has_step or self.env.spec.has_reward):
+            return None
+        final, error = self.env.final_reward(self.messages, self.agent.env_record(self.record))
+        if error is not None:
+            self.env_error = error
+            self.tool_errors += 1
+        return trajectory_reward(self.env.turn_rewards, final)
+
+    def summary(self) -> dict[str, Any]:
+        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, finish reason."""
+        return {"messages": self.messages, "tool_calls": self.tool_calls, "tool_results": self.tool_results,
+                "turns": self.turns, "num_tool_calls": self.num_calls, "tool_errors": self.tool_errors,
+                "tool_seconds": self.tool_seconds, "finish_reason": self.finish_reason or "stop",
+                **({"env_error": self.env_error} if self.env_error else {})}
+
+
+class AgentRollout:
+    """The `on_turn_end` callback of one `generate` call: a `Trajectory` per (prompt index, sample index)."""
+
+    def __init__(self, agent: Agent, records: Sequence[dict], prompt_ids: Sequence[Sequence[int]]):
+        self.agent, self.records, self.prompt_ids = agent, list(records), list(prompt_ids)
+        self.trajectories: dict[tuple[int, int], Trajectory] = {}
+
+    def trajectory(self, prompt_index: int, sample_index: int) -> Trajectory:
+        key = (int(prompt_index), int(sample_index))
+        if key not in self.trajectories:
+            self.trajectories[key] = Trajectory(self.agent, self.records[key[0]], self.prompt_ids[key[0]])
+        return self.trajectories[key]
+
+    def __call__(self, end) -> Any:
+        """`Sampler.generate`'s `on_turn_end` (a `posttrain.sampling.TurnEnd` in)."""
+        traj = self.trajectory(end.prompt_index, end.sample_index)
+        return traj.on_turn(end.token_ids, end.logprobs, end.finish_reason, end.room)
+
+    def finished(self, completion) -> Trajectory:
+        """The trajectory of a finished `Completion`, checked against it token for token."""
+        traj = self.trajectory(completion.prompt_index, completion.sample_index)
+        mask = getattr(completion, "mask", None)
+        traj.check(completion.token_ids, completion.logprobs, mask if mask is not None else [1] * len(completion.token_ids))
+        return traj

@@ -1,0 +1,51 @@
+"""Building a run's `Agent` from its rollout config section (`rollout.tools`, `rollout.environment`,
+`rollout.tool_format`, `rollout.max_turns`, `rollout.max_tool_calls`, `rollout.max_tool_output_tokens`,
+`rollout.tool_timeout_s`, `rollout.tool_workers`), shared by `posttrain rl`, `eval` and `generate`.
+Every problem is a one-line `ConfigError` naming the key (or the file) at fault."""
+
+from __future__ import annotations
+
+from posttrain.agent.environments import EnvironmentSpec, load_environment
+from posttrain.agent.rollout import Agent, AgentLimits
+from posttrain.agent.templates import TemplateError
+from posttrain.config import ConfigError
+from posttrain.tools import ToolPool, load_tools
+
+__all__ = ["agent_enabled", "build_agent", "load_agent_parts", "total_budget"]
+
+
+def agent_enabled(rollout) -> bool:
+    """Whether the rollout section asks for multi-turn rollouts (tools or an environment)."""
+    return bool(rollout.tools) or bool(rollout.environment)
+
+
+def total_budget(rollout) -> int:
+    """Tokens after the prompt per trajectory: `max_total_tokens`, or max_turns x max_new_tokens."""
+    return rollout.max_total_tokens or rollout.max_turns * rollout.max_new_tokens
+
+
+def load_agent_parts(rollout) -> tuple[dict, EnvironmentSpec | None]:
+    """The configured tools and environment class, loaded and checked (before any model loads)."""
+    tools = load_tools(list(rollout.tools or []), key="rollout.tools")
+    env = load_environment(rollout.environment, key="rollout.environment") if rollout.environment else None
+    if env is not None:
+        clash = sorted(set(tools) & set(env.tool_names))
+        if clash:
+            raise ConfigError(f"rollout.tools: {clash} also named as methods of the environment {env.ref!r}")
+    return tools, env
+
+
+def build_agent(rollout, tokenizer, *, system_prompt: str | None = None, prompt_field: str = "prompt",
+                parts: tuple[dict, EnvironmentSpec | None] | None = None) -> Agent:
+    """The `Agent` of a rollout section for `tokenizer` (its chat template checked for tools and appends)."""
+    tools, env = parts if parts is not None else load_agent_parts(rollout)
+    limits = AgentLimits(max_turns=rollout.max_turns, max_tool_calls=rollout.max_tool_calls,
+                         max_tool_output_tokens=rollout.max_tool_output_tokens, tool_timeout_s=rollout.tool_timeout_s,
+                         max_total_tokens=total_budget(rollout))
+    key = "rollout.environment" if env is not None and not tools else "rollout.tools"
+    try:
+        return Agent(tokenizer, tools=tools, environment=env, fmt=rollout.tool_format, limits=limits,
+                     stop_ids=rollout.stop_token_ids, system_prompt=system_prompt, prompt_field=prompt_field,
+                     pool=ToolPool(num_workers=rollout.tool_workers))
+    except TemplateError as e:
+        raise ConfigError(f"{key}: {' '.join(str(e).split())}") from None

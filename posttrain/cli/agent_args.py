@@ -1,0 +1,60 @@
+"""The multi-turn options `posttrain eval` and `posttrain generate` share (`--tools`, `--environment`, limits):
+they fill the same rollout section `posttrain rl` reads (`rollout.tools`, `rollout.environment`, ...), so the
+three commands run the same multi-turn rollout (`posttrain.agent`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from posttrain.config import ConfigError
+
+
+def add_agent_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-turn rollouts (tools or an environment)")
+    g.add_argument("--tools", default=None,
+                   help="comma-separated tools: calculator, python, module:function or file.py:function")
+    g.add_argument("--environment", default=None, help="environment class: module:Class or file.py:Class")
+    g.add_argument("--tool-format", default="hermes", choices=["hermes", "llama3", "mistral"],
+                   help="how the model writes tool calls (default: hermes <tool_call>)")
+    g.add_argument("--max-turns", type=int, default=8, help="assistant turns per conversation at most")
+    g.add_argument("--max-tool-calls", type=int, default=16, help="tool calls per conversation at most")
+    g.add_argument("--max-tool-output-tokens", type=int, default=512, help="a tool result is cut after this")
+    g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds per tool call")
+
+
+def rollout_section(args):
+    """The rollout config section of the options (validated as `posttrain rl` validates it)."""
+    from posttrain.rl.config import RolloutConfig
+
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else []
+    try:
+        return RolloutConfig(tools=tools, environment=args.environment, tool_format=args.tool_format,
+                             max_turns=args.max_turns, max_tool_calls=args.max_tool_calls,
+                             max_tool_output_tokens=args.max_tool_output_tokens, tool_timeout_s=args.tool_timeout)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("rollout.", "--").replace("_", "-")) from None
+
+
+def check_agent(args):
+    """`(rollout section, loaded tools and environment)`, or None without --tools/--environment; runs before
+    any model loads, so a bad reference fails at once."""
+    from posttrain.agent.setup import agent_enabled, load_agent_parts
+
+    section = rollout_section(args)
+    if not agent_enabled(section):
+        return None
+    try:
+        return section, load_agent_parts(section)
+    except ConfigError as e:
+        msg = str(e).replace("rollout.tools", "--tools").replace("rollout.environment", "--environment")
+        raise ConfigError(msg) from None
+
+
+def make_agent(checked, tokenizer, *, system_prompt=None, prompt_field="prompt"):
+    """The `Agent` of `check_agent`'s result for the loaded tokenizer (None: single-turn)."""
+    if checked is None:
+        return None
+    from posttrain.agent.setup import build_agent
+
+    section, parts = checked
+    return build_agent(section, tokenizer, system_prompt=system_prompt, prompt_field=prompt_field, parts=parts)

@@ -1,0 +1,263 @@
+"""Multi-turn rollouts (`posttrain.agent.rollout`): the per-trajectory driver behind the sampler's turn ends.
+
+The driver tests run it under a scripted sampler that follows `Sampler.generate`'s `on_turn_end` contract
+(turn ids and log-probs in; None, ids to append, or a Future of either out; appended ids enter the completion
+with log-prob 0.0 and mask 0), with the model's turns written as text, so tool calls, failures and limits are
+exercised deterministically: token-in/token-out, error messages for failing tools, limits, truncation.
+The end-to-end tests (marked slow) run the real sampler on a tiny random model."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from posttrain.agent import load_environment
+from posttrain.agent.rollout import Agent, AgentLimits, AgentRollout
+from posttrain.models.tiny import resolve_model_path
+from posttrain.models.tokenizer import load as load_tokenizer
+from posttrain.rl.batch import build_rl_batch
+from posttrain.rl.metrics import agent_metrics
+from posttrain.rl.rollout import Rollouts, generate_rollouts
+from posttrain.rewards.runner import RewardRunner
+from posttrain.sampling import SamplingParams
+from posttrain.sampling.params import Completion, TurnEnd
+from posttrain.tools import ToolPool, load_tools
+
+REPO = Path(__file__).resolve().parents[1]
+
+BAD_TOOLS = '''
+import time
+
+def boom(x: int) -> str:
+    """A tool that raises.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError("tool bug")
+
+def hang(x: int) -> str:
+    """A tool that never returns.
+
+    Args:
+        x: anything
+    """
+    time.sleep(600)
+    return "never"
+
+def flood(x: int) -> str:
+    """A tool that prints and returns 10 MB.
+
+    Args:
+        x: anything
+    """
+    print("y" * 10_000_000)
+    return "z" * 10_000_000
+'''
+
+
+class ScriptedSampler:
+    """Follows `Sampler.generate`'s multi-turn contract; the model's turn k of sequence (p, i) is the text
+    `script(p, i, k)` tokenized (plus the stop token), with made-up log-probs, cut at the turn's budget."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.version = tok, script, 0
+        self.rng = np.random.default_rng(0)
+        self.cfg = SimpleNamespace(max_position_embeddings=100_000)
+        self.max_len = None
+
+    def generate(self, prompts, params, *, key_ids=None, on_turn_end=None, max_len=None, progress=False):
+        out = []
+        for p in range(len(prompts)):
+            for i in range(params.n):
+                ids, lps, mask, reason = [], [], [], "stop"
+                for k in range(100):
+                    turn = self.tok.encode(self.script(p, i, k), add_special_tokens=False) + [self.tok.eos_token_id]
+                    budget = params.max_new_tokens
+                    turn, reason = (turn, "stop") if len(turn) <= budget else (turn[:budget], "length")
+                    tlp = (-self.rng.random(len(turn))).tolist()
+                    ids += turn
+                    lps += tlp
+                    mask += [1] * len(turn)
+                    length = len(prompts[p]) + len(ids)
+                    room = (max_len or 100_000) - length - 1
+                    more = on_turn_end(TurnEnd(p, i, k, turn, tlp, None, reason, room, length))
+                    if isinstance(more, cf.Future):
+                        more = more.result(timeout=60)
+                    if more is None:
+                        break
+                    assert len(more) <= room
+                    ids += more
+                    lps += [0.0] * len(more)
+                    mask += [0] * len(more)
+                out.append(Completion(p, i, ids, lps, None, reason, self.tok.decode(ids), mask=mask, turns=k + 1))
+        return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model_path("tiny:llama"))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = ToolPool(num_workers=2)
+    yield p
+    p.close()
+
+
+def call(name, **args):
+    return f'<tool_call>{json.dumps({"name": name, "arguments": args})}</tool_call>'
+
+
+def run(tok, pool, tools, script, records, *, limits=AgentLimits(), max_new=2000, n=1, env=None):
+    """Multi-turn rollouts of `records` under the scripted sampler (`max_new`: each turn's token budget)."""
+    agent = Agent(tok, tools=tools, environment=env, limits=limits, pool=pool)
+    prompts = [agent.prompt_ids(agent.first_messages(r)) for r in records]
+    sampler = ScriptedSampler(tok, script)
+    runner = RewardRunner([], num_workers=0)
+    ro = generate_rollouts(sampler, records, list(range(len(records))), prompts,
+                           SamplingParams(max_new_tokens=max_new, n=n), runner, agent=agent)
+    return ro, agent
+
+
+def test_token_in_token_out_with_the_calculator(tok, pool):
+    """Every trajectory: the buffer's model tokens are the sampler's tokens and log-probs, the appended ids decode
+    to the tool result and the next header, and the loss mask is 1 exactly on sampled tokens."""
+    turns = [call("calculator", expression="12*34") + call("calculator", expression="2+2"), "It is 408."]
+    ro, agent = run(tok, pool, load_tools(["calculator"]), lambda p, i, k: turns[k],
+                    [{"prompt": "What is 12*34?"}, {"prompt": "And 2+2?"}], n=2)
+    assert len(ro) == 4 and ro.finish_reasons == ["stop"] * 4
+    for c_ids, lps, mask, traj in zip(ro.completion_ids, ro.logprobs, ro.completion_mask, ro.trajectories):
+        mask = np.asarray(mask)
+        sampled = [t for t, m in zip(c_ids, mask) if m]
+        expected = [t for text in turns for t in tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]]
+        assert sampled == expected
+        assert traj["turns"] == 2 and traj["num_tool_calls"] == 2 and traj["tool_errors"] == 0
+        assert [r["content"] for r in traj["tool_results"]] == ["408", "4"]
+        appended = tok.decode([t for t, m in zip(c_ids, mask) if not m], skip_special_tokens=False)
+        assert appended == "<|user|><tool_response>\n408\n</tool_response>\n<tool_response>\n4\n</tool_response><eos><|assistant|>"
+        assert np.all(np.asarray(lps)[mask == 0] == 0.0)
+        assert traj["messages"][-1] == {"role": "assistant", "content": "It is 408."}
+    assert ro.texts == ["It is 408."] * 4  # the reward functions see the final answer
+    # the training batch: loss only on the sampled tokens, the behaviour log-probs the sampler's
+    batch = build_rl_batch(ro, np.ones(len(ro)))
+    for i in range(len(ro)):
+        n = len(ro.completion_ids[i])
+        assert batch.loss_mask[i, :n].tolist() == ro.completion_mask[i] and not batch.loss_mask[i, n:].any()
+        np.testing.assert_allclose(batch.behaviour_logp[i, :n], ro.logprobs[i])
+    m = agent_metrics(ro.trajectories)
+    assert m["agent/turns_mean"] == 2 and m["agent/tool_calls_mean"] == 2 and m["agent/tool_errors"] == 0
+    # plain data through the checkpoint and the fleet's wire format
+    back = Rollouts.from_json(json.loads(json.dumps(ro.to_json())))
+    assert back.completion_mask == ro.completion_mask and back.trajectories == ro.trajectories
+    assert [g.completion_mask for g in ro.groups()] == [ro.completion_mask[:2], ro.completion_mask[2:]]
+
+
+@pytest.mark.slow
+def test_tool_failures_are_messages_and_counted(tok, pool, tmp_path):
+    """A tool that raises, hangs past its limit, floods its output, or (python) reads the run's files: the model
+    reads an error (or a cut output), the rollout goes on, and the metrics count the failures."""
+    (tmp_path / "bad.py").write_text(BAD_TOOLS)
+    secret = tmp_path / "config.yaml"
+    secret.write_text("secret: 42\n")
+    tools = load_tools([f"{tmp_path}/bad.py:boom", f"{tmp_path}/bad.py:hang", f"{tmp_path}/bad.py:flood", "python"])
+    turns = [call("boom", x=1) + call("hang", x=1), call("flood", x=1),
+             call("python", code=f"print(open({str(secret)!r}).read())"), '<tool_call>{"name": oops</tool_call>',
+             call("nonexistent"), "done"]
+    limits = AgentLimits(max_tool_output_tokens=400, tool_timeout_s=2.0)
+    ro, _ = run(tok, pool, tools, lambda p, i, k: turns[k], [{"prompt": "go"}], limits=limits, max_new=5000)
+    [traj] = ro.trajectories
+    res = traj["tool_results"]
+    assert [r["error"] for r in res] == ["exception", "timeout", None, None, "parse", "unknown_tool"]
+    assert "tool bug" in json.loads(res[0]["content"])["error"]
+    assert "time limit" in json.loads(res[1]["content"])["error"]
+    assert "output cut" in res[2]["content"] and len(res[2]["content"]) < 500
+    assert "not allowed" in res[3]["content"] and "42" not in res[3]["content"]
+    assert traj["turns"] == 6 and ro.finish_reasons == ["stop"] and traj["tool_errors"] == 4
+    assert agent_metrics(ro.trajectories)["agent/tool_errors"] == 4
+    assert agent_metrics(ro.trajectories)["agent/tool_seconds"] >= 2.0
+
+
+def test_limits_turns_calls_and_truncation(tok, pool):
+    tools = load_tools(["calculator"])
+    always = lambda p, i, k: call("calculator", expression="1+1") * 2  # noqa: E731
+    ro, _ = run(tok, pool, tools, always, [{"prompt": "x"}], limits=AgentLimits(max_turns=3, max_tool_calls=3))
+    [t] = ro.trajectories
+    assert ro.finish_reasons == ["max_turns"] and t["turns"] == 3 and t["num_tool_calls"] == 4
+    assert [r["error"] for r in t["tool_results"]] == [None, None, None, "limit"]  # the 4th call is refused
+    # an append that does not fit in the trajectory's budget ends it cleanly, marked truncated
+    budget = len(tok.encode(always(0, 0, 0), add_special_tokens=False)) + 1 + 10
+    ro, _ = run(tok, pool, tools, always, [{"prompt": "x"}], limits=AgentLimits(max_total_tokens=budget))
+    assert ro.finish_reasons == ["truncated"]
+    assert len(ro.completion_ids[0]) <= budget and ro.completion_mask[0][-1] == 1
+    assert agent_metrics(ro.trajectories)["agent/truncated_frac"] == 1.0
+    # the model's own turn hitting the budget is `length`
+    ro, _ = run(tok, pool, tools, lambda p, i, k: "a" * 100, [{"prompt": "x"}], max_new=30)
+    assert ro.finish_reasons == ["length"] and ro.trajectories[0]["turns"] == 1
+
+
+def test_environment_step_game_and_rewards(tok, pool):
+    env = load_environment("posttrain.agent.envs.guess_number:GuessNumber")
+    guesses = ["50", "25", "37"]
+    ro, _ = run(tok, pool, {}, lambda p, i, k: f"My guess: {guesses[k]}", [{"prompt": "", "secret": 37}], env=env)
+    [t] = ro.trajectories
+    assert t["turns"] == 3 and ro.finish_reasons == ["stop"]
+    assert [m["content"] for m in t["messages"] if m["role"] == "user"][1:] == ["lower", "higher"]
+    assert ro.per_reward["environment"].tolist() == [1.0] and ro.rewards.tolist() == [1.0]
+
+
+@pytest.mark.slow
+def test_environment_tools_and_final_reward(tok, pool):
+    env = load_environment("posttrain.agent.envs.chain_sum:ChainSum")
+    turns = [call("calculator", expression="3+4-2"), "<answer>5</answer>"]
+    ro, _ = run(tok, pool, {}, lambda p, i, k: turns[k], [{"prompt": "3 + 4 - 2 =", "answer": "5"}], env=env)
+    [t] = ro.trajectories
+    assert t["tool_results"][0]["content"] == "5" and ro.per_reward["environment"].tolist() == [1.0]
+    assert ro.texts == ["<answer>5</answer>"]
+
+
+# ---------------------------------------------------------------------- configuration errors (CLI)
+BAD = "def untyped(x):\n    return x\n\nclass NoReset:\n    pass\n"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["rollout.tools=[nonexist.py:search]"], "rollout.tools[0]: tool file 'nonexist.py' not found"),
+    (["rollout.tools=[posttrain.tools:nosuch]"], "rollout.tools[0]: tool 'nosuch' not found"),
+    (["rollout.tools=[{tmp}/t.py:untyped]"], "rollout.tools[0]: tool"),
+    (["rollout.environment={tmp}/t.py:NoReset"], "rollout.environment: environment class NoReset"),
+    (["rollout.tools=[calculator]", "rollout.tool_format=xml"], "rollout.tool_format"),
+    (["rollout.tools=[calculator]", "rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
+    (["rollout.tools=[calculator]", "fleet.workers=2"], "fleet.workers: multi-turn rollouts"),
+])
+def test_bad_agent_configs_are_one_line_errors(tmp_path, capsys, overrides, expected):
+    """Through the CLI's entry point (in-process: the errors come before any model loads)."""
+    from posttrain.cli.main import main
+
+    (tmp_path / "t.py").write_text(BAD)
+    args = ["rl", str(REPO / "configs/rl_smoke.yaml"), f"output_dir={tmp_path / 'out'}",
+            f"data.train={REPO / 'tests/data/rl_prompts_tiny.jsonl'}", "data.eval=null",
+            *(o.replace("{tmp}", str(tmp_path)) for o in overrides)]
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and expected in lines[0] and "Traceback" not in err, lines
+
+
+@pytest.mark.slow
+def test_bad_reward_reference_is_one_line_from_the_command(tmp_path):
+    """The `posttrain` command itself (tools and rewards share the loader): one line, no traceback."""
+    for override, expected in (("rewards.functions=[{name: nonexist.py:fn}]", "reward file 'nonexist.py' not found"),):
+        proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "rl", "configs/rl_smoke.yaml",
+                               f"output_dir={tmp_path / 'out'}", override], capture_output=True, text=True,
+                              cwd=REPO, timeout=300)
+        lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+        assert proc.returncode != 0 and len(lines) == 1 and expected in lines[0], proc.stderr
