@@ -70,3 +70,27 @@ def test_reduced_demo_plumbing(tmp_path, capsys):
         theirs = g[0, len(p):].tolist()
         np.testing.assert_array_equal(c.token_ids, theirs[: len(c.token_ids)])
         assert len(theirs) == len(c.token_ids) or c.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_reduced_tools_demo_plumbing(tmp_path, capsys):
+    """`posttrain demo --task tools --reduced`: tool-use SFT then multi-turn RL with the calculator; every
+    file written, trajectories logged with their token buffers, tool calls counted in the summary."""
+    from posttrain.cli.main import main
+    from posttrain.demo.tools_run import ToolsDemoSettings
+
+    out = tmp_path / "demo_tools"
+    assert main(["demo", "--task", "tools", "--output-dir", str(out), "--seed", "1", "--reduced"]) == 0
+    assert "tool calls per trajectory" in capsys.readouterr().out
+    s = ToolsDemoSettings.reduced()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "tools" and [st["name"] for st in summary["stages"]] == ["init", "sft", "rl"]
+    assert all(0 <= st["accuracy"] <= 1 and st["tool_calls"] >= 0 for st in summary["stages"])
+    for f in ("sft.yaml", "rl.yaml", "demo_tools.png", "rl/trajectories.jsonl", "rl/hf/config.json"):
+        assert (out / f).exists(), f
+    sft_rows = [json.loads(line) for line in open(out / "data" / "sft_train.jsonl")]
+    assert any(len(r["messages"]) == 4 for r in sft_rows) and any(len(r["messages"]) == 2 for r in sft_rows)
+    rows = [json.loads(line) for line in open(out / "rl" / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "agent/tool_calls_mean" in r] == list(range(1, s.rl_steps + 1))
+    t = json.loads(open(out / "rl" / "trajectories.jsonl").readline())
+    assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"])

@@ -42,10 +42,10 @@ merged (blank line between), which templates that require alternating roles (Gem
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 from posttrain.config import ConfigError
+from posttrain.tools.chat import tool_response_text, tools_system_section
 
 __all__ = ["ChatTemplateAppender", "TemplateError", "tool_response_text", "tools_system_section"]
 
@@ -57,21 +57,6 @@ _SYSTEM_PROBE = "@@posttrain-system-probe@@"
 
 class TemplateError(ConfigError):
     """A chat template that multi-turn rollouts cannot append to safely."""
-
-
-def tools_system_section(schemas: Sequence[dict]) -> str:
-    """The documented system-prompt section describing `schemas` (see the module docstring)."""
-    lines = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
-    return ("# Tools\n\nYou may call the functions below. Their signatures are JSON schemas, one per line, inside "
-            f"<tools></tools>:\n<tools>\n{lines}\n</tools>\n\nTo call a function, write a JSON object with its name "
-            "and arguments inside <tool_call></tool_call> tags, one block per call:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>\n'
-            "Each result comes back inside <tool_response></tool_response> tags.")
-
-
-def tool_response_text(messages: Sequence[dict]) -> str:
-    """Tool results as the text of one user turn."""
-    return "\n".join(f"<tool_response>\n{m['content']}\n</tool_response>" for m in messages)
 
 
 def _first_difference(a: str, b: str) -> int:

@@ -9,11 +9,14 @@ weights `loss_mask[1:]`; `loss_mask[0]` is therefore always 0.
 from __future__ import annotations
 
 import dataclasses
+import json
+import weakref
 from typing import Any, Literal, Sequence
 
 import numpy as np
 
 from posttrain.data.sources import DataError
+from posttrain.tools.chat import TemplateToolSupport, normalize_tool_calls, to_template_messages
 
 __all__ = ["DataFormatConfig", "Example", "encode_record", "encode_records", "resolve_format",
            "chat_assistant_mask"]
@@ -27,6 +30,10 @@ class DataFormatConfig:
       "prompt_completion" (`prompt_field` + `completion_field`; the prompt may be a
       string or a list of chat messages), "text" (`text_field`), or "auto"
       (detected per record in that order of preference).
+    tools_field: the optional field of a "messages" record holding the JSON schemas of the tools the
+      conversation may call (a list, or a JSON string of one), as TRL's `tools` column. Assistant turns may
+      carry OpenAI-style `tool_calls` (content empty) and results come as `tool` messages; they are rendered
+      with the template's tool support, or as `posttrain.tools.chat` describes for templates without it.
     train_on_prompt: also put loss on non-assistant / prompt tokens.
     add_eos: append the EOS token to plain-string completions and texts (chat
       renderings end turns as the template says and get nothing appended).
@@ -37,6 +44,7 @@ class DataFormatConfig:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     text_field: str = "text"
+    tools_field: str = "tools"
     train_on_prompt: bool = False
     add_eos: bool = True
 
@@ -105,7 +113,8 @@ def check_messages(messages: Any, field: str, where: str, *, or_string: bool = F
         raise DataError(f"{where}: field '{field}' must be a non-empty list of messages"
                         f"{' or a string' if or_string else ''}, found {found}")
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
             raise DataError(f"{where}: field '{field}' message {j} must be an object with 'role' and 'content', "
                             f"found {m!r}")
     return messages
@@ -132,7 +141,7 @@ def _common_suffix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _turn_end_from_content(tokenizer, messages: Sequence[dict], j: int, full: list[int],
-                           prefix: list[int]) -> int | None:
+                           prefix: list[int], **template_kwargs) -> int | None:
     """End of turn j in `full` for a template that renders turn j differently when it is the last message
     (Qwen3 shows an answer's reasoning only after the last user turn): the end of its content in `full`
     (where a rendering with one character appended to that content stops agreeing with `full`, counted
@@ -143,16 +152,17 @@ def _turn_end_from_content(tokenizer, messages: Sequence[dict], j: int, full: li
     mark = "~" if content.endswith("#") else "#"
     probe = dict(messages[j], content=content + mark)
     full_probe = tokenizer.apply_chat_template([*messages[:j], probe, *messages[j + 1:]],
-                                               add_generation_prompt=False, tokenize=True)
+                                               add_generation_prompt=False, tokenize=True, **template_kwargs)
     prefix_probe = tokenizer.apply_chat_template([*messages[:j], probe], add_generation_prompt=False,
-                                                 tokenize=True)
+                                                 tokenize=True, **template_kwargs)
     closing = _common_suffix_len(prefix, prefix_probe)
     return len(full) - _common_suffix_len(full, full_probe) + closing
 
 
 def chat_assistant_mask(tokenizer, messages: Sequence[dict], *,
                         train_roles: Sequence[str] = ("assistant",),
-                        trainable: Sequence[bool] | None = None) -> tuple[list[int], list[float]]:
+                        trainable: Sequence[bool] | None = None,
+                        **template_kwargs) -> tuple[list[int], list[float]]:
     """Render `messages` with the chat template; mask = 1 on tokens of trainable turns.
 
     A message is trainable when its role is in `train_roles` (and, if given,
@@ -161,25 +171,32 @@ def chat_assistant_mask(tokenizer, messages: Sequence[dict], *,
     render(messages[:j], add_generation_prompt=True) (so the assistant header is
     not a target) and the common prefix with render(messages[:j+1]). Where render(messages[:j+1]) is not a
     prefix of the full rendering (the template renders a last turn differently), a trained turn ends where
-    its content ends in the full rendering, plus its closing tokens.
+    its content ends in the full rendering, plus its closing tokens. `template_kwargs` go to every rendering
+    (e.g. `tools=`).
     """
-    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, **template_kwargs)
     mask = [0.0] * len(full)
     prev_end = 0
     for j, msg in enumerate(messages):
-        prefix = tokenizer.apply_chat_template(messages[: j + 1], add_generation_prompt=False, tokenize=True)
-        end = _common_prefix_len(full, prefix)
         train = msg["role"] in train_roles and (trainable is None or trainable[j])
+        try:
+            prefix = tokenizer.apply_chat_template(messages[: j + 1], add_generation_prompt=False, tokenize=True,
+                                                   **template_kwargs)
+        except Exception:  # noqa: BLE001 - e.g. Llama 3.1 with tools refuses a system turn alone: not a target
+            if train:
+                raise
+            continue
+        end = _common_prefix_len(full, prefix)
         if j == len(messages) - 1:
             end = len(full)
         elif train and end < len(prefix):
-            end = max(end, _turn_end_from_content(tokenizer, messages, j, full, prefix) or end)
+            end = max(end, _turn_end_from_content(tokenizer, messages, j, full, prefix, **template_kwargs) or end)
         if train:
             start = prev_end
             if j > 0:
                 try:
                     header = tokenizer.apply_chat_template(
-                        messages[:j], add_generation_prompt=True, tokenize=True)
+                        messages[:j], add_generation_prompt=True, tokenize=True, **template_kwargs)
                     start = max(prev_end, min(end, _common_prefix_len(full, header)))
                 except Exception:  # noqa: BLE001 - templates that refuse this prefix: no header skip
                     start = prev_end
@@ -187,6 +204,40 @@ def chat_assistant_mask(tokenizer, messages: Sequence[dict], *,
                 mask[t] = 1.0
         prev_end = max(prev_end, end)
     return list(full), mask
+
+
+_SUPPORT: "weakref.WeakKeyDictionary[Any, dict[str, TemplateToolSupport]]" = weakref.WeakKeyDictionary()
+
+
+def _tool_schemas(tools: Any, where: str) -> list[dict]:
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field 'tools' is not JSON ({e.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{where}: field 'tools' must be a list of JSON schemas, found {type(tools).__name__}")
+    return tools
+
+
+def _encode_messages(tokenizer, messages: list[dict], tools: Any, where: str) -> tuple[list[int], list[float]]:
+    """Assistant-masked ids of a conversation; tool calls, tool results and tool schemas rendered with the
+    template's tool support or rewritten for what it lacks (`posttrain.tools.chat`)."""
+    schemas = _tool_schemas(tools, where) if tools is not None else []
+    if not schemas and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return chat_assistant_mask(tokenizer, messages)
+    known = _SUPPORT.setdefault(tokenizer, {})  # what each tokenizer's template renders, per tool set
+    key = json.dumps(schemas, sort_keys=True)
+    if key not in known:
+        known[key] = TemplateToolSupport.probe(tokenizer, schemas)
+    support = known[key]
+    try:
+        messages = [dict(m, tool_calls=normalize_tool_calls(m["tool_calls"], f"{where}: message {j}"))
+                    if m.get("tool_calls") else m for j, m in enumerate(messages)]
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    kwargs = {"tools": schemas} if support.renders_tools else {}
+    return chat_assistant_mask(tokenizer, to_template_messages(messages, schemas, support), **kwargs)
 
 
 def encode_record(record: dict, tokenizer, cfg: DataFormatConfig | None = None, *,
@@ -199,7 +250,7 @@ def encode_record(record: dict, tokenizer, cfg: DataFormatConfig | None = None, 
     if fmt == "messages":
         messages = _check_messages(_field(record, cfg.messages_field, fmt, index, source),
                                    cfg.messages_field, index, source)
-        ids, mask = chat_assistant_mask(tokenizer, messages)
+        ids, mask = _encode_messages(tokenizer, messages, record.get(cfg.tools_field), _where(index, source))
         if cfg.train_on_prompt:
             mask = [1.0] * len(ids)
 
