@@ -202,8 +202,10 @@ def encode_record(record: dict, tokenizer, cfg: DataFormatConfig | None = None, 
     (None: a text-only model, and such a record is an error); relative image paths start at `base_dir`.
     """
     cfg = cfg or DataFormatConfig()
-    record, images = prepare_vlm_record(record, vision, where=_where(index, source), base_dir=base_dir)
     fmt = resolve_format(record, cfg, index=index, source=source)
+    fields = {"messages": (cfg.messages_field,), "prompt_completion": (cfg.prompt_field, cfg.completion_field)}
+    record, images = prepare_vlm_record(record, vision, where=_where(index, source), base_dir=base_dir,
+                                        fields=fields.get(fmt, ()))
     eos = tokenizer.eos_token_id
 
     if fmt == "messages":

@@ -95,11 +95,12 @@ def _as_list(images: Any) -> list:
     return [images]
 
 
-def has_images(record: dict) -> bool:
-    """Whether a record carries images (an `images` column that is not empty, or an image part)."""
+def has_images(record: dict, fields: Sequence[str] = _MESSAGE_FIELDS) -> bool:
+    """Whether a record carries images (an `images` column that is not empty, or an image part in one of the
+    message lists `fields`)."""
     if _as_list(record.get("images")):
         return True
-    for f in _MESSAGE_FIELDS:
+    for f in fields:
         msgs = record.get(f)
         if isinstance(msgs, list) and any(isinstance(m, dict) and _image_parts(m.get("content")) for m in msgs):
             return True
@@ -135,22 +136,23 @@ def _flatten_content(content: Any, j: int, field: str, column: list, state: dict
     return "".join(texts), found
 
 
-def prepare_vlm_record(record: dict, spec: VisionSpec | None, *, where: str,
-                       base_dir: str | None = None) -> tuple[dict, list[ImageRef]]:
-    """`record` with every message's content flattened to a string (image parts -> begin-of-image text) and
-    its images in the order their parts appear. A record without images comes back as it is. Errors (one line,
+def prepare_vlm_record(record: dict, spec: VisionSpec | None, *, where: str, base_dir: str | None = None,
+                       fields: Sequence[str] = _MESSAGE_FIELDS) -> tuple[dict, list[ImageRef]]:
+    """`record` with the content of every message of the message lists `fields` (those the record's format
+    reads) flattened to a string (image parts -> begin-of-image text), and its images in the order their parts
+    appear. A record without images comes back as it is. Errors (one line,
     naming `where`): images for a text-only model (`spec` None), an image part without an image, images in the
     `images` column that no part uses."""
-    if not has_images(record):
+    if not has_images(record, fields):
         return record, []
     column = _as_list(record.get("images"))
     if spec is None:
-        n = max(len(column), sum(_image_parts(m.get("content")) for f in _MESSAGE_FIELDS
+        n = max(len(column), sum(_image_parts(m.get("content")) for f in fields
                                  if isinstance(record.get(f), list) for m in record[f] if isinstance(m, dict)))
         raise DataError(f"{where}: the record has {n} image(s) but the model is text-only (its config.json "
                         "has no vision_config); use a vision-language checkpoint or text-only data")
     out, refs, state = dict(record), [], {"next": 0}
-    for f in _MESSAGE_FIELDS:
+    for f in fields:
         msgs = record.get(f)
         if not isinstance(msgs, list):
             continue
