@@ -107,7 +107,10 @@ class Attention(nnx.Module):
         k_c, v_c = ks.cache_write(k_c, v_c, k, v, positions)
         j = jnp.arange(valid.shape[1])[None, None, :]
         qp = positions[:, :, None]
-        mask = valid[:, None, :] & (j <= qp)
+        mask = j <= qp
+        if mask_info is not None and "image_overlay" in mask_info:  # a prefill's images: bidirectional within each
+            mask = mask | mask_info["image_overlay"]
+        mask = valid[:, None, :] & mask
         if window:
             mask = mask & (~sliding | (qp - j < window))
         out = ks.attend_cached(q, k_c, v_c, mask[:, None], cfg)

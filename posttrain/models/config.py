@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from posttrain.models.vision_config import VisionConfig
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
 
 _ARCHITECTURES = {
@@ -117,6 +119,8 @@ class ModelConfig:
     attention_impl: str = "auto"  # auto | xla | cudnn
     # auto | generic | cpu: the kernel set (`posttrain.models.kernels`); auto resolves when the model is built
     kernels: str = "auto"
+    # vision-language checkpoints (Gemma 3): the SigLIP tower, projector and image token ids; None = text only
+    vision: VisionConfig | None = None
     hf_config: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -171,6 +175,8 @@ class ModelConfig:
         total = l * per_layer + self.vocab_size * d + d
         if not self.tie_word_embeddings:
             total += self.vocab_size * d
+        if self.vision is not None:
+            total += self.vision.num_params(d)
         return total
 
     # ------------------------------------------------------------------ HF I/O
@@ -178,7 +184,9 @@ class ModelConfig:
     def from_hf(hf: dict[str, Any], *, source: str = "config.json", **overrides) -> "ModelConfig":
         """Builds the config from a Hugging Face config.json dict (transformers 4 and 5 layouts)."""
         model_type = hf.get("model_type")
-        if model_type == "gemma3":  # multimodal wrapper: its text part
+        if model_type == "gemma3":  # multimodal wrapper: its text part, plus the vision tower when there is one
+            if hf.get("vision_config") is not None and "vision" not in overrides:
+                overrides["vision"] = VisionConfig.from_hf(hf, source=source)
             hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
             model_type = "gemma3_text"
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -337,6 +345,8 @@ class ModelConfig:
             )
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window if any(self.sliding_layers) else None
+        if self.vision is not None:
+            return self.vision.to_hf(out, self.param_dtype)
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -352,7 +362,7 @@ class ModelConfig:
             "tied embeddings": self.tie_word_embeddings,
             "sliding window": self.sliding_window if any(self.sliding_layers) else None,
             "rope": f"{self.rope.type} theta={self.rope.theta:g}",
-        }
+        } | ({"architecture": "Gemma3ForConditionalGeneration", **self.vision.describe()} if self.vision else {})
 
 
 def llama_like(**kw) -> ModelConfig:

@@ -15,6 +15,7 @@ Layout: HF linear weights are [out, in]; ours are [*in, *out] with heads split o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from posttrain import distributed
-from posttrain.models import gguf_io
+from posttrain.models import gguf_io, vision_names
 from posttrain.models.config import ModelConfig
 from posttrain.models.layers import dtype_of
 from posttrain.models.transformer import Transformer
@@ -47,6 +48,8 @@ def _hf_name(path: tuple, layer: int | None) -> tuple[str, int]:
     linear kernel, -1 for a bias (flattened over heads), 0 for a tensor stored as it is."""
     parts = [str(p) for p in path]
     leaf = parts[-1]
+    if parts[0] in vision_names.VISION_ROOTS:
+        return vision_names.hf_name(parts, layer)
     if parts[0] == "lm_head":
         return "lm_head.weight", 1
     if parts[0] == "embed_tokens":
@@ -61,12 +64,16 @@ def _hf_name(path: tuple, layer: int | None) -> tuple[str, int]:
 
 
 def _to_ours(hf: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
+    if n_in == vision_names.CONV:  # conv weight [out, *in] -> [*in, out]
+        return np.ascontiguousarray(np.moveaxis(hf, 0, -1)).reshape(shape)
     if n_in > 0:  # linear kernel: [out, in] -> [*in, *out]
         return np.ascontiguousarray(hf.T).reshape(shape)
     return hf.reshape(shape)
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
+    if n_in == vision_names.CONV:
+        return (shape[-1], *shape[:-1])
     if n_in > 0:
         return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
     if n_in < 0:  # biases split by heads
@@ -75,6 +82,8 @@ def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
 
 
 def _to_hf(ours: np.ndarray, n_in: int) -> np.ndarray:
+    if n_in == vision_names.CONV:
+        return np.ascontiguousarray(np.moveaxis(ours, -1, 0))
     if n_in > 0:
         return np.ascontiguousarray(ours.reshape(math.prod(ours.shape[:n_in]), -1).T)
     return ours.reshape(-1) if n_in < 0 else ours
@@ -147,7 +156,7 @@ class _TensorIndex:
         self._handles: dict[Path, object] = {}
 
     def _resolve(self, name: str) -> str | None:
-        for cand in (name, self.prefix + name.removeprefix("model.")):
+        for cand in (name, self.prefix + name.removeprefix("model."), *vision_names.aliases(name)):
             if cand in self.files:
                 return cand
         return None
@@ -203,7 +212,26 @@ def load_config(path: str | os.PathLike, **overrides) -> tuple[Path, ModelConfig
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
-    return folder, ModelConfig.from_file(cfg_file, **overrides)
+    cfg = ModelConfig.from_file(cfg_file, **overrides)
+    if cfg.vision is not None and cfg.vision.processor_files is None:
+        cfg = cfg.replace(vision=dataclasses.replace(cfg.vision, processor_files=_processor_files(folder)))
+    return folder, cfg
+
+
+#: Processor files of a vision-language checkpoint that export copies (the tokenizer's files are the tokenizer's)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def _processor_files(folder: Path) -> dict[str, dict]:
+    out = {}
+    for fname in PROCESSOR_FILES:
+        f = folder / fname
+        if f.is_file():
+            try:
+                out[fname] = json.loads(f.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{f}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    return out
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Mesh | None = None,
@@ -227,7 +255,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Me
     pdtype = dtype_of(cfg.param_dtype)
     for path_, var in _param_entries(state):
         shape = tuple(var.get_value().shape)
-        stacked = path_[0] == "layers"
+        stacked = vision_names.is_stacked(path_)
         per_shape = shape[1:] if stacked else shape
         names: list[tuple[str, int] | None] = []  # per layer: (HF name, layout), None = not stored (tied head)
         for i in (range(shape[0]) if stacked else [None]):
@@ -291,7 +319,7 @@ def _read_layer_block(index, name: str, n_in: int, per_shape: tuple[int, ...], i
             r = _flat_range(idx, per_shape)
             if r is not None:
                 return index.get_block(name, (slice(*r),)).reshape(out_shape)
-        else:  # a linear kernel: HF [out, in] -> ours [*in, *out]
+        elif n_in != vision_names.CONV:  # a linear kernel: HF [out, in] -> ours [*in, *out]
             rin = _flat_range(idx[:n_in], per_shape[:n_in])
             rout = _flat_range(idx[n_in:], per_shape[n_in:])
             if rin is not None and rout is not None:
@@ -336,13 +364,15 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
     tensors: list[tuple[str, np.ndarray]] = []
     for path_, var in _param_entries(state):
         value = np.asarray(distributed.to_host(var.get_value())).astype(np_dtype)
-        if path_[0] == "layers":
+        if vision_names.is_stacked(path_):
             for i in range(value.shape[0]):
                 name, n_in = _hf_name(path_, i)
                 tensors.append((name, _to_hf(value[i], n_in)))
         else:
             name, n_in = _hf_name(path_, None)
             tensors.append((name, _to_hf(value, n_in)))
+    if cfg.vision is not None:  # transformers' names for Gemma3ForConditionalGeneration
+        tensors = [(vision_names.export_name(n), t) for n, t in tensors]
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, t in tensors:
@@ -379,4 +409,7 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
     (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
     if tokenizer is not None:
         getattr(tokenizer, "save_pretrained")(str(out))
+    if cfg.vision is not None:  # the image processor's files, as read beside the source checkpoint
+        for fname, content in (cfg.vision.processor_files or {}).items():
+            (out / fname).write_text(json.dumps(content, indent=2) + "\n")
     return out

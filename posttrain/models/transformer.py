@@ -9,6 +9,13 @@ with the generic kernel set (`posttrain.models.kernels`) cached calls of many to
 `model(input_ids, attention_mask=, positions=, segment_ids=)` -> float32 logits [B, T, V].
 `model(..., cache=KVCache)` -> (logits, cache): the sampling engine's prefill and decode step.
 `model.hidden_states(...)` and `model.logits(h)` split the two halves for chunked losses.
+
+Vision-language checkpoints (`cfg.vision`, Gemma 3) add a SigLIP tower (`vision_tower`) and the projector
+(`multi_modal_projector`); every call above also takes `pixel_values=` [N, C, H, W] float (the processor's
+output) or `image_embeds=` [N, mm_tokens_per_image, D] (from `model.image_embeddings(pixel_values)`,
+precomputed), which replace the embeddings of the image placeholder tokens in order (see
+`posttrain.models.multimodal`) and make each image's tokens attend to each other bidirectionally. Without
+either (text-only batches) the call is exactly the text model's: no vision tower, no extra mask work.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from posttrain import distributed
 from posttrain.models import kernels as kernels_lib
 from posttrain.models.attention import Attention, KVCache
 from posttrain.models.config import ModelConfig
+from posttrain.models import multimodal
 from posttrain.models.layers import Embed, Linear, RMSNorm, dtype_of, rope_tables
+from posttrain.models.mm_projector import Gemma3Projector
+from posttrain.models.siglip import SiglipEncoder
 
 
 class MLP(nnx.Module):
@@ -99,6 +109,11 @@ class Transformer(nnx.Module):
         else:
             self.lm_head = Linear((cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), bias=False,
                                   cfg=cfg, rngs=rngs)
+        if cfg.vision is not None:
+            self.vision_tower = SiglipEncoder(cfg, rngs)
+            self.multi_modal_projector = Gemma3Projector(cfg, rngs)
+        else:
+            self.vision_tower = self.multi_modal_projector = None
         self.mesh = None  # set by from_pretrained(mesh=...) / distributed.shard_model
 
     # ------------------------------------------------------------------ helpers
@@ -120,10 +135,32 @@ class Transformer(nnx.Module):
 
     def embed(self, input_ids):
         cfg = self.cfg
+        if cfg.vision is not None and cfg.vision.image_token_id >= cfg.vocab_size:  # an id outside the table
+            input_ids = jnp.where(input_ids == cfg.vision.image_token_id, 0, input_ids)
         x = self.embed_tokens(input_ids).astype(dtype_of(cfg.compute_dtype))
         if cfg.embed_scale:
             x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
         return x
+
+    @_traced_at_model_precision
+    def image_embeddings(self, pixel_values: jax.Array) -> jax.Array:
+        """[N, C, H, W] images -> [N, mm_tokens_per_image, D] text-width embeddings (compute dtype)."""
+        if self.vision_tower is None:
+            raise ValueError(f"this {self.cfg.model_type} model has no vision tower: it takes text only")
+        return self.multi_modal_projector(self.vision_tower(pixel_values, self.mesh))
+
+    def _embed_inputs(self, input_ids, pixel_values, image_embeds):
+        """Token embeddings with the image embeddings merged in, and the image block ids (None for text)."""
+        x = self.embed(input_ids)
+        if pixel_values is None and image_embeds is None:
+            return x, None
+        if pixel_values is not None and image_embeds is not None:
+            raise ValueError("give pixel_values or image_embeds, not both")
+        if image_embeds is None:
+            image_embeds = self.image_embeddings(pixel_values)
+        vc = self.cfg.vision
+        x = multimodal.merge_image_embeddings(x, input_ids, image_embeds, vc)
+        return x, multimodal.image_blocks(input_ids, vc)
 
     # ------------------------------------------------------------------ forward
     def layer_states(self) -> list[nnx.State]:
@@ -133,17 +170,19 @@ class Transformer(nnx.Module):
 
     @_traced_at_model_precision
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
-                      layer_states=None):
+                      layer_states=None, pixel_values=None, image_embeds=None):
         """Final-norm hidden states [B, T, D] (compute dtype), and the updated cache when one is given.
 
         Without a cache the layers run under `lax.scan` (or unrolled, per `cfg.scan_layers`). With a
         `KVCache` (sampling) they are unrolled, each layer updating its own cache arrays in place, except
         that the generic kernel set scans calls of more than one token (prefill; `cfg.scan_layers`);
         `layer_states` (from `layer_states()`) supplies the per-layer weights already sliced.
+        `pixel_values` / `image_embeds`: the images of a vision-language model (module docstring).
         """
         cfg = self.cfg
         attention_mask, positions = self._inputs(input_ids, attention_mask, positions, segment_ids)
-        x = distributed.constrain(self.embed(input_ids), ("batch", "seq", "act_embed"), self.mesh)
+        x, blocks = self._embed_inputs(input_ids, pixel_values, image_embeds)
+        x = distributed.constrain(x, ("batch", "seq", "act_embed"), self.mesh)
         glob, loc = self._rope(positions)
         sliding = cfg.sliding_layers
         graphdef, layer_state = nnx.split(self.layers)
@@ -157,11 +196,15 @@ class Transformer(nnx.Module):
 
         if cache is not None:
             cache = cache.mark(positions, attention_mask)
+            cached_info = None
+            if blocks is not None:  # a prefill with images: each image's tokens also see the ones after them
+                kb = multimodal.cache_blocks(blocks, positions, cache.max_len)
+                cached_info = {"image_overlay": multimodal.same_image(blocks, kb)}
             ks = kernels_lib.get(cfg)
             if ks.scan_prefill and cfg.scan_layers and input_ids.shape[1] > 1 and layer_states is None:
                 def cached_body(h, xs):
                     state_l, sliding_l, k_l, v_l = xs
-                    h, kv = run_layer(h, state_l, sliding_l, None, (k_l, v_l, cache.valid))
+                    h, kv = run_layer(h, state_l, sliding_l, cached_info, (k_l, v_l, cache.valid))
                     return h, kv
 
                 x, (k_all, v_all) = jax.lax.scan(cached_body, x, (layer_state, jnp.asarray(sliding),
@@ -172,18 +215,11 @@ class Transformer(nnx.Module):
                 layer_states = _unstack(layer_state, cfg.num_layers)
             ks, vs = list(cache.k), list(cache.v)
             for i in range(cfg.num_layers):
-                x, (ks[i], vs[i]) = run_layer(x, layer_states[i], jnp.asarray(sliding[i]), None,
+                x, (ks[i], vs[i]) = run_layer(x, layer_states[i], jnp.asarray(sliding[i]), cached_info,
                                               (ks[i], vs[i], cache.valid))
             return self.norm(x), KVCache(tuple(ks), tuple(vs), cache.valid)
 
-        t = input_ids.shape[1]
-        idx = jnp.arange(t)
-        qi, ki = idx[None, :, None], idx[None, None, :]
-        base = (qi >= ki) & (attention_mask[:, None, :] > 0)
-        if segment_ids is not None:
-            base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        base = base | (qi == ki)  # a padding query attends to itself only: no empty softmax rows
-        mask_info = {"base": base, "q_index": qi, "k_index": ki}
+        mask_info = _mask_info(input_ids.shape[1], attention_mask, segment_ids, blocks)
 
         def body(h, xs):
             state_l, sliding_l = xs
@@ -221,13 +257,27 @@ class Transformer(nnx.Module):
         return out
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
-                 layer_states=None):
+                 layer_states=None, pixel_values=None, image_embeds=None):
         h, new_cache = self.hidden_states(
             input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids, cache=cache,
-            layer_states=layer_states,
+            layer_states=layer_states, pixel_values=pixel_values, image_embeds=image_embeds,
         )
         logits = self.logits(h)
         return logits if cache is None else (logits, new_cache)
+
+
+def _mask_info(t: int, attention_mask, segment_ids, blocks) -> dict:
+    """What uncached attention needs for its mask: causal, real keys, same packed segment, bidirectional within
+    each image (`blocks`, when images are given); the sliding window is applied per layer."""
+    idx = jnp.arange(t)
+    qi, ki = idx[None, :, None], idx[None, None, :]
+    base = (qi >= ki) & (attention_mask[:, None, :] > 0)
+    if segment_ids is not None:
+        base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if blocks is not None:  # bidirectional within each image
+        base = base | multimodal.same_image(blocks, blocks)
+    base = base | (qi == ki)  # a padding query attends to itself only: no empty softmax rows
+    return {"base": base, "q_index": qi, "k_index": ki}
 
 
 def _unstack(layer_state: nnx.State, n: int) -> list[nnx.State]:
