@@ -199,7 +199,7 @@ def test_post_init_errors_become_config_errors():
 # ---------------------------------------------------------------------- the shipped configs
 SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
            "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo",
-           "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill"}
+           "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill", "vlm_smoke.yaml": "sft"}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
