@@ -60,6 +60,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "norm": None,
     "lora_rank": None,
+    "vision_patches": None,  # the SigLIP position table's patch axis (its embed axis follows "embed")
 }
 
 

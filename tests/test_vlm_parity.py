@@ -183,3 +183,27 @@ def test_bfloat16_unrolled_remat_close_to_float32(vlm_folder, vlm):
     rel = np.linalg.norm(bf16[real] - f32[real]) / np.linalg.norm(f32[real])
     assert bf16.dtype == np.float32 and np.isfinite(bf16).all()
     assert 1e-3 < rel < 5e-2
+
+
+def test_greedy_generation_with_images_matches_transformers(hf_vlm, vlm):
+    """The sampler's prefill takes a prompt's images: greedy tokens equal transformers' `generate`; a text
+    prompt next to it in the same call stays text only; wrong image counts are errors."""
+    from posttrain.sampling import Sampler, SamplingParams
+
+    ids, mask, pixels = _batch(seed=2)
+    prompts = [list(ids[r][mask[r] > 0]) for r in range(2)]
+    text_prompt = [2, 40, 41, 42]
+    sampler = Sampler(vlm, max_slots=4, max_len=64)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=[])
+    outs = sampler.generate_with_images([prompts[0], text_prompt, prompts[1]], [[pixels[0]], [], list(pixels[1:])],
+                                        params)
+    for out, prompt, pix in ((outs[0], prompts[0], pixels[:1]), (outs[2], prompts[1], pixels[1:]),
+                             (outs[1], text_prompt, None)):
+        p = torch.tensor([prompt])
+        kw = {} if pix is None else dict(pixel_values=torch.tensor(pix), token_type_ids=(p == IMG).long())
+        with torch.no_grad():
+            ref = hf_vlm.generate(input_ids=p, attention_mask=torch.ones_like(p), max_new_tokens=6, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0, **kw)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+    with pytest.raises(ValueError, match="prompt 0 has 1 image"):
+        sampler.generate_with_images([prompts[0]], [[]], params)

@@ -80,7 +80,10 @@ def linears(model: nnx.Module) -> Iterator[tuple[str, Linear]]:
 
 
 def _is_stacked(path: str) -> bool:
-    return path.split(".")[0] == "layers"
+    """Per-layer weights stacked on a leading axis: the decoder's `layers.*` and a vision tower's
+    `vision_tower.layers.*`."""
+    parts = path.split(".")
+    return parts[0] == "layers" or parts[:2] == ["vision_tower", "layers"]
 
 
 def _match(model, target: str) -> list[tuple[str, Linear]]:

@@ -1,7 +1,7 @@
 """`tiny:<family>` checkpoints: small random-initialised models with a local character tokenizer, built on demand.
 
 They need no download, so smoke configs, the README's first command and tests can name a model as
-`tiny:llama` (or `tiny:qwen3`, `tiny:gemma2`, ...). The checkpoint is an ordinary HF folder written by
+`tiny:llama` (or `tiny:qwen3`, `tiny:gemma2`, ..., and `tiny:gemma3-vlm`, a vision-language model). The checkpoint is an ordinary HF folder written by
 `save_pretrained` under `$POSTTRAIN_CACHE` (default `~/.cache/posttrain/tiny`), so every code path
 that takes a folder takes it too. An optional size suffix picks a bigger shape: `tiny:llama-small`.
 """
@@ -15,7 +15,11 @@ from posttrain.models.config import ModelConfig, RopeConfig, llama_like
 from posttrain.models.fetch import fetch
 from posttrain.models.hf_io import save_pretrained
 from posttrain.models.tokenizer import build_tokenizer
+from posttrain.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
 from posttrain.models.transformer import init_model
+
+#: `tiny:gemma3-vlm[-small]`: a Gemma 3 vision-language model (`posttrain.models.tiny_vlm`)
+VLM_NAME = "gemma3-vlm"
 
 SIZES = {
     "": dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2),
@@ -58,8 +62,16 @@ def resolve_model_path(spec: str | os.PathLike, cache_dir: str | os.PathLike | N
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return str(out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tok = build_tokenizer(tmp)
-    cfg = tiny_config(spec, vocab_size=tok.vocab_size)
+    name = spec.removeprefix("tiny:")
+    if name == VLM_NAME or name.startswith(VLM_NAME + "-"):  # Gemma 3 VLM: image tokens and processor files
+        size = name.removeprefix(VLM_NAME).removeprefix("-")
+        if size not in SIZES:
+            raise ValueError(f"unknown tiny model {spec!r}; choose tiny:{VLM_NAME}[-small]")
+        tok = build_vlm_tokenizer(tmp)
+        cfg = tiny_vlm_config(tok.vocab_size, size=size)
+    else:
+        tok = build_tokenizer(tmp)
+        cfg = tiny_config(spec, vocab_size=tok.vocab_size)
     save_pretrained(init_model(cfg, seed=seed), tmp, tokenizer=tok)
     os.replace(tmp, out) if not out.exists() else None
     return str(out)

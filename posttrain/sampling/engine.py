@@ -79,6 +79,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from posttrain import distributed
 from posttrain.models import kernels as kernels_lib
+from posttrain.models import multimodal
 from posttrain.models.attention import KVCache
 from posttrain.models.weights import flat_weights, load_flat_weights
 from posttrain.sampling.filters import choose_tokens
@@ -182,12 +183,13 @@ def _seq_index(axis: int, rows, n: int):
 
 
 def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
-             stop_ids, temperature, top_p, min_p, *, top_k: int, greedy: bool, nucleus: bool):
+             stop_ids, temperature, top_p, min_p, pixels=None, *, top_k: int, greedy: bool, nucleus: bool):
     """Prefills prompt rows ids [P, Lb] (real lengths `lens`) and installs them in the assigned slots.
 
     Assignment a copies prompt row asg_row[a] into slot asg_slot[a] (slot index S = padding, dropped) as
     sample (asg_prompt[a], asg_sample[a]) and draws its first token. Returns the new state and the first
-    tokens, their log-probs and sampling log-probs [A].
+    tokens, their log-probs and sampling log-probs [A]. `pixels` [N, C, H, W]: the images of the rows'
+    image placeholders, in order (vision-language models; None = text, the text-only program).
     """
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
@@ -199,7 +201,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     tmp = KVCache.create(cfg, n_rows, lb, dtype=cache.k[0].dtype)
     pos = jnp.broadcast_to(jnp.arange(lb, dtype=jnp.int32), (n_rows, lb))
     mask = pos < lens[:, None]
-    h, tmp = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp)
+    h, tmp = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp, pixel_values=pixels)
     h_last = h[jnp.arange(n_rows), lens - 1]  # [P, D]: logits only where they are needed
     logits = model.logits(h_last[:, None])[:, 0]
 
@@ -661,7 +663,8 @@ class Sampler:
             a_row[a], a_slot[a], a_prompt[a], a_sample[a] = r, s, (p if key_ids is None else key_ids[p]), i
         t = time.perf_counter()
         ds, first = prefill_fn(state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, np.uint32(seed),
-                                 np.int32(max_new), stop_arr, **scalars, **static)
+                                 np.int32(max_new), stop_arr, **scalars, pixels=self._prefill_pixels(rows),
+                                 **static)
         if self.profile:
             jax.block_until_ready(first)
             stats["prefill_seconds"] += time.perf_counter() - t
@@ -669,6 +672,41 @@ class Sampler:
         stats["prefill_rows"] += len(rows)
         stats["prefill_tokens"] += int(lens[: len(rows)].sum())
         return ds, first
+
+    # ------------------------------------------------------------------ images (vision-language models)
+    def generate_with_images(self, prompt_token_ids: Sequence[Sequence[int]], images: Sequence[Sequence],
+                             params: SamplingParams | None = None, **kwargs) -> list[Completion]:
+        """`generate` for prompts with images: images[p] holds prompt p's preprocessed images, pixel arrays
+        [C, H, W] (the processor's `pixel_values` rows), one per run of image placeholder tokens in the prompt,
+        in order. Only the prefill differs: it runs the vision tower on the prompt rows' images."""
+        vc = self.cfg.vision
+        if vc is None:
+            raise ValueError(f"this {self.cfg.model_type} model has no vision tower: it cannot take images")
+        if len(images) != len(prompt_token_ids):
+            raise ValueError(f"images: one list per prompt expected ({len(prompt_token_ids)}), got {len(images)}")
+        prepared = []
+        for i, (p, imgs) in enumerate(zip(prompt_token_ids, images)):
+            want = multimodal.count_placeholders(np.asarray([list(p)], np.int64), vc)
+            if want != len(imgs):
+                raise ValueError(f"prompt {i} has {want} image(s) in its tokens but {len(imgs)} image(s) were given")
+            prepared.append([np.asarray(x, np.float32) for x in imgs])
+        self._prompt_images = prepared
+        try:
+            return self.generate(prompt_token_ids, params, **kwargs)
+        finally:
+            self._prompt_images = None
+
+    def _prefill_pixels(self, rows: Sequence[int]):
+        """The pixel values of the images of prompt rows `rows` (in row order), the count padded to a power of
+        two with blank images (ignored: placeholders take images in order), or None for text-only rows."""
+        images = getattr(self, "_prompt_images", None)
+        if images is None:
+            return None
+        pix = [x for p in rows for x in images[p]]
+        if not pix:
+            return None
+        pix += [np.zeros_like(pix[0])] * (_pow2(len(pix)) - len(pix))
+        return np.stack(pix)
 
     def _completion(self, key, tokens, logprobs, slogprobs, stop_set, params) -> Completion:
         reason = "stop" if tokens and tokens[-1] in stop_set else "length"
