@@ -270,3 +270,21 @@ def test_image_examples_never_cut_inside_an_image(vlm):
     assert stats.num_truncated == 1 and rows.images == [ex.images]
     rows, stats = pack_examples([ex], ex.image_end - 1)  # a cut inside it: dropped
     assert stats.num_dropped == 1 and len(rows) == 0
+
+
+def test_shapes_task_and_exact_answer():
+    """The synthetic visual task: deterministic in its seed, answers match what is drawn, scored exactly."""
+    from posttrain.data.shapes import COLOURS, draw
+    from posttrain.rewards.exact import exact_answer
+
+    a, b = read_records("shapes:?size=30&seed=3"), read_records("shapes:?size=30&seed=3")
+    assert [r["answer"] for r in a] == [r["answer"] for r in b]
+    assert all(np.array_equal(np.asarray(x["prompt"][0]["content"][0]["image"]),
+                              np.asarray(y["prompt"][0]["content"][0]["image"])) for x, y in zip(a, b))
+    assert a[0]["messages"][0] is a[0]["prompt"][0] and a[0]["messages"][1]["content"] == a[0]["answer"]
+    img = np.asarray(draw([("square", "red"), None, ("circle", "blue"), ("square", "red")], 32))
+    assert img.shape == (32, 32, 3) and tuple(img[4, 4]) == COLOURS["red"] and tuple(img[4, 20]) == (255, 255, 255)
+    assert tuple(img[24, 8]) == COLOURS["blue"] and tuple(img[24, 24]) == COLOURS["red"]
+    assert exact_answer(None, [" 2\n", "red", "3"], ["2", "blue", "3"]) == [1.0, 0.0, 1.0]
+    with pytest.raises(DataError, match="unknown option"):
+        read_records("shapes:?colour=1")

@@ -1,8 +1,9 @@
-"""A synthetic visual question-answering task drawn with Pillow: `shapes:?size=N&seed=S&image_size=P`.
+"""A synthetic visual question-answering task drawn with Pillow: `shapes:?size=N&seed=S&image_size=P&kinds=K`.
 
 Each image is a P x P white canvas cut into a 2 x 2 grid; each cell is empty or holds one shape (circle,
 square or triangle) in one colour (red, green, blue). Questions, half of each kind:
-- "How many red circles?" (mostly about a kind that is drawn; answer "0".."4");
+- "How many red shapes?" (a colour that is mostly drawn; answer "0".."4"), or with kinds=1
+  "How many red circles?" (colour and shape: harder for a tiny model);
 - "What colour is the square?" (asked only when exactly one shape of that kind is drawn; answer a colour).
 Chance is about 1/3 for colours and lower for counts. Held-out sets are the same task with another seed.
 Each record has both an SFT chat (`messages`: user = the image + the question, assistant = the answer) and an
@@ -34,10 +35,10 @@ def _options(spec: str) -> dict[str, int]:
         opts = {k: int(v) for k, v in parse_qsl(query, strict_parsing=bool(query))}
     except ValueError as e:
         raise DataError(f"{spec!r}: expected shapes:?size=N&seed=S&image_size=P (integers): {e}") from None
-    unknown = set(opts) - {"size", "seed", "image_size"}
+    unknown = set(opts) - {"size", "seed", "image_size", "kinds"}
     if unknown:
-        raise DataError(f"{spec!r}: unknown option(s) {sorted(unknown)}; accepted: size, seed, image_size")
-    return {"size": 1000, "seed": 0, "image_size": 32, **opts}
+        raise DataError(f"{spec!r}: unknown option(s) {sorted(unknown)}; accepted: size, seed, image_size, kinds")
+    return {"size": 1000, "seed": 0, "image_size": 32, "kinds": 0, **opts}
 
 
 def draw(cells: list[tuple[str, str] | None], image_size: int):
@@ -63,7 +64,7 @@ def draw(cells: list[tuple[str, str] | None], image_size: int):
     return img
 
 
-def _question(rng: random.Random, cells) -> tuple[str, str]:
+def _question(rng: random.Random, cells, kinds: bool) -> tuple[str, str]:
     drawn = [c for c in cells if c is not None]
     single = [s for s in SHAPES if sum(1 for c in drawn if c[0] == s) == 1]
     if single and rng.random() < 0.5:
@@ -73,6 +74,8 @@ def _question(rng: random.Random, cells) -> tuple[str, str]:
         shape, colour = rng.choice(drawn)
     else:
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+    if not kinds:
+        return f"How many {colour} shapes?", str(sum(1 for c in drawn if c[1] == colour))
     return f"How many {colour} {shape}s?", str(sum(1 for c in drawn if c == (shape, colour)))
 
 
@@ -85,7 +88,7 @@ def records(spec: str) -> list[dict]:
         # counting questions need several of one kind: draw from few (shape, colour) kinds per image
         kinds = [(rng.choice(SHAPES), rng.choice(list(COLOURS))) for _ in range(2)]
         cells = [rng.choice(kinds) if rng.random() < 0.75 else None for _ in range(4)]
-        question, answer = _question(rng, cells)
+        question, answer = _question(rng, cells, bool(o["kinds"]))
         user = {"role": "user", "content": [{"type": "image", "image": draw(cells, o["image_size"])},
                                             {"type": "text", "text": question}]}
         out.append({"messages": [user, {"role": "assistant", "content": answer}], "prompt": [user],
