@@ -100,3 +100,25 @@ def test_vlm_sft_frozen_tower_and_exact_resume(tiny_vlm, tmp_path):
     resumed = run_sft(_cfg(tiny_vlm, tmp_path / "part", *part))
     assert resumed.start_step == 2
     np.testing.assert_allclose([x for _, x in resumed.losses], [x for s, x in full.losses if s > 2], atol=1e-6)
+    _check_eval_sampler_matches_greedy(full.hf_dir)
+
+
+def _check_eval_sampler_matches_greedy(folder):
+    """`posttrain eval`'s path for image prompts (the sampler with each prompt's images in its prefill) gives the
+    greedy answers of the plain uncached decoder."""
+    from posttrain.data import read_prompts
+    from posttrain.data.vlm import VisionSpec, encode_image_prompt
+    from posttrain.demo.vlm_eval import greedy_answers
+    from posttrain.eval.images import ImagePromptSampler
+    from posttrain.models import tokenizer as tok_lib
+    from posttrain.models.hf_io import from_pretrained
+    from posttrain.sampling import Sampler, SamplingParams
+
+    tok, model = tok_lib.load(folder), from_pretrained(folder)
+    spec = VisionSpec.from_checkpoint(folder, tok)
+    recs = read_prompts("shapes:?size=6&seed=5")
+    enc = [encode_image_prompt(r["prompt"], tok, spec, f"prompt {i}") for i, r in enumerate(recs)]
+    sampler = ImagePromptSampler(Sampler(model, tok, max_slots=8), [list(px) for _, px in enc])
+    outs = sampler.generate([ids for ids, _ in enc], SamplingParams(max_new_tokens=4, temperature=0.0))
+    texts = [c.text for c in sorted(outs, key=lambda c: c.prompt_index)]
+    assert texts == greedy_answers(model, tok, spec, [r["prompt"] for r in recs], max_new_tokens=4)

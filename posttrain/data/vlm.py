@@ -27,7 +27,7 @@ from posttrain.data.errors import DataError
 from posttrain.data.images import ImageProcessorConfig, check_image, load_image, preprocess_image
 
 __all__ = ["VisionSpec", "ImageRef", "has_images", "prepare_vlm_record", "expand_image_tokens", "check_images",
-           "pixel_values"]
+           "pixel_values", "encode_image_prompt"]
 
 _MESSAGE_FIELDS = ("messages", "prompt", "completion")
 
@@ -211,3 +211,14 @@ def pixel_values(rows_images: Sequence[Sequence[ImageRef]], max_images: int,
             img = load_image(ref.source, where=ref.where, base_dir=ref.base_dir)
             out[r, k] = preprocess_image(img, processor)
     return out
+
+
+def encode_image_prompt(prompt, tok, spec: VisionSpec, where: str) -> tuple[list[int], np.ndarray]:
+    """(prompt ids with image tokens expanded, float32 pixels [n_images, 3, H, W]) of a chat prompt (a list of
+    messages whose content may hold image parts), rendered with the generation prompt."""
+    rec, refs = prepare_vlm_record({"prompt": prompt}, spec, where=where, fields=("prompt",))
+    ids = tok.apply_chat_template(rec["prompt"], add_generation_prompt=True)
+    ids, _ = expand_image_tokens(ids, np.zeros(len(ids)), spec, len(refs), where=where)
+    pixels = [preprocess_image(load_image(r.source, where=where, base_dir=r.base_dir), spec.processor) for r in refs]
+    shape = (0, 3, spec.processor.height, spec.processor.width)
+    return ids.tolist(), np.stack(pixels) if pixels else np.zeros(shape, np.float32)

@@ -18,24 +18,13 @@ from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.data.images import load_image, preprocess_image
 from posttrain.data.sources import read_prompts
-from posttrain.data.vlm import VisionSpec, expand_image_tokens, prepare_vlm_record
+from posttrain.data.vlm import VisionSpec, encode_image_prompt
 from posttrain.models import tokenizer as tok_lib
 from posttrain.models.hf_io import from_pretrained
 from posttrain.rewards.exact import exact_answer
 
-__all__ = ["encode_image_prompt", "greedy_answers", "vlm_accuracy"]
-
-
-def encode_image_prompt(prompt, tok, spec: VisionSpec, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt ids with image tokens expanded, float32 pixels [n_images, 3, H, W]) of a chat prompt."""
-    rec, refs = prepare_vlm_record({"prompt": prompt}, spec, where=where, fields=("prompt",))
-    ids = tok.apply_chat_template(rec["prompt"], add_generation_prompt=True)
-    ids, _ = expand_image_tokens(ids, np.zeros(len(ids)), spec, len(refs), where=where)
-    pixels = [preprocess_image(load_image(r.source, where=where, base_dir=r.base_dir), spec.processor) for r in refs]
-    return ids, np.stack(pixels) if pixels else np.zeros((0, 3, spec.processor.height, spec.processor.width),
-                                                         np.float32)
+__all__ = ["greedy_answers", "vlm_accuracy"]
 
 
 def greedy_answers(model, tok, spec: VisionSpec, prompts: Sequence, *, max_new_tokens: int = 8,
