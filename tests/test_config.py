@@ -199,8 +199,9 @@ def test_post_init_errors_become_config_errors():
 # ---------------------------------------------------------------------- the shipped configs
 SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
            "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo",
-           "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill", "vlm_gemma3_4b.yaml": "sft",
-           "agent_gsm8k_python.yaml": "rl", "agent_chain_sum_calculator.yaml": "rl"}
+           "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill", "vlm_smoke.yaml": "sft",
+           "vlm_gemma3_4b.yaml": "sft", "agent_gsm8k_python.yaml": "rl", "agent_chain_sum_calculator.yaml": "rl"}
+NOT_RUN_HERE = {"vlm_gemma3_4b.yaml"}  # its data files are documented placeholders (no image-QA set offline)
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -228,7 +229,7 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
     m = cfg.model
     llama_like(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, remat=m.remat)
     for f in (cfg.data.train, cfg.data.eval):
-        if f and f.endswith(".jsonl"):  # local files, relative to the repository root (GSM8K: ../shared)
+        if f and f.endswith(".jsonl") and name not in NOT_RUN_HERE:  # local files, from the repository root
             assert (root / f).is_file() or f.startswith("../shared/"), f
     if SHIPPED[name] == "distill":  # both modes' data, the loss settings, the on-policy batch split
         from posttrain.algorithms.distill import make_token_loss

@@ -22,6 +22,7 @@ import numpy as np
 
 __all__ = [
     "cross_entropy",
+    "images_in_order",
     "logprobs_from_logits",
     "logprobs_from_hidden",
     "logprobs_and_entropy",
@@ -112,17 +113,32 @@ def logprobs_from_hidden(model, h: jax.Array, targets: jax.Array, *, chunk_size:
     return out.reshape(-1)[:n].reshape(b, s)
 
 
+def images_in_order(pixel_values: jax.Array, input_ids: jax.Array, model) -> jax.Array:
+    """A batch's images [B, M, C, H, W] (row r's images first, zeros after them) -> [B*M, C, H, W] with the real
+    images first, in the order of their placeholder tokens (row by row), padding images after them: the order in
+    which a vision-language model fills its placeholders. A row's image count is its placeholders / tokens per
+    image."""
+    vc = model.cfg.vision
+    b, m = pixel_values.shape[:2]
+    n = jnp.sum(input_ids == vc.image_token_id, axis=1) // vc.mm_tokens_per_image
+    padding = (jnp.arange(m)[None, :] >= n[:, None]).reshape(-1)
+    order = jnp.argsort(padding, stable=True)
+    return pixel_values.reshape(b * m, *pixel_values.shape[2:])[order]
+
+
 def token_logprobs(model, input_ids: jax.Array, *, attention_mask=None, positions=None, segment_ids=None,
-                   chunk_size: int | None = None, last: int | None = None) -> jax.Array:
+                   chunk_size: int | None = None, last: int | None = None, pixel_values=None) -> jax.Array:
     """Per-token log-probs [B, T-1]: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]).
 
     With `last` = C, only the log-probs of the last C tokens, [B, C] (entry j about input_ids[:, T-C+j]):
     the vocabulary is projected at those C positions only (RL's completion columns, `posttrain.rl.batch`).
     This is what RL needs for the current, behaviour and reference policies; padding positions hold
     meaningless values and must be masked by the caller.
+    pixel_values: a vision-language batch's images [B, M, C, H, W] (`images_in_order`); None for text.
     """
+    extra = {} if pixel_values is None else {"pixel_values": images_in_order(pixel_values, input_ids, model)}
     h, _ = model.hidden_states(input_ids, attention_mask=attention_mask, positions=positions,
-                               segment_ids=segment_ids)
+                               segment_ids=segment_ids, **extra)
     t = input_ids.shape[1]
     if last is not None and not 0 < last < t:
         raise ValueError(f"last={last} must be in [1, {t - 1}] for sequences of {t} tokens")
@@ -138,12 +154,14 @@ def sft_weight(batch: dict[str, Any]) -> jax.Array:
 def sft_loss(model, batch: dict[str, jax.Array], *, chunk_size: int | None = None):
     """The trainer's loss protocol for SFT: (Σ masked token NLL, Σ mask, metrics).
 
-    `batch` holds input_ids, loss_mask and optionally attention_mask, positions, segment_ids ([B, T]).
+    `batch` holds input_ids, loss_mask and optionally attention_mask, positions, segment_ids ([B, T]) and, for
+    a vision-language model, pixel_values [B, M, C, H, W] (`posttrain.data.pipeline`).
     Metrics follow the trainer's convention: a scalar is summed over micro-batches.
     """
     ids = batch["input_ids"]
     logp = token_logprobs(model, ids, attention_mask=batch.get("attention_mask"), positions=batch.get("positions"),
-                          segment_ids=batch.get("segment_ids"), chunk_size=chunk_size)
+                          segment_ids=batch.get("segment_ids"), chunk_size=chunk_size,
+                          pixel_values=batch.get("pixel_values"))
     w = batch["loss_mask"][:, 1:].astype(jnp.float32)
     loss_sum = -jnp.sum(logp * w)
     count = jnp.sum(w)

@@ -72,6 +72,14 @@ def parse_ks(text: str | None, n: int) -> list[int]:
     return ks
 
 
+def _as_text(obj) -> str:
+    """What a per-problem row shows of a value JSON cannot hold (an image in a prompt: `<image RGB 32x32>`)."""
+    size = getattr(obj, "size", None)
+    if isinstance(size, tuple) and hasattr(obj, "mode"):
+        return f"<image {obj.mode} {size[0]}x{size[1]}>"
+    return repr(obj)
+
+
 def model_folder(spec: str) -> Path:
     """The checkpoint a --model names; a run's output folder stands for its `hf/` export."""
     from posttrain.models.hf_io import resolve_path
@@ -146,18 +154,30 @@ def run(args) -> int:
         tok = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype)
         agent = make_agent(checked, tok, system_prompt=args.system_prompt, prompt_field=prompt_field)
-        ids = []
+        ids, images = [], []
         from posttrain.data.sources import DataError
+        from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
+        from posttrain.eval.images import ImagePromptSampler
 
+        vision = VisionSpec.from_checkpoint(folder, tok) if Path(folder).is_dir() else None
         for i, r in enumerate(records):
-            x = (agent.prompt_ids(agent.first_messages(r)) if agent is not None
-                 else encode_prompt(tok, r["prompt"], chat=args.chat, system_prompt=args.system_prompt))
+            if agent is not None:
+                x = agent.prompt_ids(agent.first_messages(r))
+                images.append([])
+            elif has_images(r, ("prompt",)):
+                x, px = encode_image_prompt(r["prompt"], tok, vision, records.where(i))  # text-only model: error
+                images.append(list(px))
+            else:
+                x = encode_prompt(tok, r["prompt"], chat=args.chat, system_prompt=args.system_prompt)
+                images.append([])
             if not x:
                 raise DataError(f"{records.where(i)}: the prompt is empty")
             ids.append(x)
         total = len(records) * max(args.n, 1)
         slots = min(args.max_slots, 1 << (total - 1).bit_length())
         sampler = Sampler(model, tok, max_slots=slots)
+        if any(images):  # image prompts: each prompt's images go to the prefill
+            sampler = ImagePromptSampler(sampler, images)
         try:
             e = evaluate(sampler, records, ids, runner, correctness=correctness, max_new_tokens=args.max_new_tokens,
                          k=ks, n_samples=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -170,7 +190,7 @@ def run(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, default=_as_text) + "\n")
     summary = {k: v for k, v in e.items() if not k.startswith("_")}
     summary.update({"model": str(args.model), "data": str(args.data), "reward": correctness, "n": args.n,
                     "temperature": args.temperature, "chat": bool(args.chat)})

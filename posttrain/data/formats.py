@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import weakref
+from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import numpy as np
 
 from posttrain.data.sources import DataError
 from posttrain.tools.chat import TemplateToolSupport, normalize_tool_calls, to_template_messages
+from posttrain.data.vlm import VisionSpec, expand_image_tokens, prepare_vlm_record
 
 __all__ = ["DataFormatConfig", "Example", "encode_record", "encode_records", "resolve_format",
            "chat_assistant_mask"]
@@ -60,6 +62,8 @@ class Example:
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
+    images: tuple = ()  # the record's images (`posttrain.data.vlm.ImageRef`), in the order of their tokens
+    image_end: int = 0  # one past the last image token: a cut before it would split an image
 
     def __post_init__(self):
         self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
@@ -241,10 +245,18 @@ def _encode_messages(tokenizer, messages: list[dict], tools: Any, where: str) ->
 
 
 def encode_record(record: dict, tokenizer, cfg: DataFormatConfig | None = None, *,
-                  index: int | None = None, source: str | None = None) -> Example:
-    """Tokenise one record into an `Example` according to `cfg` (see module doc for the mask)."""
+                  index: int | None = None, source: str | None = None, vision: VisionSpec | None = None,
+                  base_dir: str | None = None) -> Example:
+    """Tokenise one record into an `Example` according to `cfg` (see module doc for the mask).
+
+    Records with images (TRL's VLM format, `posttrain.data.vlm`) need `vision`, the model's `VisionSpec`
+    (None: a text-only model, and such a record is an error); relative image paths start at `base_dir`.
+    """
     cfg = cfg or DataFormatConfig()
     fmt = resolve_format(record, cfg, index=index, source=source)
+    fields = {"messages": (cfg.messages_field,), "prompt_completion": (cfg.prompt_field, cfg.completion_field)}
+    record, images = prepare_vlm_record(record, vision, where=_where(index, source), base_dir=base_dir,
+                                        fields=fields.get(fmt, ()))
     eos = tokenizer.eos_token_id
 
     if fmt == "messages":
@@ -298,13 +310,21 @@ def encode_record(record: dict, tokenizer, cfg: DataFormatConfig | None = None, 
         raise DataError(f"{_where(index, source)}: encodes to zero tokens")
     mask = list(mask)
     mask[0] = 0.0  # nothing predicts the first token
-    return Example(np.asarray(ids, np.int32), np.asarray(mask, np.float32))
+    if vision is None:
+        return Example(np.asarray(ids, np.int32), np.asarray(mask, np.float32))
+    ids, mask = expand_image_tokens(ids, mask, vision, len(images), where=_where(index, source))
+    end = int(np.flatnonzero(ids == vision.eoi_id)[-1]) + 1 if images else 0
+    return Example(ids, mask, images=tuple(images), image_end=end)
 
 
 def encode_records(records: Sequence[dict], tokenizer, cfg: DataFormatConfig | None = None, *,
-                   source: str | None = None) -> list[Example]:
-    """`encode_record` over a list (errors name the record index and `source`)."""
+                   source: str | None = None, vision: VisionSpec | None = None) -> list[Example]:
+    """`encode_record` over a list (errors name the record index and `source`; relative image paths start
+    at the data file's folder)."""
     where = getattr(records, "where", None)  # records read from a file know their line
+    src = getattr(records, "source", None) or source
+    base = str(Path(src).parent) if src and Path(src).is_file() else None
+    kw = {"vision": vision, "base_dir": base}
     if where is not None and getattr(records, "lines", None) is not None:
-        return [encode_record(r, tokenizer, cfg, source=where(i)) for i, r in enumerate(records)]
-    return [encode_record(r, tokenizer, cfg, index=i, source=source) for i, r in enumerate(records)]
+        return [encode_record(r, tokenizer, cfg, source=where(i), **kw) for i, r in enumerate(records)]
+    return [encode_record(r, tokenizer, cfg, index=i, source=source, **kw) for i, r in enumerate(records)]

@@ -5,6 +5,11 @@ posttrain.data.formats), `segment_ids` (1, 2, 3, ... per example in the row, 0 o
 padding), `positions` (restarting at 0 in every segment, 0 on padding) and
 `attention_mask` (1 on real tokens). The first token of every segment has loss
 mask 0: nothing inside the row predicts it.
+
+Image data (examples with `images`) is packed too, and an image's tokens always stay in one row: examples
+are never split across rows, an example is cut (truncation="right") only after its last image token and
+dropped otherwise, and a row takes at most as many images as the example with the most images has, so the
+batch's pixel tensor [rows, max_images, 3, H, W] is no larger than without packing while its tokens are packed.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import numpy as np
 
 from posttrain.data.formats import Example
 
-__all__ = ["PackStats", "PackedRows", "pack_examples", "first_fit_decreasing", "empty_row", "ROW_KEYS"]
+__all__ = ["PackStats", "PackedRows", "pack_examples", "first_fit_decreasing", "first_fit_decreasing_images",
+           "empty_row", "ROW_KEYS"]
 
 ROW_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions", "attention_mask")
 _DTYPES = {"input_ids": np.int32, "loss_mask": np.float32, "segment_ids": np.int32,
@@ -49,22 +55,32 @@ class PackStats:
 
 
 class PackedRows(Sequence):
-    """Rows as stacked arrays ([num_rows, seq_len] each); `rows[i]` is a dict of 1-D arrays."""
+    """Rows as stacked arrays ([num_rows, seq_len] each); `rows[i]` is a dict of 1-D arrays.
 
-    def __init__(self, arrays: dict[str, np.ndarray]):
+    images: for image data, every row's images in token order (`rows[i]["images"]`, a tuple); None otherwise.
+    max_images: the most images a row may hold (the pixel tensor's image axis).
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray], images: list[tuple] | None = None, max_images: int = 0):
         self.arrays = arrays
         self.seq_len = int(arrays["input_ids"].shape[1])
+        self.images = images
+        self.max_images = max_images
 
     def __len__(self) -> int:
         return int(self.arrays["input_ids"].shape[0])
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return PackedRows({k: v[i] for k, v in self.arrays.items()})
+            return PackedRows({k: v[i] for k, v in self.arrays.items()},
+                              None if self.images is None else self.images[i], self.max_images)
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"row {i} out of range for {n} rows")
-        return {k: v[i] for k, v in self.arrays.items()}
+        row = {k: v[i] for k, v in self.arrays.items()}
+        if self.images is not None:
+            row["images"] = self.images[i]
+        return row
 
 
 def empty_row(seq_len: int, pad_token_id: int = 0) -> dict[str, np.ndarray]:
@@ -112,6 +128,41 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
+def first_fit_decreasing_images(lengths: Sequence[int], counts: Sequence[int], capacity: int,
+                                max_images: int) -> list[list[int]]:
+    """First-fit decreasing with two capacities: `capacity` tokens and `max_images` images a bin (items longest
+    first, ties by lower index; each into the lowest-numbered bin with room for both)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    free = np.zeros(0, np.int64)
+    slots = np.zeros(0, np.int64)
+    bins: list[list[int]] = []
+    for i in order:
+        if lengths[i] > capacity or counts[i] > max_images:
+            raise ValueError(f"item {i} ({lengths[i]} tokens, {counts[i]} images) exceeds a bin")
+        fits = np.flatnonzero((free >= lengths[i]) & (slots >= counts[i]))
+        if len(fits):
+            b = int(fits[0])
+        else:
+            b = len(bins)
+            bins.append([])
+            free, slots = np.append(free, capacity), np.append(slots, max_images)
+        bins[b].append(i)
+        free[b] -= lengths[i]
+        slots[b] -= counts[i]
+    return bins
+
+
+def _fit(ex: Example, seq_len: int, truncation: str, stats: PackStats) -> Example | None:
+    """`ex` as it goes into a row: as it is, cut to `seq_len` (never before its last image token), or None."""
+    if len(ex) <= seq_len:
+        return ex
+    if truncation == "drop" or ex.image_end > seq_len:
+        stats.num_dropped += 1
+        return None
+    stats.num_truncated += 1
+    return Example(ex.input_ids[:seq_len], ex.loss_mask[:seq_len], images=ex.images, image_end=ex.image_end)
+
+
 def pack_examples(examples: Sequence[Example], seq_len: int, *, pack: bool = True,
                   truncation: Literal["right", "drop"] = "right",
                   pad_token_id: int = 0) -> tuple[PackedRows, PackStats]:
@@ -128,20 +179,17 @@ def pack_examples(examples: Sequence[Example], seq_len: int, *, pack: bool = Tru
     if truncation not in ("right", "drop"):
         raise ValueError(f"truncation must be 'right' or 'drop', found {truncation!r}")
     stats = PackStats(num_examples=len(examples))
-    kept: list[Example] = []
-    for ex in examples:
-        if len(ex) > seq_len:
-            if truncation == "drop":
-                stats.num_dropped += 1
-                continue
-            stats.num_truncated += 1
-            ex = Example(ex.input_ids[:seq_len], ex.loss_mask[:seq_len])
-        if len(ex) == 0:
-            continue
-        kept.append(ex)
+    kept = [ex for ex in (_fit(ex, seq_len, truncation, stats) for ex in examples) if ex is not None and len(ex)]
 
     lengths = [len(ex) for ex in kept]
-    bins = first_fit_decreasing(lengths, seq_len) if pack else [[i] for i in range(len(kept))]
+    counts = [len(ex.images) for ex in kept]
+    max_images = max(counts, default=0)
+    if not pack:
+        bins = [[i] for i in range(len(kept))]
+    elif max_images:
+        bins = first_fit_decreasing_images(lengths, counts, seq_len, max_images)
+    else:
+        bins = first_fit_decreasing(lengths, seq_len)
 
     num_rows = len(bins)
     arrays = {k: np.zeros((num_rows, seq_len), _DTYPES[k]) for k in ROW_KEYS}
@@ -167,4 +215,5 @@ def pack_examples(examples: Sequence[Example], seq_len: int, *, pack: bool = Tru
     stats.num_tokens = int(arrays["attention_mask"].sum())
     stats.num_loss_tokens = int(arrays["loss_mask"].sum())
     stats.num_padding_tokens = num_rows * seq_len - stats.num_tokens
-    return PackedRows(arrays), stats
+    images = [tuple(im for i in members for im in kept[i].images) for members in bins] if max_images else None
+    return PackedRows(arrays, images, max_images), stats

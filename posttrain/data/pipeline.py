@@ -11,6 +11,10 @@ batch (`batch_rows`, from `posttrain.distributed.process_batch_rows`); the train
 batch from the processes' parts (`jax.make_array_from_process_local_data`). Global batch j is rows
 [j*B, (j+1)*B) of the stream whatever the process count, so a run has the same data order (and the same
 checkpointed iterator state) on 1 or N processes.
+
+Image data (with a model's `VisionSpec`): batches also hold `pixel_values` float32 [rows, max_images, 3, H, W]
+(each row's images in the order of their tokens, zeros after them), read and preprocessed in the batch
+function, so only one batch of pixels is in memory; every image is checked to exist and be an image up front.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 from posttrain.data.formats import DataFormatConfig, encode_records
 from posttrain.data.packing import ROW_KEYS, PackedRows, empty_row, pack_examples
 from posttrain.data.sources import DataError, read_records, source_name
+from posttrain.data.vlm import VisionSpec, check_images, pixel_values
 
 __all__ = ["SFTDataset", "build_sft_dataset", "stack_rows"]
 
@@ -76,7 +81,8 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
                       pack: bool = True, seed: int = 0, shuffle: bool = True,
                       num_epochs: int | None = None, shard_index: int = 0, shard_count: int = 1,
                       truncation: Literal["right", "drop"] = "right", split: str | None = None,
-                      source: str | None = None, batch_rows: Sequence[int] | None = None) -> SFTDataset:
+                      source: str | None = None, batch_rows: Sequence[int] | None = None,
+                      vision: VisionSpec | None = None) -> SFTDataset:
     """Tokenise and pack `records` (or a source for `read_records`) and build the batch pipeline.
 
     Shuffling is over packed rows, deterministic in `seed`, and differs per epoch.
@@ -86,6 +92,7 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
     number of batches.
     batch_rows: the rows of every global batch this process reads (a multi-host run's share; default all):
     batches then have len(batch_rows) rows.
+    vision: the model's `VisionSpec` when it is a vision-language model (records with images need one).
     """
     import grain  # lazy: grain (~0.3 s) loads only when a pipeline is built; posttrain.data stays light
 
@@ -104,7 +111,8 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
         raise DataError(f"data set '{source or '<records>'}' is empty")
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    examples = encode_records(records, tokenizer, fmt_cfg, source=source)
+    examples = encode_records(records, tokenizer, fmt_cfg, source=source, vision=vision)
+    check_images([ref for ex in examples for ref in ex.images])
     rows, pstats = pack_examples(examples, seq_len, pack=pack, truncation=truncation, pad_token_id=pad_id)
     if len(rows) == 0:
         raise DataError(f"data set '{source or '<records>'}': no example survived packing "
@@ -114,11 +122,14 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
     num_filler = (-len(rows)) % shard_count
     if num_filler:
         filler = {k: np.stack([pad_row[k]] * num_filler) for k in ROW_KEYS}
-        rows = PackedRows({k: np.concatenate([rows.arrays[k], filler[k]]) for k in ROW_KEYS})
+        rows = PackedRows({k: np.concatenate([rows.arrays[k], filler[k]]) for k in ROW_KEYS},
+                          None if rows.images is None else rows.images + [()] * num_filler, rows.max_images)
     shard = rows[shard_index::shard_count]
 
     stats = {"num_records": len(records), **pstats.as_dict(), "num_filler_rows": num_filler,
              "shard_rows": len(shard), "shard_index": shard_index, "shard_count": shard_count}
+    if rows.images is not None:
+        stats.update(num_images=sum(len(ex.images) for ex in examples), max_images_per_row=rows.max_images)
 
     stream = grain.MapDataset.source(shard)
     if shuffle:
@@ -132,7 +143,11 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
 
     def read_batch(j: int) -> dict[str, np.ndarray]:
         picked = [stream[i] if (i := j * batch_size + r) < n else pad_row for r in rows_of_batch]
-        return stack_rows(picked, len(rows_of_batch), pad_row)
+        batch = stack_rows(picked, len(rows_of_batch), pad_row)
+        if shard.images is not None:
+            batch["pixel_values"] = pixel_values([p.get("images", ()) for p in picked], shard.max_images,
+                                                 vision.processor)
+        return batch
 
     ds = grain.MapDataset.range(num_batches).map(read_batch)
     iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))

@@ -1,6 +1,7 @@
 """Reading raw records (list of dicts) from local files or Hugging Face `datasets`.
 
 `read_records` understands `reasoning_gym:TASK?size=N&seed=S` (see `posttrain.data.reasoning_gym`),
+`shapes:?size=N&seed=S` (a synthetic visual task, `posttrain.data.shapes`),
 `.jsonl` (optionally `.gz`), `.json`, `.parquet`,
 local `datasets` folders (`save_to_disk` output or anything
 `datasets.load_dataset(path)` can read) and, as a last resort, hub data set
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
-from posttrain.data import reasoning_gym
+from posttrain.data import reasoning_gym, shapes
 from posttrain.data.errors import DataError
 
 __all__ = ["DataError", "read_records", "read_prompts", "source_name"]
@@ -172,6 +173,8 @@ def read_records(path_or_name: str | os.PathLike, split: str | None = None) -> l
     src = source_name(path_or_name, split)
     if reasoning_gym.is_reasoning_gym_source(path_or_name):  # generated problems with their own checkers
         return RecordList(reasoning_gym.records(str(path_or_name)), str(path_or_name))
+    if shapes.is_shapes_source(path_or_name):  # the synthetic visual task, drawn on the fly
+        return RecordList(shapes.records(str(path_or_name)), str(path_or_name))
     path = Path(path_or_name)
     if path.is_file():
         suffixes = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix

@@ -18,6 +18,7 @@ import inspect
 from typing import Any, Callable
 
 from posttrain.loading import LoadError, load_callable
+from posttrain.rewards.exact import exact_answer
 from posttrain.rewards.format import format_reward
 from posttrain.rewards.length import overlong_penalty
 from posttrain.rewards.math_answer import math_answer
@@ -27,6 +28,7 @@ __all__ = ["BUILTIN_REWARDS", "RewardSpec", "load_reward", "resolve_reward", "re
 
 BUILTIN_REWARDS: dict[str, Callable] = {
     "math_answer": math_answer,
+    "exact_answer": exact_answer,
     "format": format_reward,
     "format_reward": format_reward,
     "overlong_penalty": overlong_penalty,

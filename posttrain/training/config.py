@@ -39,6 +39,8 @@ class ModelSection:
     compute_dtype: dtype of activations and matmuls (None = param_dtype).
     kernels: the backend's kernel set (`posttrain.models.kernels`): auto = cpu on JAX's CPU backend, generic
       (plain products, fused attention, accelerator cache layout) elsewhere.
+    freeze_vision: a vision-language model's vision tower is not trained (no gradient, no optimizer state);
+      its projector and decoder are. No effect on a text-only model.
     """
 
     path: str = "tiny:llama"
@@ -48,6 +50,7 @@ class ModelSection:
     scan_layers: bool = True
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
     kernels: Literal["auto", "generic", "cpu"] = "auto"
+    freeze_vision: bool = True
 
 
 @dataclasses.dataclass
@@ -146,6 +149,7 @@ class LoraConfig:
 
     target: regular expression over dotted module paths (full match), e.g. `.*(q_proj|v_proj)`.
     quantize: "nf4" stores the targeted base kernels in 4-bit NormalFloat (QLoRA), blocks of `block_size`.
+    vision: also put adapters on a vision-language model's vision tower (default: the decoder only).
     """
 
     enabled: bool = False
@@ -155,6 +159,7 @@ class LoraConfig:
     init: Literal["kaiming", "gaussian"] = "kaiming"
     quantize: Literal["nf4"] | None = None
     block_size: int = 64
+    vision: bool = False
 
 
 @dataclasses.dataclass

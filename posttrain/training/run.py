@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
+from flax import nnx
 
 from posttrain import distributed
 from posttrain.config import ConfigError, save_config
@@ -47,6 +48,8 @@ from posttrain.training.metrics import MetricsLogger, Throughput
 from posttrain.training.optim import make_optimizer
 from posttrain.training.runlock import RunLock
 from posttrain.training.trainer import Trainer, flops_per_token
+
+VISION_TOWER = "vision_tower"  # a vision-language model's vision tower attribute (posttrain.models)
 
 __all__ = ["Run", "FitResult", "build_model", "frozen_copy"]
 
@@ -69,10 +72,29 @@ def build_model(model: ModelSection, lora: LoraConfig, seed: int, mesh=None):
         raise ConfigError("lora.quantize needs lora.enabled=true (a quantised base can only be trained through adapters)")
     net, folder = frozen_copy(model, mesh)
     if lora.enabled:
-        lora_lib.attach(net, rank=lora.rank, alpha=lora.alpha, target=lora.target, seed=seed, init=lora.init)
+        target = lora_target(net, lora)
+        lora_lib.attach(net, rank=lora.rank, alpha=lora.alpha, target=target, seed=seed, init=lora.init)
         if lora.quantize:
-            lora_lib.quantize_base(net, target=lora.target, qtype=lora.quantize, block_size=lora.block_size)
+            lora_lib.quantize_base(net, target=target, qtype=lora.quantize, block_size=lora.block_size)
     return net, folder
+
+
+def lora_target(net, lora: LoraConfig) -> str:
+    """The LoRA target pattern: `lora.target`, kept off a vision-language model's vision tower unless
+    `lora.vision`."""
+    if getattr(net, "vision_tower", None) is None or lora.vision:
+        return lora.target
+    return rf"(?!{VISION_TOWER}\.)(?:{lora.target})"
+
+
+def trained_variables(net, model: ModelSection):
+    """Which variables the trainer trains: LoRA adapters when attached, else every parameter, less a
+    vision-language model's vision tower when `model.freeze_vision` (it then has no gradient and no optimizer
+    state; the projector and decoder train)."""
+    kind = nnx.LoRAParam if lora_lib.has_lora(net) else nnx.Param
+    if getattr(net, "vision_tower", None) is None or not model.freeze_vision or kind is nnx.LoRAParam:
+        return kind
+    return nnx.All(kind, nnx.Not(nnx.PathContains(VISION_TOWER)))
 
 
 @dataclasses.dataclass
@@ -170,6 +192,7 @@ class Run:
         tc = self.cfg.trainer
         model, self.folder = build_model(self.cfg.model, self.cfg.lora, tc.seed, self.mesh)
         tx, schedule = make_optimizer(self.cfg.optim, updates or tc.max_steps)
+        trainer_kwargs.setdefault("wrt", trained_variables(model, self.cfg.model))
         self.trainer = Trainer(model, tx, loss_fn=loss_fn, grad_accum=tc.grad_accum, mesh=self.mesh, schedule=schedule,
                                seed=tc.seed, logprob_chunk_size=tc.loss_chunk_size or None, **trainer_kwargs)
         self.ckpt = Checkpointer(self.out / "checkpoints", keep=tc.keep_checkpoints,

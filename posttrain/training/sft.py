@@ -17,6 +17,7 @@ __all__ = ["TrainingDivergedError", "ResumeError", "SFTResult", "load_sft_config
 from posttrain.algorithms.sft import make_sft_loss  # noqa: E402
 from posttrain.config import ConfigError, load_config  # noqa: E402
 from posttrain.data import build_sft_dataset  # noqa: E402
+from posttrain.data.vlm import VisionSpec  # noqa: E402
 from posttrain.training.config import DataSection, SFTConfig  # noqa: E402
 from posttrain.training.errors import ResumeError, TrainingDivergedError  # noqa: E402  (re-exported)
 from posttrain.training.run import Run, build_model  # noqa: E402  (build_model re-exported)
@@ -42,11 +43,12 @@ def load_sft_config(path: str | Path | None, overrides=()) -> SFTConfig:
     return load_config(SFTConfig, path, list(overrides))
 
 
-def eval_batches(d: DataSection, n: int, tok, rows=None) -> list[dict]:
+def eval_batches(d: DataSection, n: int, tok, rows=None, vision=None) -> list[dict]:
     """The first `n` (trainer.eval_batches) batches of the SFT-format eval split of `d` (`rows`: this process's
-    rows)."""
+    rows; `vision`: the model's `VisionSpec` for image data)."""
     ds = build_sft_dataset(d.eval, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack,
-                           shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split, batch_rows=rows)
+                           shuffle=False, num_epochs=1, truncation=d.truncation, split=d.eval_split, batch_rows=rows,
+                           vision=vision)
     out = []
     for batch in ds:
         out.append(batch)
@@ -72,11 +74,12 @@ def run_sft(cfg: SFTConfig, *, stop_after: int | None = None, batch_hook: Callab
     with Run(cfg, "sft", log=log) as run:
         # Data first: a bad data set fails before any model is loaded.
         tok = run.tokenizer()
+        vision = VisionSpec.from_checkpoint(run.model_folder(), tok)  # None for a text-only model
         rows = run.batch_rows(d.batch_size)  # multi-host: this process's rows of every global batch
         train_ds = build_sft_dataset(d.train, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size,
                                      pack=d.pack, seed=d.seed, shuffle=d.shuffle, num_epochs=None,
-                                     truncation=d.truncation, split=d.train_split, batch_rows=rows)
-        eval_data = eval_batches(d, tc.eval_batches, tok, rows) if (d.eval and tc.eval_every > 0) else []
+                                     truncation=d.truncation, split=d.train_split, batch_rows=rows, vision=vision)
+        eval_data = eval_batches(d, tc.eval_batches, tok, rows, vision) if (d.eval and tc.eval_every > 0) else []
         trainer = run.build_trainer(make_sft_loss(tc.loss_chunk_size or None), process_local_batches=True)
         it = iter(train_ds)
         run.restore(it)
