@@ -123,6 +123,16 @@ def test_pack_carries_the_loss_mask_and_fields():
         np.testing.assert_array_equal(packed.positions[layout.row[i]][seg], np.arange(len(real)))
 
 
+def test_pack_sizes_only_grow():
+    batch = _batch()
+    _, layout = pack_rl_batch(batch)
+    big, big_layout = pack_rl_batch(batch, at_least=(layout.row_len + 16, layout.slots * 2, layout.proj + 16))
+    assert big_layout.sizes == (layout.row_len + 16, layout.slots * 2, layout.proj + 16)
+    assert big.input_ids.shape[1] == big_layout.row_len and big.token_src.shape[1] == big_layout.proj
+    for name in ("loss_mask", "behaviour_logp", "ref_logp"):
+        np.testing.assert_array_equal(big_layout.unpack(getattr(big, name)), getattr(batch, name), err_msg=name)
+
+
 def test_bucket_rows_few_shapes():
     assert [bucket_rows(r) for r in (1, 2, 3, 5, 7, 9, 13, 17, 33)] == [1, 2, 3, 5, 7, 10, 14, 20, 40]
     assert bucket_rows(5, 4) == 8 and bucket_rows(9, 4) == 12

@@ -96,22 +96,28 @@ class Learner:
         self.recompute_old, self.correct_off_policy, self.ref_fn = recompute_old, correct_off_policy, ref_fn
         self.pack = pack
         self.policy = TrainerScorer(trainer)
-        self.pack_stats = {"tokens": 0, "packed_cells": 0, "padded_cells": 0}  # summed over the run's updates
+        self._cells: dict[str, int] = {}  # this update's token counts (packing only)
+        self._sizes = {"train": (0, 0, 0), "score": (0, 0, 0)}  # packed sizes so far: they only grow
 
-    def _packed(self, batch: RLBatch):
-        """`batch` packed with a row count that the trainer's micro-batches and data shards divide."""
+    def _packed(self, batch: RLBatch, use: str):
+        """`batch` packed with a row count that the trainer's micro-batches and data shards divide, and row
+        length, slots and projected tokens at least those of the earlier batches of this `use` (train | score),
+        so the compiled shapes settle after a few steps."""
         ways = 1
         if self.trainer.mesh is not None:
             ways = int(self.trainer.mesh.shape.get("data", 1) * self.trainer.mesh.shape.get("fsdp", 1))
-        return pack_rl_batch(batch, row_multiple=math.lcm(self.trainer.grad_accum, ways))
+        packed, layout = pack_rl_batch(batch, row_multiple=math.lcm(self.trainer.grad_accum, ways),
+                                       at_least=self._sizes[use])
+        self._sizes[use] = layout.sizes
+        return packed, layout
 
     def _train_batch(self, batch: RLBatch):
-        """What the trainer steps on: `batch`, or it packed (its token counts added to `pack_stats`)."""
+        """What the trainer steps on: `batch`, or it packed (its token counts added up for the metrics)."""
         if not self.pack:
             return batch
-        packed, layout = self._packed(batch)
-        for k in self.pack_stats:
-            self.pack_stats[k] += getattr(layout, k)
+        packed, layout = self._packed(batch, "train")
+        for k in ("tokens", "packed_cells", "padded_cells"):
+            self._cells[f"pack/{k}"] = self._cells.get(f"pack/{k}", 0) + getattr(layout, k)
         return packed
 
     def update(self, batch: RLBatch, step: int, *, policy_moved: bool) -> dict[str, float]:
@@ -122,11 +128,14 @@ class Learner:
         batch = self.score(batch, policy_moved=policy_moved)
         rng = np.random.default_rng([self.seed, step])
         metrics: list[dict[str, float]] = []
+        self._cells = {}
         for _ in range(self.ppo_epochs):
             order = rng.permutation(n) if mb > 1 else np.arange(n)
             for part in np.split(order, mb):
                 metrics.append(self.trainer.step(self._train_batch(batch.rows(part)), self.loss_fn))
-        return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+        out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+        # packing: real tokens, and the cells the forward passes computed packed / would have computed padded
+        return {**out, **{k: float(v) for k, v in self._cells.items()}}
 
     def score(self, batch: RLBatch, *, policy_moved: bool) -> RLBatch:
         """`batch` with its proximal log-probs set (the behaviour ones, or recomputed: see the module docstring)
@@ -135,7 +144,7 @@ class Learner:
         if not recompute and self.ref_fn is None:
             return batch.replace(old_logp=batch.behaviour_logp)
         if self.pack:
-            packed, layout = self._packed(batch)
+            packed, layout = self._packed(batch, "score")
             run = lambda scorer: layout.unpack(scorer.packed(packed))  # noqa: E731
         else:
             c = batch.completion_len  # the vocabulary is projected at the completion columns only

@@ -77,9 +77,16 @@ class PackLayout:
     row: np.ndarray
     slot: np.ndarray
     slots: int           # S, sequence slots per row
+    row_len: int         # L
+    proj: int            # M, projected tokens per row
     tokens: int          # real tokens (prompt + completion)
     packed_cells: int    # R * L: what the packed forward computes
     padded_cells: int    # N * (P + C): what the padded forward computes
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """(L, S, M): row length, sequence slots and projected tokens per row (`pack_rl_batch`'s `at_least`)."""
+        return self.row_len, self.slots, self.proj
 
     def unpack(self, slots: np.ndarray) -> np.ndarray:
         """[R*S, C] or [R, S, C] per-slot values -> the padded batch's [N, C] (0 where nothing was projected)."""
@@ -103,23 +110,25 @@ def _spans(attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return start, np.where(am.any(axis=1), end, start)
 
 
-def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16) -> tuple[PackedRLBatch, PackLayout]:
+def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
+                  at_least: tuple[int, int, int] = (0, 0, 0)) -> tuple[PackedRLBatch, PackLayout]:
     """Packs a padded `RLBatch` (its `old_logp`/`ref_logp` too, when set); returns the packed batch and the layout.
 
     `row_multiple`: the row count is a multiple of it (the trainer's micro-batches x data shards);
-    `multiple`: row length L and projected tokens per row M are multiples of it.
+    `multiple`: row length L and projected tokens per row M are multiples of it; `at_least`: lower bounds of
+    (L, S, M) (`PackLayout.sizes` of earlier batches: sizes that only grow compile a run's step a few times).
     """
     n, t = np.shape(batch.input_ids)
     c = batch.completion_len
     start, end = _spans(batch.attention_mask)
     lengths = end - start
-    row_len = bucket_length(int(lengths.max(initial=1)), multiple)
+    row_len = max(bucket_length(int(lengths.max(initial=1)), multiple), at_least[0])
     bins = first_fit_decreasing(lengths.tolist(), row_len)
     mask = np.asarray(batch.loss_mask, np.float32)
     proj = [np.flatnonzero(m > 0) for m in mask]  # completion tokens that are projected (loss mask > 0)
     r = bucket_rows(len(bins), row_multiple)
-    s = 1 << max(0, (max(len(b) for b in bins) - 1).bit_length())
-    m = bucket_length(max(sum(len(proj[i]) for i in b) for b in bins), multiple)
+    s = max(1 << max(0, (max(len(b) for b in bins) - 1).bit_length()), at_least[1])
+    m = max(bucket_length(max(sum(len(proj[i]) for i in b) for b in bins), multiple), at_least[2])
     out = _Rows(r, row_len, s, c, m, batch)
     row, slot = np.zeros(n, np.int32), np.zeros(n, np.int32)
     for ri, members in enumerate(bins):
@@ -129,7 +138,7 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16) 
             first_completion = col + (t - c) - start[i]  # the column of completion token 0 in the packed row
             out.place(ri, si, col, i, start[i], end[i], k, first_completion - 1 + proj[i], si * c + proj[i])
             col, k = col + lengths[i], k + len(proj[i])
-    layout = PackLayout(row=row, slot=slot, slots=s, tokens=int(lengths.sum()), packed_cells=r * row_len, padded_cells=n * t)
+    layout = PackLayout(row=row, slot=slot, slots=s, row_len=row_len, proj=m, tokens=int(lengths.sum()), packed_cells=r * row_len, padded_cells=n * t)
     return out.build(), layout
 
 
