@@ -10,7 +10,10 @@ for the packed side the real tokens and the cells (rows x columns) the update's 
 padded. The 1-minute load average at the start and end of each run is printed: on a shared machine compare
 within one run only.
 
+`--micro REPS` times the update alone instead (`micro`): one process, padded and packed alternating.
+
     python benchmarks/bench_rl_pack.py [--sft-steps 150] [--warmup 2] [--steps 6] [--rounds 2] [--beta 0.0]
+    python benchmarks/bench_rl_pack.py --micro 5
 """
 
 from __future__ import annotations
@@ -86,6 +89,55 @@ def worker(out: Path, model: Path, pack: bool, steps: int, beta: float) -> dict:
             "loadavg": [load0, os.getloadavg()[0]], "shapes": sorted(map(str, shapes))}
 
 
+def micro(reps: int, seed: int = 0) -> None:
+    """The update alone, in one process, padded and packed alternating (A/B/A/B: robust to a drifting load),
+    on the GRPO benchmark's model (vocab 8192, hidden 256, 4 layers) and 32 synthetic sequences: prompts of
+    32 tokens and completions of 64 (the GRPO benchmark: nothing to save) or of 4..64 (varied)."""
+    import time
+
+    import numpy as np
+
+    from posttrain.models import init_model
+    from posttrain.models.config import llama_like
+    from posttrain.rl.batch import build_rl_batch
+    from posttrain.rl.learner import Learner
+    from posttrain.rl.loss import make_rl_loss
+    from posttrain.rl.rollout import Rollouts
+    from posttrain.training.config import OptimConfig
+    from posttrain.training.optim import make_optimizer
+    from posttrain.training.trainer import Trainer
+
+    cfg = llama_like(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+                     num_kv_heads=2, head_dim=64)
+    rng = np.random.default_rng(seed)
+    kw = {"epsilon_low": 0.2, "epsilon_high": 0.2, "aggregation": "seq_mean_token_mean", "max_tokens": 64}
+    for name, comp_len in (("equal lengths (bench_grpo)", lambda: 64), ("varied lengths", lambda: rng.integers(4, 65))):
+        comps = [rng.integers(3, 8192, size=int(comp_len())).tolist() for _ in range(32)]
+        prompts = [rng.integers(3, 8192, size=32).tolist() for _ in range(32)]
+        ro = Rollouts(group_size=4, record_index=[i // 4 for i in range(32)], prompt_ids=prompts,
+                      completion_ids=comps, logprobs=[[-1.0] * len(c) for c in comps], finish_reasons=["stop"] * 32,
+                      texts=[""] * 32, prompts_text=[""] * 32, rewards=np.zeros(32, np.float32), per_reward={},
+                      reward_stats={})
+        batch = build_rl_batch(ro, rng.normal(size=32).astype(np.float32))
+        learners = {}
+        for pack in (False, True):
+            tx = make_optimizer(OptimConfig(name="adamw", lr=1e-5, decay="constant"), 1000)[0]
+            learners[pack] = Learner(Trainer(init_model(cfg, seed=0), tx), make_rl_loss(kw), ppo_epochs=1,
+                                     minibatches=1, seed=0, recompute_old=False, correct_off_policy=False, pack=pack)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for rep in range(reps + 1):
+            for pack, learner in learners.items():
+                t = time.perf_counter()
+                m = learner.update(batch, rep, policy_moved=False)
+                if rep:  # the first holds the compile
+                    times[pack].append(time.perf_counter() - t)
+        med = statistics.median
+        print(f"{name}: update median padded {med(times[False]):.3f} s, packed {med(times[True]):.3f} s "
+              f"(packed / padded {med(times[True]) / med(times[False]):.2f}); cells packed "
+              f"{m['pack/packed_cells']:.0f} vs padded {m['pack/padded_cells']:.0f}, real tokens "
+              f"{m['pack/tokens']:.0f}; load avg {os.getloadavg()[0]:.1f}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft-steps", type=int, default=150)
@@ -93,10 +145,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference pass)")
+    p.add_argument("--micro", type=int, metavar="REPS", default=0,
+                   help="instead: time the update alone, padded and packed alternating, REPS times each")
     p.add_argument("--worker", choices=["packed", "padded"], help=argparse.SUPPRESS)
     p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.micro:
+        micro(a.micro)
+        return 0
     if a.worker:
         r = worker(a.dir, a.model, a.worker == "packed", a.warmup + a.steps, a.beta)
         print("RESULT " + json.dumps(r), flush=True)

@@ -67,11 +67,15 @@ def _loss_and_grads(model, batch, kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo"])
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo", "per-token advantages"])
 def test_packed_gradients_equal_padded(model, preset):
     batch = _batch(seq_weights=np.array([1, 1, 1, 1, 0, 1], np.float32))  # one sequence filtered (DAPO)
     if preset == "dr_grpo":
         batch = batch.replace(advantages=np.asarray(batch.advantages) - 0.1)
+    if preset == "per-token advantages":  # on-policy distillation's [N, C] advantages
+        preset = "grpo"
+        rng = np.random.default_rng(3)
+        batch = batch.replace(advantages=rng.normal(size=batch.loss_mask.shape).astype(np.float32))
     packed, layout = pack_rl_batch(batch, row_multiple=2)
     assert len(packed) < len(batch) and len(packed) % 2 == 0 and layout.packed_cells < layout.padded_cells
     kw = _kwargs(preset)

@@ -138,7 +138,8 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
             first_completion = col + (t - c) - start[i]  # the column of completion token 0 in the packed row
             out.place(ri, si, col, i, start[i], end[i], k, first_completion - 1 + proj[i], si * c + proj[i])
             col, k = col + lengths[i], k + len(proj[i])
-    layout = PackLayout(row=row, slot=slot, slots=s, row_len=row_len, proj=m, tokens=int(lengths.sum()), packed_cells=r * row_len, padded_cells=n * t)
+    layout = PackLayout(row=row, slot=slot, slots=s, row_len=row_len, proj=m, tokens=int(lengths.sum()),
+                        packed_cells=r * row_len, padded_cells=n * t)
     return out.build(), layout
 
 
