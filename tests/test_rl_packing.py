@@ -90,6 +90,7 @@ def test_packed_gradients_equal_padded(model, preset):
     assert max(float(np.abs(np.asarray(a)).max()) for a in jax.tree.leaves(g_p)) > 1e-3  # a real gradient
 
 
+@pytest.mark.slow  # two eager forwards: ~6 s on the loaded 2-core machine
 def test_attention_never_crosses_sequences(model):
     batch = _batch()
     packed, layout = pack_rl_batch(batch)
