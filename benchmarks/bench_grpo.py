@@ -33,7 +33,10 @@ First step: the "warm-up s" column holds each warm-up step's seconds (ours: roll
 included), beside the steady state. `--first-call` also runs ours in two fresh processes (1 step each) with
 an empty persistent compilation cache (cold) and then with the cache the first filled (warm).
 
-    python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--rounds 1] [--torch-threads N]
+`--pack` runs ours twice per round, `learner.pack=false` then `true` (each in a fresh process), and prints the
+padding the packed update saved (real tokens / cells computed, packed vs padded) and the packed/padded ratios.
+
+    python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--rounds 1] [--torch-threads N] [--pack]
                                     [--trl-checkpointing] [--no-trl] [--no-ours] [--no-peak] [--first-call]
 """
 
@@ -127,7 +130,7 @@ def run_peak(threads: int, n: int = 2048, reps: int = 5) -> dict:
     return {"jax": jax_rate, "torch": 2 * n**3 / best, "torch_threads": torch.get_num_threads()}
 
 
-def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int) -> dict:
+def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int, pack: bool | None = None) -> dict:
     from posttrain.rl.loop import load_rl_config, run_rl
     from posttrain.training import metrics as metrics_lib
 
@@ -153,7 +156,7 @@ def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int) -> dict:
             f"optim.lr={LR}", "optim.decay=constant", "optim.weight_decay=0.0", "optim.clip_norm=1.0",
             f"trainer.max_steps={total}", "trainer.save_every=0", "trainer.progress=false", "eval.at_start=false",
             "export_hf=false", "data.chat=false",
-        ])
+        ] + ([] if pack is None else [f"learner.pack={str(pack).lower()}"]))
         t_start = time.perf_counter()
         result = run_rl(cfg)
         t_total = time.perf_counter() - t_start
@@ -173,6 +176,9 @@ def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int) -> dict:
         "reward_mean": statistics.mean(r["reward/mean"] for r in timed),
         "loss": timed[-1]["loss"],
         "run_rl_s": t_total,
+        # packed runs: real tokens and the cells the update's forward computed, packed / padded (timed steps)
+        **{k: sum(r[f"pack/{k}"] for r in timed) for k in ("tokens", "packed_cells", "padded_cells")
+           if f"pack/{k}" in timed[0]},
     }
 
 
@@ -276,8 +282,9 @@ def worker(kind: str, folder: Path, warmup: int, steps: int, threads: int, check
     load0 = os.getloadavg()[0]
     if kind == "peak":
         out = run_peak(threads)
-    elif kind == "ours":
-        out = run_ours(folder, folder / "prompts.jsonl", warmup, steps)
+    elif kind.startswith("ours"):  # ours, ours-packed (learner.pack=true), ours-padded (learner.pack=false)
+        pack = {"ours": None, "ours-packed": True, "ours-padded": False}[kind]
+        out = run_ours(folder, folder / "prompts.jsonl", warmup, steps, pack)
     else:
         prompts = [json.loads(line)["prompt"] for line in (folder / "prompts.jsonl").read_text().splitlines()]
         out = run_trl(folder, prompts, warmup, steps, threads, checkpointing)
@@ -332,7 +339,10 @@ def main(argv=None) -> int:
                    help="keep GRPOConfig's default activation (gradient) checkpointing on for TRL (off by default)")
     p.add_argument("--first-call", action="store_true",
                    help="also time our first GRPO step in fresh processes, cold and with a warm compilation cache")
-    p.add_argument("--worker", choices=["ours", "trl", "peak"], help=argparse.SUPPRESS)
+    p.add_argument("--pack", action="store_true",
+                   help="run ours twice per round, learner.pack=false then true (interleaved), and report both "
+                        "with the padding the packed update saved")
+    p.add_argument("--worker", choices=["ours", "ours-packed", "ours-padded", "trl", "peak"], help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.worker and (args.steps < 1 or args.warmup < 1 or args.rounds < 1):
@@ -363,7 +373,8 @@ def main(argv=None) -> int:
                     console.print(f"first GRPO step (rollout + train), fresh process, {kind} compilation cache: "
                                   f"{first[kind][0]:.2f} s (second step {first[kind][1]:.2f} s; whole run_rl "
                                   f"{first[kind][2]:.1f} s)")
-        kinds = [k for k, skip in (("ours", args.no_ours), ("trl", args.no_trl)) if not skip]
+        ours = ["ours-padded", "ours-packed"] if args.pack else ["ours"]
+        kinds = [k for k, skip in ((o, args.no_ours) for o in ours) if not skip] + ([] if args.no_trl else ["trl"])
         for rnd in range(args.rounds):
             for kind in kinds:
                 console.print(f"round {rnd + 1}/{args.rounds}, {kind}: {args.warmup} warm-up + {args.steps} timed "
@@ -383,7 +394,8 @@ def main(argv=None) -> int:
     for col in ("system", "s/step", "min s/step", "rollout s", "(generate s)", "train s", "rollout %",
                 "compl. len", "truncated", "reward", "warm-up s", "load avg"):
         table.add_column(col, justify="left" if col == "system" else "right")
-    names = {"ours": "posttrain run_rl (JAX)", "trl": "TRL GRPOTrainer (torch)"}
+    names = {"ours": "posttrain run_rl (JAX)", "ours-padded": "posttrain, padded batch",
+             "ours-packed": "posttrain, packed batch", "trl": "TRL GRPOTrainer (torch)"}
     for kind, r in res.items():
         s, ro, tr = med(r["step"]), med(r["rollout"]), med(r["train"])
         gen = f"{med(r['generate']):.2f}" if "generate" in r else "-"
@@ -393,9 +405,9 @@ def main(argv=None) -> int:
                       f"{min(r['loadavg']):.1f}..{max(r['loadavg']):.1f}")
     console.print(table)
     notes = []
-    if "ours" in res:
-        o = res["ours"]
-        notes.append(f"ours: s/step = wall-clock between step ends; rollout / train = the loop's time/rollout_s / "
+    for kind in [k for k in res if k.startswith("ours")]:
+        o = res[kind]
+        notes.append(f"{kind}: s/step = wall-clock between step ends; rollout / train = the loop's time/rollout_s / "
                      f"time/train_s (median sum {med(o['sum']):.2f} s); whole run_rl incl. model load and compiles "
                      f"{o['run_rl_s']:.0f} s; last loss {o['loss']:.3g}.")
     if "trl" in res:
@@ -420,11 +432,22 @@ def main(argv=None) -> int:
     notes.append(f"total benchmark time {time.perf_counter() - t0:.0f} s.")
     for kind, (f0, f1, total) in first.items():
         notes.append(f"ours, first step in a fresh process, {kind} compilation cache: {f0:.2f} s (then {f1:.2f} s)")
+    if "ours-packed" in res:
+        k = res["ours-packed"]
+        saved = 1 - k["packed_cells"] / k["padded_cells"]
+        notes.append(f"packed update: {k['tokens']} real tokens in {k['packed_cells']} cells packed vs "
+                     f"{k['padded_cells']} padded ({saved:.0%} of the padded forward's cells saved; fill "
+                     f"{k['tokens'] / k['packed_cells']:.0%} packed, {k['tokens'] / k['padded_cells']:.0%} padded)")
+        if "ours-padded" in res:
+            p_, k_ = res["ours-padded"], res["ours-packed"]
+            notes.append(f"packed / padded, same run (medians): train s {med(k_['train']) / med(p_['train']):.2f}, "
+                         f"step s {med(k_['step']) / med(p_['step']):.2f}")
     for n in notes:
         console.print(n)
-    if "ours" in res and "trl" in res:
-        ratio = med(res["trl"]["step"]) / med(res["ours"]["step"])
-        print(f"ratio (TRL s/step / ours s/step): {ratio:.2f} (target >= 2)")
+    for o in [k for k in ("ours", "ours-padded", "ours-packed") if k in res]:
+        if "trl" in res:
+            ratio = med(res["trl"]["step"]) / med(res[o]["step"])
+            print(f"ratio (TRL s/step / {o} s/step): {ratio:.2f} (target >= 2)")
     return 0
 
 

@@ -39,22 +39,22 @@ def _f32(x):
     return jnp.asarray(x, dtype=jnp.float32)
 
 
-def token_mean(per_token, mask, max_tokens=None):
+def token_mean(per_token, mask, max_tokens=None, num_sequences=None):
     """DAPO token-level mean (Yu et al. 2025): ``sum(x * m) / sum(m)`` over the whole batch.
 
     Every token carries equal weight regardless of the length of its sequence. ``max_tokens``
-    is ignored. Returns 0 when the mask is empty.
+    and ``num_sequences`` are ignored. Returns 0 when the mask is empty.
     """
     x, m = _f32(per_token), _f32(mask)
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def seq_mean_token_mean(per_token, mask, max_tokens=None):
+def seq_mean_token_mean(per_token, mask, max_tokens=None, num_sequences=None):
     """Original GRPO aggregation (Shao et al. 2024): mean over sequences of the per-sequence
     token mean, ``1/N' * sum_i [ sum_t x_it m_it / sum_t m_it ]``.
 
     Sequences whose mask is entirely zero (e.g. filtered overlong samples) are excluded from
-    ``N'``; returns 0 when no sequence has a token. ``max_tokens`` is ignored.
+    ``N'``; returns 0 when no sequence has a token. ``max_tokens`` and ``num_sequences`` are ignored.
     """
     x, m = _f32(per_token), _f32(mask)
     lengths = jnp.sum(m, axis=-1)
@@ -63,30 +63,36 @@ def seq_mean_token_mean(per_token, mask, max_tokens=None):
     return jnp.sum(per_seq * valid) / jnp.maximum(jnp.sum(valid), 1.0)
 
 
-def seq_mean_token_sum_norm(per_token, mask, max_tokens=None):
+def seq_mean_token_sum_norm(per_token, mask, max_tokens=None, num_sequences=None):
     """Dr. GRPO aggregation (Liu et al. 2025): ``sum(x * m) / (N * max_tokens)``.
 
     ``max_tokens`` is a constant independent of the sampled lengths (e.g. the generation
     budget ``max_new_tokens``), which removes GRPO's length bias. Defaults to ``T``.
+    ``num_sequences`` is N when the rows are not all sequences (a packed batch's empty slots,
+    `posttrain.rl.packing`); default: the rows.
     """
     x, m = _f32(per_token), _f32(mask)
-    n, t = x.shape[0], x.shape[-1]
-    denom = float(n) * float(t if max_tokens is None else max_tokens)
+    t = x.shape[-1]
+    t = float(t if max_tokens is None else max_tokens)
+    if num_sequences is not None:
+        return jnp.sum(x * m) / (jnp.maximum(_f32(num_sequences), 1.0) * t)
+    n = x.shape[0]
+    denom = float(n) * t
     if denom <= 0:
         raise ValueError(f"seq_mean_token_sum_norm needs N*max_tokens > 0, got N={n}, max_tokens={max_tokens}")
     return jnp.sum(x * m) / denom
 
 
-def _token_count(mask):
+def _token_count(mask, num_sequences=None):
     return jnp.sum(mask)
 
 
-def _sequences_with_tokens(mask):
+def _sequences_with_tokens(mask, num_sequences=None):
     return jnp.sum(jnp.any(mask > 0, axis=-1).astype(jnp.float32))
 
 
-def _sequence_count(mask):
-    return jnp.asarray(mask.shape[0], jnp.float32)
+def _sequence_count(mask, num_sequences=None):
+    return jnp.asarray(mask.shape[0] if num_sequences is None else num_sequences, jnp.float32)
 
 
 def _choose(kind, value, what: str):
@@ -113,11 +119,11 @@ class Aggregation(enum.StrEnum):
     def of(cls, mode) -> "Aggregation":
         return _choose(cls, mode, "aggregation mode")
 
-    def reduce(self, per_token, mask, max_tokens=None):
-        return _AGGREGATIONS[self][0](per_token, mask, max_tokens=max_tokens)
+    def reduce(self, per_token, mask, max_tokens=None, num_sequences=None):
+        return _AGGREGATIONS[self][0](per_token, mask, max_tokens=max_tokens, num_sequences=num_sequences)
 
-    def weight(self, mask):
-        return _AGGREGATIONS[self][1](mask)
+    def weight(self, mask, num_sequences=None):
+        return _AGGREGATIONS[self][1](mask, num_sequences)
 
 
 # the one table of aggregation modes: mode -> (reduction, minibatch weight)
@@ -129,14 +135,14 @@ _AGGREGATIONS = {
 AGGREGATION_MODES = {m.value: reduce for m, (reduce, _) in _AGGREGATIONS.items()}  # config string -> reduction
 
 
-def aggregate(per_token, mask, mode: str = "token_mean", max_tokens=None):
+def aggregate(per_token, mask, mode: str = "token_mean", max_tokens=None, num_sequences=None):
     """Reduce a ``[N, T]`` per-token quantity to a scalar with one of ``AGGREGATION_MODES``:
 
     * ``token_mean``:              ``sum(x*m) / sum(m)``                        (DAPO)
     * ``seq_mean_token_mean``:     ``mean_i( sum_t x*m / sum_t m )``           (GRPO)
     * ``seq_mean_token_sum_norm``: ``sum(x*m) / (N * max_tokens)``             (Dr. GRPO)
     """
-    return Aggregation.of(mode).reduce(per_token, mask, max_tokens=max_tokens)
+    return Aggregation.of(mode).reduce(per_token, mask, max_tokens=max_tokens, num_sequences=num_sequences)
 
 
 def _masked_mean(x, m):
@@ -270,7 +276,7 @@ def _kl_tokens(logp, ref_logp, valid_tok, kl_estimator: str):
 def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
                 ratio_level: str = "token", aggregation: str = "token_mean", ref_logp=None, beta: float = 0.0,
                 kl_estimator: str = "k3", max_tokens=None, behaviour_logp=None, is_level: str = "token",
-                is_cap: float = 2.0):
+                is_cap: float = 2.0, num_sequences=None):
     """Clipped surrogate policy loss (to be minimised) and metrics.
 
     Token level (``ratio_level="token"``) -- PPO (Schulman et al. 2017, "Proximal Policy
@@ -296,7 +302,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, e
 
     If ``beta > 0`` a per-token KL penalty ``beta * kl_penalty(logp, ref_logp, kl_estimator)``
     is added to ``l_t`` (GRPO). The per-token losses are reduced with
-    ``aggregate(l, mask, aggregation, max_tokens)``.
+    ``aggregate(l, mask, aggregation, max_tokens, num_sequences)`` (``num_sequences``: N for Dr. GRPO when
+    some rows are not sequences, e.g. a packed batch's empty slots; default the rows).
 
     Args:
       logp, old_logp, ref_logp: ``[N, T]`` log-probs of the sampled tokens under the current,
@@ -336,7 +343,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, e
                                                                              epsilon_high)
     per_token = clipped_surrogate(ratio, adv_t, epsilon_low, epsilon_high)
     per_token, is_metrics = _importance_weighted(per_token, old_logp, behaviour_logp, m, is_level, is_cap)
-    pg_loss = aggregate(per_token, m, aggregation, max_tokens=max_tokens)
+    pg_loss = aggregate(per_token, m, aggregation, max_tokens=max_tokens, num_sequences=num_sequences)
     metrics = {"pg_loss": sg(pg_loss), "clip_frac_low": clip_frac_low, "clip_frac_high": clip_frac_high,
                "clip_fraction": clip_frac_low + clip_frac_high, "ratio_mean": ratio_mean, **is_metrics}
     loss = pg_loss
@@ -344,7 +351,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, e
         kl_tok = _kl_tokens(logp, ref_logp, valid_tok, kl_estimator)
         metrics["kl"] = sg(_masked_mean(kl_tok, m))
         if beta:
-            loss = aggregate(per_token + beta * kl_tok, m, aggregation, max_tokens=max_tokens)
+            loss = aggregate(per_token + beta * kl_tok, m, aggregation, max_tokens=max_tokens,
+                             num_sequences=num_sequences)
     return loss, metrics
 
 

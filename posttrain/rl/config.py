@@ -99,6 +99,9 @@ class LearnerConfig:
       old_logprobs=recompute), and each token (or sequence) is weighted by min(pi_old / pi_sampler, is_cap);
       none = off.
     max_resample_rounds: dynamic sampling: extra sampling rounds to fill the batch, at most.
+    pack: pack each minibatch's prompt+completion sequences into rows (segment ids, positions per sequence;
+      attention never crosses sequences) instead of padding every sequence to the longest, for the update and
+      the old/reference log-probs alike (`posttrain.rl.packing`); the loss and its gradient are the same.
     """
 
     ppo_epochs: int = 1
@@ -107,6 +110,7 @@ class LearnerConfig:
     is_level: Literal["token", "sequence", "none"] = "token"
     is_cap: float = 2.0
     max_resample_rounds: int = 3
+    pack: bool = False
 
     def __post_init__(self):
         at_least("learner.ppo_epochs", self.ppo_epochs, 1)

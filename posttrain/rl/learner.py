@@ -5,11 +5,18 @@ not moved since sampling; they are recomputed with the training forward when it 
 the fleet) and the off-policy correction is on, or always with `old_logprobs=recompute`. Reference
 log-probs (beta > 0) come from a `FrozenScorer`: the LoRA base with adapters off, or a frozen copy of
 the initial weights held without optimizer state.
+
+With `pack` (`learner.pack`) the learner packs each minibatch's sequences into rows (`posttrain.rl.packing`)
+before its update, and scores old/reference log-probs on the whole batch packed the same way: the loss
+and the log-probs equal the padded batch's, the forward computes only the rows that hold tokens. Minibatches
+still split the batch by sequences, as without packing.
 """
 
 from __future__ import annotations
 
 from typing import Callable
+
+import math
 
 import jax
 import numpy as np
@@ -18,8 +25,15 @@ from flax import nnx
 from posttrain import distributed
 from posttrain.algorithms.sft import token_logprobs
 from posttrain.rl.batch import RLBatch
+from posttrain.rl.loss import packed_logprobs
+from posttrain.rl.packing import PackedRLBatch, pack_rl_batch
 
-__all__ = ["Learner", "FrozenScorer"]
+__all__ = ["Learner", "FrozenScorer", "TrainerScorer"]
+
+
+def _packed_fn(graphdef, chunk_size):
+    """jit of (states, packed batch) -> its slots' log-probs [R*S, C] under nnx.merge(graphdef, *states)."""
+    return jax.jit(lambda states, pb: packed_logprobs(nnx.merge(graphdef, *states), pb, chunk_size)[0])
 
 
 class FrozenScorer:
@@ -37,23 +51,74 @@ class FrozenScorer:
                                   positions=positions, chunk_size=chunk_size, last=last)
 
         self._fn = jax.jit(lp, static_argnums=4)
+        self._packed = _packed_fn(graphdef, chunk_size)
 
     def __call__(self, inputs: dict[str, np.ndarray], last: int | None = None) -> np.ndarray:
         """Scores `inputs` (`RLBatch.model_inputs()`: input_ids, attention_mask, positions)."""
         dev = self.put_batch({k: inputs[k] for k in ("input_ids", "attention_mask", "positions")})
         return distributed.to_host(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"], last))
 
+    def packed(self, batch: PackedRLBatch) -> np.ndarray:
+        """The log-probs [R*S, C] of a packed batch's slots (`posttrain.rl.loss.packed_logprobs`)."""
+        return distributed.to_host(self._packed((self.state,), self.put_batch(batch)))
+
+
+class TrainerScorer:
+    """Per-token log-probs under the trainer's current weights (`adapters=False`: a LoRA model's base, RL's
+    reference without a second copy of the weights), padded (`(inputs, last=C)`) or packed (`packed`)."""
+
+    def __init__(self, trainer, *, adapters: bool = True):
+        self.trainer, self.adapters = trainer, adapters
+        self._packed = None  # compiled on the first packed call
+
+    def __call__(self, inputs: dict[str, np.ndarray], last: int | None = None) -> np.ndarray:
+        kw = {} if self.adapters else {"adapters": False}
+        return distributed.to_host(self.trainer.token_logprobs(inputs, last=last, **kw))
+
+    def packed(self, batch: PackedRLBatch) -> np.ndarray:
+        t = self.trainer
+        if self._packed is None:
+            self._packed = _packed_fn(t.graphdef if self.adapters else t.graphdef_base, t.logprob_chunk_size)
+        return distributed.to_host(self._packed((t.params, t.rest), t.put_batch(batch)))
+
 
 class Learner:
     """Applies one RL step's updates to a `Trainer` (see the module docstring)."""
 
     def __init__(self, trainer, loss_fn, *, ppo_epochs: int, minibatches: int, seed: int, recompute_old: bool,
-                 correct_off_policy: bool, ref_fn: Callable[..., np.ndarray] | None = None):
-        """`ref_fn(model_inputs, last=C)`: the reference's log-probs (None: no KL term); `correct_off_policy`:
-        the loss weights by pi_old / mu (`ISLevel.corrects`), so pi_old is recomputed once the policy moved."""
+                 correct_off_policy: bool, ref_fn: Callable[..., np.ndarray] | None = None, pack: bool = False):
+        """`ref_fn(model_inputs, last=C)`: the reference's log-probs (None: no KL term; with `pack`, a scorer with
+        a `packed(batch)` method: `FrozenScorer`, `TrainerScorer`); `correct_off_policy`: the loss weights by
+        pi_old / mu (`ISLevel.corrects`), so pi_old is recomputed once the policy moved; `pack`: train and score
+        packed batches (`posttrain.rl.packing`)."""
         self.trainer, self.loss_fn = trainer, loss_fn
         self.ppo_epochs, self.minibatches, self.seed = ppo_epochs, minibatches, seed
         self.recompute_old, self.correct_off_policy, self.ref_fn = recompute_old, correct_off_policy, ref_fn
+        self.pack = pack
+        self.policy = TrainerScorer(trainer)
+        self._cells: dict[str, int] = {}  # this update's token counts (packing only)
+        self._sizes = {"train": (0, 0, 0), "score": (0, 0, 0)}  # packed sizes so far: they only grow
+
+    def _packed(self, batch: RLBatch, use: str):
+        """`batch` packed with a row count that the trainer's micro-batches and data shards divide, and row
+        length, slots and projected tokens at least those of the earlier batches of this `use` (train | score),
+        so the compiled shapes settle after a few steps."""
+        ways = 1
+        if self.trainer.mesh is not None:
+            ways = int(self.trainer.mesh.shape.get("data", 1) * self.trainer.mesh.shape.get("fsdp", 1))
+        packed, layout = pack_rl_batch(batch, row_multiple=math.lcm(self.trainer.grad_accum, ways),
+                                       at_least=self._sizes[use])
+        self._sizes[use] = layout.sizes
+        return packed, layout
+
+    def _train_batch(self, batch: RLBatch):
+        """What the trainer steps on: `batch`, or it packed (its token counts added up for the metrics)."""
+        if not self.pack:
+            return batch
+        packed, layout = self._packed(batch, "train")
+        for k in ("tokens", "packed_cells", "padded_cells"):
+            self._cells[f"pack/{k}"] = self._cells.get(f"pack/{k}", 0) + getattr(layout, k)
+        return packed
 
     def update(self, batch: RLBatch, step: int, *, policy_moved: bool) -> dict[str, float]:
         """Updates the policy on `batch` (built by `posttrain.rl.batch.build_rl_batch`); returns mean metrics."""
@@ -63,18 +128,27 @@ class Learner:
         batch = self.score(batch, policy_moved=policy_moved)
         rng = np.random.default_rng([self.seed, step])
         metrics: list[dict[str, float]] = []
+        self._cells = {}
         for _ in range(self.ppo_epochs):
             order = rng.permutation(n) if mb > 1 else np.arange(n)
             for part in np.split(order, mb):
-                metrics.append(self.trainer.step(batch.rows(part), self.loss_fn))
-        return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+                metrics.append(self.trainer.step(self._train_batch(batch.rows(part)), self.loss_fn))
+        out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+        # packing: real tokens, and the cells the forward passes computed packed / would have computed padded
+        return {**out, **{k: float(v) for k, v in self._cells.items()}}
 
     def score(self, batch: RLBatch, *, policy_moved: bool) -> RLBatch:
         """`batch` with its proximal log-probs set (the behaviour ones, or recomputed: see the module docstring)
-        and the reference's when there is one. Both are scored at the completion columns only."""
-        c = batch.completion_len  # the vocabulary is projected at the completion columns only
-        old = batch.behaviour_logp
-        if self.recompute_old or (policy_moved and self.correct_off_policy):
-            old = distributed.to_host(self.trainer.token_logprobs(batch.model_inputs(), last=c))
-        ref = distributed.to_host(self.ref_fn(batch.model_inputs(), last=c)) if self.ref_fn is not None else None
+        and the reference's when there is one. Both are scored at the completion (loss) tokens only."""
+        recompute = self.recompute_old or (policy_moved and self.correct_off_policy)
+        if not recompute and self.ref_fn is None:
+            return batch.replace(old_logp=batch.behaviour_logp)
+        if self.pack:
+            packed, layout = self._packed(batch, "score")
+            run = lambda scorer: layout.unpack(scorer.packed(packed))  # noqa: E731
+        else:
+            c = batch.completion_len  # the vocabulary is projected at the completion columns only
+            run = lambda scorer: distributed.to_host(scorer(batch.model_inputs(), last=c))  # noqa: E731
+        old = run(self.policy) if recompute else batch.behaviour_logp
+        ref = run(self.ref_fn) if self.ref_fn is not None else None
         return batch.replace(old_logp=old, ref_logp=ref)

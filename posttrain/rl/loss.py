@@ -7,6 +7,8 @@ whole; see `posttrain.rl.batch` for the layout); the loss itself is
 The minibatch loss L is returned as (L * w, w) with w the aggregation's weight (`Aggregation.weight`: target
 tokens for token-mean, sequences otherwise), so summing over micro-batches and dividing reproduces the
 aggregate over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
+A packed batch (`posttrain.rl.packing`) runs the forward over its rows and projects only its loss tokens; its
+per-token fields, read per sequence slot, go through the same `policy_loss`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 from posttrain.algorithms.policy import Aggregation, policy_loss
 from posttrain.algorithms.sft import logprobs_and_entropy
 from posttrain.rl.batch import RLBatch
+from posttrain.rl.packing import PackedRLBatch
 
 
 def _logp_and_entropy(model, h, targets, chunk_size: int | None):
@@ -40,17 +43,52 @@ def _logp_and_entropy(model, h, targets, chunk_size: int | None):
     return tgt.reshape(-1)[:n].reshape(b, s), ent.reshape(-1)[:n].reshape(b, s)
 
 
-def rl_loss(model, batch: RLBatch, *, loss_kwargs: dict, chunk_size: int | None = None):
-    """Policy loss of one (micro-)batch (an `RLBatch`: `posttrain.rl.batch.build_rl_batch`, its old log-probs
-    set by the learner)."""
-    mask = batch.loss_mask
-    c = mask.shape[1]  # completions fill the last C columns; column P-1+j predicts completion token j
+def padded_logprobs(model, batch: RLBatch, chunk_size: int | None = None):
+    """(log-probs, entropies) [N, C] of a padded batch's completion tokens under `model`."""
+    c = batch.completion_len  # completions fill the last C columns; column P-1+j predicts completion token j
     ids = batch.input_ids
     h, _ = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions)
-    logp, ent = _logp_and_entropy(model, h[:, -c - 1:-1], ids[:, -c:], chunk_size)
-    loss, metrics = policy_loss(logp, batch.proximal_logp, batch.advantages, mask, ref_logp=batch.ref_logp,
-                                behaviour_logp=batch.behaviour_logp, **loss_kwargs)
-    w = Aggregation.of(loss_kwargs.get("aggregation", Aggregation.TOKEN_MEAN)).weight(mask)
+    return _logp_and_entropy(model, h[:, -c - 1:-1], ids[:, -c:], chunk_size)
+
+
+def packed_logprobs(model, batch: PackedRLBatch, chunk_size: int | None = None):
+    """(log-probs, entropies) [R*S, C] of a packed batch's slots (`posttrain.rl.packing`): one forward over the
+    rows (segments kept apart), the vocabulary projected at the [R, M] compact tokens only, placed in their
+    slots (0 where nothing was projected)."""
+    ids, src = batch.input_ids, batch.token_src
+    h, _ = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions,
+                               segment_ids=batch.segment_ids)
+    hs = jnp.take_along_axis(h, src[..., None], axis=1)  # [R, M, D]: the states that predict the tokens
+    logp, ent = _logp_and_entropy(model, hs, jnp.take_along_axis(ids, src + 1, axis=1), chunk_size)
+    r, s, c = batch.loss_mask.shape
+    rows = jnp.arange(r)[:, None]
+
+    def place(x):
+        return jnp.zeros((r, s * c), x.dtype).at[rows, batch.token_dst].set(x, mode="drop").reshape(r * s, c)
+
+    return place(logp), place(ent)
+
+
+def _per_sequence(batch):
+    """The per-token fields as padded per-sequence arrays, and N for Dr. GRPO (None: the rows)."""
+    if isinstance(batch, PackedRLBatch):
+        f = {k: batch.by_sequence(k) for k in ("loss_mask", "advantages", "behaviour_logp", "old_logp",
+                                               "ref_logp")}
+        return f, jnp.sum(batch.seq_valid)
+    return {k: getattr(batch, k) for k in ("loss_mask", "advantages", "behaviour_logp", "old_logp", "ref_logp")}, None
+
+
+def rl_loss(model, batch: RLBatch | PackedRLBatch, *, loss_kwargs: dict, chunk_size: int | None = None):
+    """Policy loss of one (micro-)batch (an `RLBatch`: `posttrain.rl.batch.build_rl_batch`, its old log-probs
+    set by the learner; or the same packed, `posttrain.rl.packing.PackedRLBatch`)."""
+    packed = isinstance(batch, PackedRLBatch)
+    logp, ent = (packed_logprobs if packed else padded_logprobs)(model, batch, chunk_size)
+    f, n_seq = _per_sequence(batch)
+    mask = f["loss_mask"]
+    old = f["behaviour_logp"] if f["old_logp"] is None else f["old_logp"]
+    loss, metrics = policy_loss(logp, old, f["advantages"], mask, ref_logp=f["ref_logp"],
+                                behaviour_logp=f["behaviour_logp"], num_sequences=n_seq, **loss_kwargs)
+    w = Aggregation.of(loss_kwargs.get("aggregation", Aggregation.TOKEN_MEAN)).weight(mask, n_seq)
     tokens = jnp.maximum(jnp.sum(mask), 1.0)
     # (numerator, denominator) pairs: the trainer reports Σ num / Σ den over micro-batches
     out = {k: (v * w, w) for k, v in metrics.items()}

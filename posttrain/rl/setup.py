@@ -36,7 +36,7 @@ from posttrain.rl.batch import RLBatch, build_rl_batch
 from posttrain.rl.config import LearnerConfig, PromptData, RLConfig
 from posttrain.rl.dispatcher import Dispatcher
 from posttrain.rl.ledger import ROW_FILES, Ledger
-from posttrain.rl.learner import FrozenScorer, Learner
+from posttrain.rl.learner import FrozenScorer, Learner, TrainerScorer
 from posttrain.rl.loss import make_rl_loss
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rl.rollout import Rollouts, encode_prompt
@@ -174,13 +174,13 @@ class RLRun:
         ref_fn = None
         if kw["beta"] > 0:
             if trainer.has_lora:  # the base model with adapters off: no second copy of the weights
-                ref_fn = lambda inputs, last: trainer.token_logprobs(inputs, adapters=False, last=last)  # noqa: E731
+                ref_fn = TrainerScorer(trainer, adapters=False)
             else:
                 ref_fn = FrozenScorer(self.run.frozen_model(), trainer, chunk)
         self.learner = Learner(trainer, make_rl_loss(kw, chunk_size=chunk), ppo_epochs=lc.ppo_epochs,
                                minibatches=lc.minibatches, seed=cfg.trainer.seed,
                                recompute_old=lc.old_logprobs == "recompute",
-                               correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn)
+                               correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn, pack=lc.pack)
 
     def _build_dispatcher(self, cfg: RLConfig) -> None:
         """The dispatcher of prompt groups: the data stream, staleness bound, leases and curation."""

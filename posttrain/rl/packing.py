@@ -1,0 +1,181 @@
+"""Packed RL batches: an `RLBatch`'s prompt+completion sequences packed into fixed rows (`PackedRLBatch`).
+
+The padded `RLBatch` gives every sequence a row of P + C columns (the longest prompt and completion); packing
+places whole sequences one after another in rows of L columns (first-fit decreasing, L = the longest
+sequence rounded up to a multiple of 16), each with its own segment id (1, 2, ... in a row, 0 on padding;
+attention never crosses segments) and positions restarting at 0, so the forward pass computes only the rows
+that hold tokens. Shapes stay static: the row count is rounded up to a few buckets (a multiple of the
+trainer's micro-batches and data shards), as are the other sizes below.
+
+Per-token fields (loss mask, behaviour/old/ref log-probs, per-token advantages) are laid out by *sequence
+slot*: [R, S, C], slot s of row r holding the s-th sequence of that row exactly as its padded row held it
+(an arbitrary loss mask, e.g. 0 on a multi-turn buffer's appended tool tokens, is carried as it is). Reshaped
+to [R*S, C] they are a padded per-sequence batch with some empty slots (loss mask 0), so the policy loss and
+its per-sequence aggregations (sequence means, GSPO's sequence ratio, the KL) are the padded path's; only
+Dr. GRPO's sequence count needs `seq_valid` (which slots hold a sequence). The vocabulary is projected only
+at the tokens with loss mask > 0 (`token_src`: the column that predicts compact entry m of a row, at most M
+per row; `token_dst`: its place s*C + j in the row's slots; S*C for an unused entry), so the packed forward
+never projects prompts or padding. Every leaf has the row count R first, so the trainer moves, shards and
+splits a packed batch into micro-batches by rows, and no sequence straddles two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from posttrain.data.packing import first_fit_decreasing
+from posttrain.rl.batch import RLBatch, bucket_length
+
+__all__ = ["PackedRLBatch", "PackLayout", "pack_rl_batch", "bucket_rows"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedRLBatch:
+    """One packed (micro-)batch (see the module docstring): R rows of L tokens, S sequence slots of C tokens per
+    row, M projected tokens per row.
+
+    input_ids, attention_mask, positions, segment_ids [R, L]: the model's inputs.
+    token_src, token_dst [R, M] int32: where each projected token is predicted from / goes in the slots.
+    loss_mask, behaviour_logp, old_logp, ref_logp [R, S, C]; advantages [R, S] or [R, S, C].
+    seq_valid [R, S] float: 1 where a slot holds a sequence.
+    """
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    token_src: np.ndarray
+    token_dst: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    behaviour_logp: np.ndarray
+    seq_valid: np.ndarray
+    old_logp: np.ndarray | None = None
+    ref_logp: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(np.shape(self.input_ids)[0])
+
+    def by_sequence(self, name: str):
+        """Field `name` as a padded per-sequence array: [R*S, C] (or [R*S] for per-sequence advantages)."""
+        v = getattr(self, name)
+        if v is None:
+            return None
+        r, s = np.shape(self.seq_valid)
+        return v.reshape(r * s, *np.shape(v)[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    """Where each sequence of the padded batch went (`row[i]`, `slot[i]`), and token counts."""
+
+    row: np.ndarray
+    slot: np.ndarray
+    slots: int           # S, sequence slots per row
+    row_len: int         # L
+    proj: int            # M, projected tokens per row
+    tokens: int          # real tokens (prompt + completion)
+    packed_cells: int    # R * L: what the packed forward computes
+    padded_cells: int    # N * (P + C): what the padded forward computes
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """(L, S, M): row length, sequence slots and projected tokens per row (`pack_rl_batch`'s `at_least`)."""
+        return self.row_len, self.slots, self.proj
+
+    def unpack(self, slots: np.ndarray) -> np.ndarray:
+        """[R*S, C] or [R, S, C] per-slot values -> the padded batch's [N, C] (0 where nothing was projected)."""
+        slots = np.asarray(slots)
+        return slots.reshape(-1, self.slots, slots.shape[-1])[self.row, self.slot]
+
+
+def bucket_rows(rows: int, multiple: int = 1) -> int:
+    """`rows` rounded up to a multiple of `multiple` and to a quarter-octave step (rows in [2^k, 2^(k+1)) move
+    in steps of 2^(k-2)), so a run sees few distinct row counts and at most ~25% padding rows."""
+    step = math.lcm(max(1, 2 ** max(0, int(rows).bit_length() - 3)), max(1, multiple))
+    return max(step, -(-rows // step) * step)
+
+
+def _spans(attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's first real column and one past its last (the padded layout keeps real tokens contiguous)."""
+    am = np.asarray(attention_mask) > 0
+    t = am.shape[1]
+    start = np.argmax(am, axis=1)
+    end = t - np.argmax(am[:, ::-1], axis=1)
+    return start, np.where(am.any(axis=1), end, start)
+
+
+def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
+                  at_least: tuple[int, int, int] = (0, 0, 0)) -> tuple[PackedRLBatch, PackLayout]:
+    """Packs a padded `RLBatch` (its `old_logp`/`ref_logp` too, when set); returns the packed batch and the layout.
+
+    `row_multiple`: the row count is a multiple of it (the trainer's micro-batches x data shards);
+    `multiple`: row length L and projected tokens per row M are multiples of it; `at_least`: lower bounds of
+    (L, S, M) (`PackLayout.sizes` of earlier batches: sizes that only grow compile a run's step a few times).
+    """
+    n, t = np.shape(batch.input_ids)
+    c = batch.completion_len
+    start, end = _spans(batch.attention_mask)
+    lengths = end - start
+    row_len = max(bucket_length(int(lengths.max(initial=1)), multiple), at_least[0])
+    bins = first_fit_decreasing(lengths.tolist(), row_len)
+    mask = np.asarray(batch.loss_mask, np.float32)
+    proj = [np.flatnonzero(m > 0) for m in mask]  # completion tokens that are projected (loss mask > 0)
+    r = bucket_rows(len(bins), row_multiple)
+    s = max(1 << max(0, (max(len(b) for b in bins) - 1).bit_length()), at_least[1])
+    m = max(bucket_length(max(sum(len(proj[i]) for i in b) for b in bins), multiple), at_least[2])
+    out = _Rows(r, row_len, s, c, m, batch)
+    row, slot = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    for ri, members in enumerate(bins):
+        col, k = 0, 0
+        for si, i in enumerate(members):
+            row[i], slot[i] = ri, si
+            first_completion = col + (t - c) - start[i]  # the column of completion token 0 in the packed row
+            out.place(ri, si, col, i, start[i], end[i], k, first_completion - 1 + proj[i], si * c + proj[i])
+            col, k = col + lengths[i], k + len(proj[i])
+    layout = PackLayout(row=row, slot=slot, slots=s, row_len=row_len, proj=m, tokens=int(lengths.sum()),
+                        packed_cells=r * row_len, padded_cells=n * t)
+    return out.build(), layout
+
+
+class _Rows:
+    """The host arrays of a packed batch being filled (`pack_rl_batch`)."""
+
+    def __init__(self, r: int, row_len: int, s: int, c: int, m: int, batch: RLBatch):
+        self.batch = batch
+        self.ids = np.zeros((r, row_len), np.int32)
+        self.seg = np.zeros((r, row_len), np.int32)
+        self.pos = np.zeros((r, row_len), np.int32)
+        self.src = np.zeros((r, m), np.int32)
+        self.dst = np.full((r, m), s * c, np.int32)
+        self.valid = np.zeros((r, s), np.float32)
+        adv = np.asarray(batch.advantages, np.float32)
+        names = ["loss_mask", "behaviour_logp", "old_logp", "ref_logp"]
+        self.tok = {k: np.zeros((r, s, c), np.float32) for k in names if getattr(batch, k) is not None}
+        self.adv = np.zeros((r, s, *adv.shape[1:]), np.float32)
+
+    def place(self, ri, si, col, i, a, b, k, src, dst):
+        """Sequence i (columns a:b of its padded row) at column `col` of row ri, slot si; its projected tokens
+        are entries k.. of the row's compact list."""
+        n = b - a
+        self.ids[ri, col: col + n] = np.asarray(self.batch.input_ids)[i, a:b]
+        self.seg[ri, col: col + n] = si + 1
+        self.pos[ri, col: col + n] = np.arange(n)
+        self.src[ri, k: k + len(src)] = src
+        self.dst[ri, k: k + len(dst)] = dst
+        self.valid[ri, si] = 1.0
+        for name, arr in self.tok.items():
+            arr[ri, si] = np.asarray(getattr(self.batch, name))[i]
+        self.adv[ri, si] = np.asarray(self.batch.advantages)[i]
+
+    def build(self) -> PackedRLBatch:
+        return PackedRLBatch(
+            input_ids=self.ids, attention_mask=(self.seg > 0).astype(np.int32), positions=self.pos,
+            segment_ids=self.seg, token_src=self.src, token_dst=self.dst, loss_mask=self.tok["loss_mask"],
+            advantages=self.adv, behaviour_logp=self.tok["behaviour_logp"], seq_valid=self.valid,
+            old_logp=self.tok.get("old_logp"), ref_logp=self.tok.get("ref_logp"))

@@ -1,0 +1,176 @@
+"""Packed RL batches (`posttrain.rl.packing`): the packed loss and its gradient equal the padded batch's for the
+policy-loss presets with a KL term, attention never crosses sequences, the loss mask is carried as it is, and
+the learner's packed update equals its padded update."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain.models import init_model
+from posttrain.models.config import llama_like
+from posttrain.rl.batch import build_rl_batch
+from posttrain.rl.config import AlgorithmConfig, LearnerConfig
+from posttrain.rl.loss import packed_logprobs, rl_loss
+from posttrain.rl.packing import bucket_rows, pack_rl_batch
+from posttrain.rl.rollout import Rollouts
+from posttrain.rl.setup import policy_loss_kwargs
+
+CFG = llama_like(vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1)
+PROMPTS = (5, 3, 7, 4, 2, 6)
+COMPLETIONS = (6, 2, 11, 4, 1, 9)
+
+
+def _batch(seed=0, *, comps=COMPLETIONS, seq_weights=None):
+    """Six sequences of varied lengths, two groups; behaviour/ref log-probs near each other; a loss mask with
+    holes (multi-turn: tokens the model did not sample) and, with `seq_weights`, filtered sequences."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in PROMPTS]
+    completions = [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in comps]
+    ro = Rollouts(group_size=3, record_index=[0, 0, 0, 1, 1, 1], prompt_ids=prompts, completion_ids=completions,
+                  logprobs=[(-rng.uniform(0.5, 4.0, size=n)).tolist() for n in comps],
+                  finish_reasons=["stop"] * 6, texts=[""] * 6, prompts_text=[""] * 6,
+                  rewards=np.zeros(6, np.float32), per_reward={}, reward_stats={})
+    b = build_rl_batch(ro, np.array([0.9, -0.4, -0.5, 1.2, 0.3, -1.5], np.float32), seq_weights=seq_weights,
+                       multiple=8)
+    mask = b.loss_mask.copy()
+    mask[0, 2:4] = 0.0  # appended tool tokens inside a completion
+    mask[2, 5] = 0.0
+    ref = (b.behaviour_logp + rng.uniform(-0.3, 0.3, size=mask.shape)).astype(np.float32)
+    old = (b.behaviour_logp + rng.uniform(-0.2, 0.2, size=mask.shape)).astype(np.float32)
+    return b.replace(loss_mask=mask, ref_logp=ref * (mask > 0), old_logp=old * (mask > 0))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CFG, seed=0)
+
+
+def _kwargs(preset):
+    kw = policy_loss_kwargs(AlgorithmConfig(preset=preset, beta=0.05).resolved(), LearnerConfig(), 16)
+    return kw
+
+
+def _loss_and_grads(model, batch, kw):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def f(p, b):
+        loss_sum, w, metrics = rl_loss(nnx.merge(graphdef, p, rest), b, loss_kwargs=kw)
+        return loss_sum / w, (w, metrics)
+
+    (loss, (w, metrics)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params, batch)
+    return float(loss), float(w), {k: float(v[0] / v[1]) for k, v in metrics.items()}, grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo", "per-token advantages"])
+def test_packed_gradients_equal_padded(model, preset):
+    batch = _batch(seq_weights=np.array([1, 1, 1, 1, 0, 1], np.float32))  # one sequence filtered (DAPO)
+    if preset == "dr_grpo":
+        batch = batch.replace(advantages=np.asarray(batch.advantages) - 0.1)
+    if preset == "per-token advantages":  # on-policy distillation's [N, C] advantages
+        preset = "grpo"
+        rng = np.random.default_rng(3)
+        batch = batch.replace(advantages=rng.normal(size=batch.loss_mask.shape).astype(np.float32))
+    packed, layout = pack_rl_batch(batch, row_multiple=2)
+    assert len(packed) < len(batch) and len(packed) % 2 == 0 and layout.packed_cells < layout.padded_cells
+    kw = _kwargs(preset)
+    loss_p, w_p, m_p, g_p = _loss_and_grads(model, batch, kw)
+    loss_k, w_k, m_k, g_k = _loss_and_grads(model, packed, kw)
+    assert w_k == w_p and loss_k == pytest.approx(loss_p, rel=1e-5, abs=1e-6)
+    assert m_k.keys() == m_p.keys() and "kl" in m_k
+    for k in m_p:
+        assert m_k[k] == pytest.approx(m_p[k], rel=1e-5, abs=1e-6), k
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_p), jax.tree.leaves(g_k)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5, err_msg=str(path))
+    assert max(float(np.abs(np.asarray(a)).max()) for a in jax.tree.leaves(g_p)) > 1e-3  # a real gradient
+
+
+@pytest.mark.slow  # two eager forwards: ~6 s on the loaded 2-core machine
+def test_attention_never_crosses_sequences(model):
+    batch = _batch()
+    packed, layout = pack_rl_batch(batch)
+    assert (np.bincount(layout.row) > 1).any()  # some row holds several sequences
+    base = layout.unpack(np.asarray(packed_logprobs(model, packed)[0]))
+    ids = np.asarray(batch.input_ids).copy()
+    t, c = ids.shape[1], batch.completion_len
+    i = int(np.flatnonzero(np.bincount(layout.row)[layout.row] > 1)[0])  # a sequence that shares its row
+    ids[i, t - c: t - c + COMPLETIONS[i]] = (ids[i, t - c: t - c + COMPLETIONS[i]] + 7) % CFG.vocab_size
+    ids[i, t - c - 1] = (ids[i, t - c - 1] + 3) % CFG.vocab_size  # and its last prompt token
+    changed, layout2 = pack_rl_batch(batch.replace(input_ids=ids))
+    assert (layout2.row == layout.row).all() and (layout2.slot == layout.slot).all()
+    after = layout.unpack(np.asarray(packed_logprobs(model, changed)[0]))
+    m = batch.loss_mask > 0
+    others = np.arange(len(batch)) != i
+    np.testing.assert_array_equal(after[others] * m[others], base[others] * m[others])
+    assert np.abs((after[i] - base[i]) * m[i]).max() > 1e-3
+
+
+def test_pack_carries_the_loss_mask_and_fields():
+    batch = _batch(seq_weights=np.array([1, 0, 1, 1, 1, 1], np.float32))
+    packed, layout = pack_rl_batch(batch, row_multiple=4)
+    assert len(packed) % 4 == 0 and layout.tokens == int(np.asarray(batch.attention_mask).sum())
+    for name in ("loss_mask", "behaviour_logp", "old_logp", "ref_logp"):
+        np.testing.assert_array_equal(layout.unpack(getattr(packed, name)), getattr(batch, name), err_msg=name)
+    np.testing.assert_array_equal(packed.advantages[layout.row, layout.slot], batch.advantages)
+    assert packed.seq_valid.sum() == len(batch)
+    # exactly the loss tokens are projected; every row's tokens are its sequences' real tokens, positions from 0
+    assert (packed.token_dst < packed.loss_mask.shape[1] * packed.loss_mask.shape[2]).sum() == (batch.loss_mask > 0).sum()
+    assert int(packed.attention_mask.sum()) == layout.tokens
+    for i in range(len(batch)):
+        real = np.asarray(batch.input_ids)[i][np.asarray(batch.attention_mask)[i] > 0]
+        seg = packed.segment_ids[layout.row[i]] == layout.slot[i] + 1
+        np.testing.assert_array_equal(packed.input_ids[layout.row[i]][seg], real)
+        np.testing.assert_array_equal(packed.positions[layout.row[i]][seg], np.arange(len(real)))
+
+
+def test_pack_sizes_only_grow():
+    batch = _batch()
+    _, layout = pack_rl_batch(batch)
+    big, big_layout = pack_rl_batch(batch, at_least=(layout.row_len + 16, layout.slots * 2, layout.proj + 16))
+    assert big_layout.sizes == (layout.row_len + 16, layout.slots * 2, layout.proj + 16)
+    assert big.input_ids.shape[1] == big_layout.row_len and big.token_src.shape[1] == big_layout.proj
+    for name in ("loss_mask", "behaviour_logp", "ref_logp"):
+        np.testing.assert_array_equal(big_layout.unpack(getattr(big, name)), getattr(batch, name), err_msg=name)
+
+
+def test_bucket_rows_few_shapes():
+    assert [bucket_rows(r) for r in (1, 2, 3, 5, 7, 9, 13, 17, 33)] == [1, 2, 3, 5, 7, 10, 14, 20, 40]
+    assert bucket_rows(5, 4) == 8 and bucket_rows(9, 4) == 12
+    assert len({bucket_rows(r) for r in range(1, 257)}) <= 4 * 8 + 8
+
+
+@pytest.mark.slow
+def test_learner_packed_update_equals_padded():
+    """The whole learner path (recomputed old log-probs, a frozen reference, 2 minibatches x grad_accum 2):
+    packed and padded updates give the same weights."""
+    from posttrain.training.config import OptimConfig
+    from posttrain.rl.learner import FrozenScorer, Learner
+    from posttrain.rl.loss import make_rl_loss
+    from posttrain.training.optim import make_optimizer
+    from posttrain.training.trainer import Trainer
+
+    batch = _batch(seed=1, comps=(6, 2, 11, 4, 3, 9)).replace(old_logp=None, ref_logp=None)
+    batch = dataclasses.replace(batch, input_ids=np.concatenate([batch.input_ids] * 2),
+                                **{k: np.concatenate([getattr(batch, k)] * 2) for k in
+                                   ("attention_mask", "positions", "loss_mask", "advantages", "behaviour_logp")})
+    out = {}
+    for pack in (False, True):
+        tx = make_optimizer(OptimConfig(name="sgd", lr=0.5, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
+        trainer = Trainer(init_model(CFG, seed=0), tx, grad_accum=2, donate=False)
+        learner = Learner(trainer, make_rl_loss(_kwargs("grpo")), ppo_epochs=2, minibatches=2, seed=0,
+                          recompute_old=True, correct_off_policy=True, pack=pack,
+                          ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer))
+        metrics = learner.update(batch, step=1, policy_moved=True)
+        out[pack] = metrics, jax.tree.leaves(nnx.state(trainer.model(), nnx.Param))
+    (m0, p0), (m1, p1) = out[False], out[True]
+    # (kl and the clip fractions are token means weighted per micro-batch: they depend on which sequences share
+    # a micro-batch, which packing changes; the loss, its gradient and the token-weighted entropy do not)
+    for k in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
+    for a, b in zip(p0, p1):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
