@@ -83,9 +83,12 @@ def test_lora_rl_with_base_model_as_reference(toy):
 
 
 def test_raising_reward_costs_no_run(toy, tmp_path):
-    result = run_rl(toy("boom", "trainer.max_steps=2",
+    result = run_rl(toy("boom", "trainer.max_steps=2", "trainer.profile.steps=1",
                         f"rewards.functions=[{{name: '{tmp_path / 'reward.py'}:boom'}}]"))
     assert result.steps == 2
+    # trainer.profile: step 2 traced into tensorboard/, rollout and update as named ranges
+    (trace,) = (tmp_path / "boom" / "tensorboard").glob("plugins/profile/*/*.xplane.pb")
+    assert b"rollout" in trace.read_bytes() and b"update" in trace.read_bytes()
     assert result.history[-1]["reward/boom/failures"] == 32
 
 
