@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from conftest import write_toy_task
+from test_profile import event_names
 
 from posttrain.config import ConfigError
 from posttrain.rl.batch import build_rl_batch, bucket_length
@@ -83,9 +84,12 @@ def test_lora_rl_with_base_model_as_reference(toy):
 
 
 def test_raising_reward_costs_no_run(toy, tmp_path):
-    result = run_rl(toy("boom", "trainer.max_steps=2",
+    result = run_rl(toy("boom", "trainer.max_steps=2", "trainer.profile.steps=1",
                         f"rewards.functions=[{{name: '{tmp_path / 'reward.py'}:boom'}}]"))
     assert result.steps == 2
+    # trainer.profile: step 2 traced into tensorboard/, rollout and update as named ranges
+    (trace,) = (tmp_path / "boom" / "tensorboard").glob("plugins/profile/*/*.xplane.pb")
+    assert {"train", "rollout", "update"} <= event_names(trace)
     assert result.history[-1]["reward/boom/failures"] == 32
 
 

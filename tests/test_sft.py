@@ -45,7 +45,8 @@ def _hf_logits(folder, ids):
 @pytest.mark.slow
 def test_sft_smoke_learns_and_writes_everything(tiny_llama, tmp_path):
     out = tmp_path / "run"
-    cfg = _cfg(tiny_llama, out, "trainer.max_steps=80", "trainer.eval_every=40", "trainer.save_every=40")
+    cfg = _cfg(tiny_llama, out, "trainer.max_steps=80", "trainer.eval_every=40", "trainer.save_every=40",
+               "trainer.profile.start_step=3", "trainer.profile.steps=2")
     res = run_sft(cfg)
     losses = [x for _, x in res.losses]
     first, last = float(np.mean(losses[:5])), float(np.mean(losses[-5:]))
@@ -61,6 +62,7 @@ def test_sft_smoke_learns_and_writes_everything(tiny_llama, tmp_path):
     assert "first_step_time" in records[0] and all("tokens_per_sec" in r for r in records[1:])
     assert "eval_loss" in records[4] and "eval_loss" in records[-1]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(list((out / "tensorboard").glob("plugins/profile/*/*.xplane.pb"))) == 1  # trainer.profile's trace
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["40", "80"]
 
     # The HF export loads in transformers and computes what our trained model computes.

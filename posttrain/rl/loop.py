@@ -51,25 +51,30 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None, run: RLRun | None = 
     hf_dir = None
     try:
         step = run.resume()
+        profiler = run.run.profiler
         source = make_source(run)
         source.publish(run.trainer.params, step)
         if cfg.eval.at_start and step == 0:
             run.evaluate(0)
         while step < cfg.trainer.max_steps and (stop_after is None or step < stop_after):
             step += 1
+            profiler.begin(step)  # trainer.profile: "rollout" and "update" are named ranges of the step's trace
             t0 = time.perf_counter()
-            rollouts = source.next(step)  # B scored groups, within the staleness bound
+            with profiler.phase("rollout"):
+                rollouts = source.next(step)  # B scored groups, within the staleness bound
             t1 = time.perf_counter()
-            batch = run.prepare(rollouts)  # advantages, masks, behaviour log-probs
-            moved = min(rollouts.version_first) < step - 1
-            metrics = run.learner.update(batch, step, policy_moved=moved)  # ppo_epochs x minibatches
-            trained = source.commit(rollouts)  # the groups are trained: acknowledged
-            source.publish(run.trainer.params, step)  # the fleet's every publish_every steps
+            with profiler.phase("update"):
+                batch = run.prepare(rollouts)  # advantages, masks, behaviour log-probs
+                moved = min(rollouts.version_first) < step - 1
+                metrics = run.learner.update(batch, step, policy_moved=moved)  # ppo_epochs x minibatches
+                trained = source.commit(rollouts)  # the groups are trained: acknowledged
+                source.publish(run.trainer.params, step)  # the fleet's every publish_every steps
             t2 = time.perf_counter()
             metrics |= run.rollout_metrics(rollouts) | source.metrics(step, rollouts) | {
                 "time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
                 "throughput/tokens_per_s": float(rollouts.completion_lengths().sum()) / max(t2 - t0, 1e-9)}
             run.after_step(step, metrics, rollouts, trained)  # ledger, logs, held-out eval, checkpoint
+            profiler.end(step)
         finished = step >= cfg.trainer.max_steps
         if finished:
             hf_dir = run.finish(step)

@@ -18,6 +18,7 @@ __all__ = [
     "ModelSection",
     "DataSection",
     "OptimConfig",
+    "ProfileConfig",
     "TrainerConfig",
     "LoraConfig",
     "MeshConfig",
@@ -113,6 +114,20 @@ class OptimConfig:
 
 
 @dataclasses.dataclass
+class ProfileConfig:
+    """A `jax.profiler` trace of training steps `start_step` .. `start_step + steps - 1` into
+    OUTPUT_DIR/tensorboard (TensorBoard's Profile tab, XProf); `steps=0` (the default) traces nothing. Step 1
+    compiles, so the window starts at step 2 unless told otherwise (`posttrain.training.profile`)."""
+
+    start_step: int = 2
+    steps: int = 0
+
+    def __post_init__(self):
+        at_least("trainer.profile.start_step", self.start_step, 1)
+        at_least("trainer.profile.steps", self.steps, 0)
+
+
+@dataclasses.dataclass
 class TrainerConfig:
     """The loop: steps, accumulation, logging, evaluation, checkpoints.
 
@@ -121,6 +136,7 @@ class TrainerConfig:
     peak_flops: peak FLOP/s of one device for the MFU estimate (times the device count; 0 = no MFU).
     save_every: steps between checkpoints (0 = only at the end).
     resume: continue from the newest checkpoint in OUTPUT_DIR/checkpoints that restores, when there is one.
+    profile: a profiler trace of a window of steps (off by default; `ProfileConfig`).
     """
 
     max_steps: int = 100
@@ -136,6 +152,7 @@ class TrainerConfig:
     loss_chunk_size: int = 0
     peak_flops: float = 0.0
     progress: bool = True
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
 
     def __post_init__(self):
         at_least("trainer.max_steps", self.max_steps, 1)

@@ -7,6 +7,7 @@ and its few special steps on top of one `Run`.
     trainer = run.build_trainer(loss_fn)          # model (+LoRA/QLoRA), optimizer + schedule, Trainer
     start = run.restore(data_iter)                # newest checkpoint that restores; the data position too
     run.open_logger(start)                        # metrics.jsonl (rows after `start` dropped), TensorBoard
+                                                  # (and trainer.profile's trace: run.profiler)
     result = run.fit(data_iter, start, ...)       # or a command's own loop: run.check_finite / run.save
     run.export_hf()                               # OUTPUT_DIR/hf, LoRA merged
     run.close()                                   # logs, checkpoint writes, the lock
@@ -46,6 +47,7 @@ from posttrain.training.config import LoraConfig, ModelSection, RunConfig
 from posttrain.training.errors import TrainingDivergedError
 from posttrain.training.metrics import MetricsLogger, Throughput
 from posttrain.training.optim import make_optimizer
+from posttrain.training.profile import StepProfiler
 from posttrain.training.runlock import RunLock
 from posttrain.training.trainer import Trainer, flops_per_token
 
@@ -140,6 +142,8 @@ class Run:
         self.folder: Path | None = None
         self.start_step = 0
         self.last_saved: int | None = None
+        # trainer.profile: a jax.profiler trace of a window of steps into OUTPUT_DIR/tensorboard (fit and the RL loop)
+        self.profiler = StepProfiler(cfg.trainer.profile, self.out / "tensorboard", say=self.say)
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             if distributed.is_primary():
@@ -283,6 +287,7 @@ class Run:
             logger.log(0, last_eval)
             throughput.reset()  # the baseline evaluation is not step time
         for step in range(start + 1, end + 1):
+            self.profiler.begin(step)
             batch = next(data_iter)
             if batch_hook is not None:
                 batch = batch_hook(step, batch)
@@ -305,6 +310,7 @@ class Run:
             logger.advance(step)
             if (tc.save_every > 0 and step % tc.save_every == 0) or step == end:
                 self.save(data_state=data_iter.get_state(), metadata={"loss": metrics["loss"]})
+            self.profiler.end(step)
         final = trainer.step_count
         if self.last_saved != final and final > 0 and final != start:
             self.save(data_state=data_iter.get_state())
@@ -319,6 +325,7 @@ class Run:
     def close(self) -> None:
         """Closes the logs, waits for checkpoint writes (bounded) and releases the lock; safe to call twice."""
         try:
+            self.profiler.close()
             if self.logger is not None:
                 self.logger.close()
             if self.ckpt is not None:
