@@ -320,13 +320,13 @@ def test_multi_turn_fleet_worker_killed_mid_trajectory(toy):
     with open(toy.dir / "guess.jsonl", "w") as f:
         for i in range(8):
             f.write(json.dumps({"prompt": "guess", "secret": 10 + i, "max_guesses": 4}) + "\n")
-    out, steps = toy.dir / "agent", 4
+    out, steps = toy.dir / "agent", 3
     proc = _start(toy("agent", f"trainer.max_steps={steps}", f"data.train={toy.dir / 'guess.jsonl'}",
                       "rollout.batch_prompts=2", "rollout.group_size=2",
                       f"rollout.stop_token_ids=[{', '.join(str(i) for i in range(2, 60))}]",
                       f"rollout.environment={toy.dir / 'slow_guess.py'}:SlowGuess", "rollout.max_turns=4",
                       "rollout.max_total_tokens=160", "rewards.functions=[]", "rewards.correctness=environment",
-                      "eval.log_samples=4", "fleet.workers=2", "fleet.max_staleness=1", "fleet.lease_groups=1",
+                      "eval.log_samples=4", "fleet.workers=1", "fleet.max_staleness=1", "fleet.lease_groups=1",
                       "fleet.max_restarts=-1", "fleet.stall_timeout_s=120"))
     pid = _wait_for(lambda: _mid_trajectory_worker(toy.dir / "turns", [proc.pid]), 240, "a worker mid-trajectory",
                     proc)
