@@ -237,7 +237,7 @@ BAD = "def untyped(x):\n    return x\n\nclass NoReset:\n    pass\n"
     (["rollout.environment={tmp}/t.py:NoReset"], "rollout.environment: environment class NoReset"),
     (["rollout.tools=[calculator]", "rollout.tool_format=xml"], "rollout.tool_format"),
     (["rollout.tools=[calculator]", "rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
-    (["rollout.tools=[calculator]", "fleet.workers=2"], "fleet.workers: multi-turn rollouts"),
+    (["rollout.tools=[nonexist.py:search]", "fleet.workers=2"], "rollout.tools[0]: tool file"),  # before Ray
 ])
 def test_bad_agent_configs_are_one_line_errors(tmp_path, capsys, overrides, expected):
     """Through the CLI's entry point (in-process: the errors come before any model loads)."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from posttrain.rl.loop import load_rl_config, run_rl
 
 REWARD = '''
 import time
+from itertools import groupby
 
 def count_a(prompts, completions, **fields):
     """1/8 per letter 'a' among the first 8 characters."""
@@ -270,3 +272,83 @@ def test_a_hanging_reward_in_a_worker_is_timed_out_and_counted(toy):
     assert sum(r.get("reward/hangs/timeouts", 0) for r in rows) > 0
     # with LoRA only the adapters travel: 0.074 MB here against 0.43 MB for every weight of the tiny model
     assert all(0 < r["fleet/publish_mb"] < 0.1 for r in rows)
+
+
+SLOW_GUESS = '''
+import os
+import time
+from itertools import groupby
+from pathlib import Path
+
+from posttrain.agent.envs.guess_number import GuessNumber
+
+
+class SlowGuess(GuessNumber):
+    """GuessNumber whose turns take a while, each leaving a mark named by the process it runs in (a rollout
+    worker) and the time, so a test can kill a worker between two turns of a trajectory."""
+
+    def step(self, text):
+        marks = Path(__file__).parent / "turns"
+        marks.mkdir(exist_ok=True)
+        (marks / f"{os.getpid()}-{time.time_ns()}").touch()
+        time.sleep(0.25)
+        return super().step(text)
+'''
+
+
+def _mid_trajectory_worker(marks: Path, sessions) -> int | None:
+    """A rollout worker of the run that is inside an environment turn right now (its mark under 0.1 s old)."""
+    busy = set(_ray_pids("ray::RolloutWorker.rollout", True, sessions))
+    now = time.time_ns()
+    for m in sorted(marks.iterdir(), key=lambda p: -int(p.name.split("-")[1])) if marks.exists() else []:
+        pid, t = map(int, m.name.split("-"))
+        if now - t < 100_000_000 and pid in busy:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_multi_turn_fleet_worker_killed_mid_trajectory(toy):
+    """Multi-turn rollouts on the fleet (the guess-the-number game, run by each worker's own agent): a worker
+    SIGKILLed between two turns of a trajectory has its groups re-queued, every group is trained exactly
+    once, and the trajectories' loss masks are 1 exactly on sampled tokens (the appended tokens decode to the
+    environment's observations); agent metrics are logged."""
+    from posttrain.models.tiny import resolve_model_path
+    from posttrain.models.tokenizer import load as load_tokenizer
+
+    (toy.dir / "slow_guess.py").write_text(SLOW_GUESS)
+    with open(toy.dir / "guess.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": "guess", "secret": 10 + i, "max_guesses": 4}) + "\n")
+    out, steps = toy.dir / "agent", 3
+    proc = _start(toy("agent", f"trainer.max_steps={steps}", f"data.train={toy.dir / 'guess.jsonl'}",
+                      "rollout.batch_prompts=2", "rollout.group_size=2",
+                      f"rollout.stop_token_ids=[{', '.join(str(i) for i in range(2, 60))}]",
+                      f"rollout.environment={toy.dir / 'slow_guess.py'}:SlowGuess", "rollout.max_turns=4",
+                      "rollout.max_total_tokens=160", "rewards.functions=[]", "rewards.correctness=environment",
+                      "eval.log_samples=4", "fleet.workers=1", "fleet.max_staleness=1", "fleet.lease_groups=1",
+                      "fleet.max_restarts=-1", "fleet.stall_timeout_s=120"))
+    pid = _wait_for(lambda: _mid_trajectory_worker(toy.dir / "turns", [proc.pid]), 240, "a worker mid-trajectory",
+                    proc)
+    os.kill(pid, signal.SIGKILL)
+    log = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, log
+    rows = ledger(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    uids = [u for r in rows for u in r["uids"]]
+    assert len(uids) == len(set(uids)) == 2 * steps, "no prompt group trained twice"
+    m = metric_rows(out)
+    assert max(r.get("fleet/requeued/worker_died", 0) for r in m.values()) >= 1  # the kill hit a lease in flight
+    assert all(k in m[steps] for k in ("agent/turns_mean", "agent/truncated_frac", "reward/environment"))
+    tok = load_tokenizer(resolve_model_path("tiny:llama"))
+    trajs = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajs) == 4 * steps and sum(t["turns"] > 1 for t in trajs) >= 2, [t["turns"] for t in trajs]
+    for t in trajs:
+        mask, ids = t["loss_mask"], t["token_ids"]
+        assert len(mask) == len(ids) == len(t["logprobs"]) and mask[0] == 1 and set(mask) <= {0, 1}
+        observations = [x["content"] for x in t["messages"][1:] if x["role"] == "user"]
+        appended = [[i for i, k in g] for k, g in groupby(zip(ids, mask), key=lambda x: x[1]) if k == 0]
+        assert len(appended) == len(observations) == t["turns"] - 1
+        for a, o in zip(appended, observations):
+            assert tok.decode(a, skip_special_tokens=False).removeprefix("<eos>") == f"<|user|>{o}<eos><|assistant|>"
+    _wait_for(lambda: not _ray_pids("ray::RolloutWorker", sessions=[proc.pid]), 5, "no worker to outlive the run")

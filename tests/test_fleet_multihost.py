@@ -220,3 +220,50 @@ def test_sigterm_reaches_the_python_handler_after_jax_joins(tmp_path):
         assert all("stopped by SIGTERM" in Path(h.log).read_text() for h in hosts)
     finally:
         procs.kill()
+
+
+@pytest.mark.slow
+def test_two_trainer_processes_train_multi_turn_rollouts_from_the_fleet(tmp_path, compile_cache):
+    """Multi-turn rollouts (the guess-the-number game, run by the fleet's worker) with 2 trainer processes:
+    both train on process 0's batches, masks and trajectories included; the same with data.eval (sampled
+    in-process on every trainer process) is a one-line error."""
+    from posttrain.models.tiny import resolve_model_path
+
+    model = resolve_model_path("tiny:llama", cache_dir=tmp_path / "tiny")
+    with open(tmp_path / "guess.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": "guess", "secret": 10 + i, "max_guesses": 3}) + "\n")
+    args = _posttrain(
+        "rl", f"model.path={model}", f"data.train={tmp_path / 'guess.jsonl'}", "rollout.batch_prompts=2",
+        "rollout.group_size=2", "rollout.max_new_tokens=8",
+        f"rollout.stop_token_ids=[{', '.join(str(i) for i in range(2, 60))}]",
+        "rollout.environment=posttrain.agent.envs.guess_number:GuessNumber", "rollout.max_turns=3",
+        "rollout.max_total_tokens=120", "rewards.functions=[]", "rewards.correctness=environment",
+        "rewards.num_workers=0", "trainer.log_every=1", "trainer.save_every=0", "trainer.progress=false",
+        "eval.at_start=false", "eval.log_samples=4", "export_hf=false", "trainer.max_steps=2", "fleet.workers=1",
+        "fleet.max_staleness=1", "distributed.heartbeat_timeout_s=10")
+    cache = {**compile_cache, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+             "RAY_memory_monitor_refresh_ms": "0"}
+    procs = Procs()
+    out = tmp_path / "run"
+    try:
+        bad = _hosts(procs, args + [f"output_dir={tmp_path / 'bad'}", f"data.eval={tmp_path / 'guess.jsonl'}"], 2, 2,
+                     tmp_path, "bad", **cache)
+        assert 0 not in procs.wait(bad, 200), procs.logs()
+        for p in bad:  # one line, before the model loads
+            lines = [x for x in Path(p.log).read_text().splitlines() if x.strip() and not x.startswith("[Gloo]")]
+            assert "error: rollout.tools: a multi-process trainer runs multi-turn" in lines[-1], procs.logs()
+        hosts = _hosts(procs, args + [f"output_dir={out}"], 2, 2, tmp_path, "run", **cache)
+        assert procs.wait(hosts, 400) == [0, 0], procs.logs()
+    finally:
+        procs.kill()
+    rows = _steps(out)
+    assert [r["step"] for r in rows] == [1, 2] and len({u for r in rows for u in r["uids"]}) == 4
+    trajs = [json.loads(x) for x in open(out / "trajectories.jsonl")]
+    assert len(trajs) == 8 and any(t["turns"] > 1 for t in trajs), [t["turns"] for t in trajs]
+    for t in trajs:  # an observation (loss mask 0) after every turn but the last
+        mask = t["loss_mask"]
+        assert len(mask) == len(t["token_ids"]) and mask[0] == 1
+        assert sum(a == 1 and b == 0 for a, b in zip(mask, mask[1:])) == t["turns"] - 1
+    m = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert all("agent/turns_mean" in r for r in m if "loss" in r)

@@ -159,12 +159,10 @@ class RLRun:
         """The tools and environment of multi-turn rollouts (None: single-turn), checked before the model loads."""
         if not agent_enabled(cfg.rollout):
             return None
-        if cfg.fleet.enabled:
-            raise ConfigError("fleet.workers: multi-turn rollouts (rollout.tools / rollout.environment) run in-process "
-                              "for now; leave fleet.workers unset")
-        if distributed.is_multiprocess():
-            raise ConfigError("rollout.tools: multi-turn rollouts run on a one-process trainer for now (every process "
-                              "would run the tools and could read different results)")
+        if distributed.is_multiprocess() and not (cfg.fleet.enabled and not cfg.data.eval):
+            raise ConfigError("rollout.tools: a multi-process trainer runs multi-turn rollouts only on the fleet "
+                              "(fleet.workers) and without data.eval (sampling in-process, every process would run "
+                              "the tools and could read different results)")
         return load_agent_parts(cfg.rollout)
 
     def _build_learner(self, cfg: RLConfig) -> None:

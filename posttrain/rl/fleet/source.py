@@ -53,6 +53,7 @@ HEARTBEAT_S = 5.0  # between heartbeats to each serving worker
 MAX_TASK_ERRORS = 3  # failed rollout calls (not deaths) in a row before the run stops with the error
 JOIN_GRACE_S = 120.0  # how long a trainer process may be unresponsive while it starts or joins Ray
 RAY_KEY = "posttrain/fleet/ray"  # where process 0 tells the other trainer processes how to reach Ray
+CLOSE_WAIT_S = 5.0  # how long the workers get to close their agents at the end of the run
 BATCH_KEY = "posttrain/fleet/batch"  # + /STEP: a step's batch (or the error that stops the run), from process 0
 
 
@@ -84,7 +85,7 @@ class FleetSource(RolloutSource):
             max_restarts=fc.max_restarts, max_task_retries=0)
         cfg = run.cfg
         sections = dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards, preset=run.preset,
-                        seed=cfg.trainer.seed)
+                        seed=cfg.trainer.seed, data=cfg.data)
         self.workers = {f"worker-{i}": worker_cls.remote(f"worker-{i}", self.ps, **sections) for i in range(fc.workers)}
         self.up: dict[str, dict] = {}  # name -> ready() info of workers known to be serving
         self.probes: dict = {h.ready.remote(): n for n, h in self.workers.items()}  # ref -> worker name
@@ -283,6 +284,13 @@ class FleetSource(RolloutSource):
         return out
 
     def close(self) -> None:
+        """Asks the serving workers to close (their agents' tool processes), waits a few seconds, kills the actors."""
+        closing = [self.workers[n].close.options(concurrency_group="health").remote() for n in self.up]
+        if closing:
+            try:
+                self.ray.wait(closing, num_returns=len(closing), timeout=CLOSE_WAIT_S)
+            except Exception:  # noqa: BLE001 - a worker gone already: the kill below is all that is left
+                pass
         for h in [*self.workers.values(), self.ps]:
             try:
                 self.ray.kill(h)

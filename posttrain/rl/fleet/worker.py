@@ -7,6 +7,11 @@ leased groups (a group's samples depend only on (seed, uid, weights)), score the
 sampler's per-token log-probs. The actor keeps no state the run needs: Ray restarts a dead one
 (`max_restarts`) and the dispatcher re-queues whatever it held. `heartbeat` answers from a second
 thread while a rollout runs (what the worker is doing, since when, and its busy seconds).
+
+Multi-turn rollouts (`rollout.tools` / `rollout.environment`): the worker builds its own `Agent` from the
+rollout section and its tokenizer (`posttrain.agent.setup.build_agent`, with the data section's system prompt
+and prompt field), runs the tools and environments itself, and returns the completion masks and trajectory
+summaries with the groups; `close` (called by the trainer at the end of the run) shuts its tool processes.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from typing import Mapping
 
 import ray
 
+from posttrain.agent.setup import agent_enabled, build_agent
 from posttrain.models import tokenizer as tok_lib
-from posttrain.rl.config import RewardsSection, RolloutConfig
+from posttrain.rl.config import PromptData, RewardsSection, RolloutConfig
 from posttrain.rl.fleet.shards import assemble
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rl.rollout import generate_rollouts
@@ -33,15 +39,21 @@ __all__ = ["RolloutWorker"]
 class RolloutWorker:
     """One rollout worker (module docstring). Built in Ray from plain, picklable config sections: the run's
     `model` and `lora` (the trainer's structure, so published weights load as they are), `rollout`, `rewards`,
-    the resolved algorithm `preset` (a mapping: DAPO's overlong penalty) and the run's `seed`."""
+    the resolved algorithm `preset` (a mapping: DAPO's overlong penalty), the run's `seed`, and its `data`
+    section (multi-turn rollouts: the system prompt and prompt field of the worker's `Agent`)."""
 
     def __init__(self, name: str, param_server, *, model: ModelSection, lora: LoraConfig, rollout: RolloutConfig,
-                 rewards: RewardsSection, preset: Mapping, seed: int):
+                 rewards: RewardsSection, preset: Mapping, seed: int, data: PromptData | None = None):
         self.name, self.ps = name, param_server
         self._state, self._since, self.busy_s = "starting", time.time(), 0.0
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
         slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
-        self.sampler = Sampler(net, tok_lib.load(folder), max_slots=slots)
+        tok = tok_lib.load(folder)
+        self.sampler = Sampler(net, tok, max_slots=slots)
+        self.agent = None
+        if agent_enabled(rollout):
+            data = data or PromptData()
+            self.agent = build_agent(rollout, tok, system_prompt=data.system_prompt, prompt_field=data.prompt_field)
         self.runner = reward_runner(rewards, rollout, preset)
         self.params = rollout_sampling_params(rollout, seed)
         self.version = -1
@@ -72,9 +84,16 @@ class RolloutWorker:
         t0 = time.perf_counter()
         pull_s = self._pull()
         self._set("generating")
-        ro = generate_rollouts(self.sampler, records, record_indices, prompt_ids, self.params, self.runner, uids=uids)
+        ro = generate_rollouts(self.sampler, records, record_indices, prompt_ids, self.params, self.runner, uids=uids,
+                               agent=self.agent)
         self._set("idle")
         seconds = time.perf_counter() - t0
         self.busy_s += seconds
         return {"lease": lease_id, "rollouts": ro, "worker": self.name, "pull_s": pull_s, "seconds": seconds,
                 "tokens": int(ro.completion_lengths().sum())}
+
+    def close(self) -> None:
+        """Shuts the agent's tool threads and processes (multi-turn rollouts); the actor is killed after."""
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
