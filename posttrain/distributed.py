@@ -94,6 +94,12 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def devices_mesh() -> Mesh | None:
+    """The mesh of a command without a mesh section (eval, generate): every device of every process on the fsdp
+    axis, as `mesh.fsdp: -1` gives a training command; None on one device."""
+    return make_mesh() if jax.device_count() > 1 else None
+
+
 def logical_to_spec(logical_axes: Sequence[str | None] | None, shape: Sequence[int] | None = None,
                     mesh: Mesh | None = None, rules=None) -> PartitionSpec:
     """PartitionSpec for logical axis names; an axis whose size the mesh axis does not divide stays replicated."""

@@ -1,4 +1,7 @@
-"""`posttrain generate`: completions for a JSONL file of prompts (`prompt` text or chat `messages`) to a JSONL file."""
+"""`posttrain generate`: completions for a JSONL file of prompts (`prompt` text or chat `messages`) to a JSONL file.
+
+The model is sharded over every device (of every process: on several hosts every process runs the same sampler
+on the global mesh and gets every completion, and process 0 writes the file)."""
 
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ def run(args) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 1
 
+    from posttrain import distributed
     from posttrain.sampling import Sampler, SamplingParams
 
     try:
@@ -105,19 +109,22 @@ def run(args) -> int:
     try:
         folder = resolve_path(resolve_model_path(args.model))
         tokenizer = tok_lib.load(folder)
-        model = from_pretrained(folder, dtype=args.dtype)
+        model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
         prompts = encode_prompts(records, tokenizer, args.chat, args.prompts)
         slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
         sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
     try:
-        completions = sampler.generate(prompts, params, progress=not args.no_progress)
+        completions = sampler.generate(prompts, params, progress=not args.no_progress and distributed.is_primary())
     except ValueError as e:
         m = re.match(r"prompt (\d+) ", str(e))  # the sampler names prompts by index: name the line too
         where = f"{args.prompts}, line {records[int(m.group(1))]['_line']}: " if m else ""
         return fail(where + str(e))
 
+    distributed.finish()  # multi-host: every process has every completion; process 0 writes them
+    if not distributed.is_primary():
+        return 0
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
