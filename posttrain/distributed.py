@@ -178,7 +178,8 @@ ENV_COORDINATOR = ("POSTTRAIN_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
 ENV_NUM_PROCESSES = ("POSTTRAIN_NUM_PROCESSES", "JAX_NUM_PROCESSES")
 ENV_PROCESS_ID = ("POSTTRAIN_PROCESS_ID", "JAX_PROCESS_ID")
 
-_STATE: dict[str, Any] = {"initialized": False, "watchdog": None, "supervisor": None}
+_STATE: dict[str, Any] = {"initialized": False, "watchdog": None, "supervisor": None, "compiled": set()}
+COMPILED_BARRIER_S = 3600  # how long a process waits for the others to compile a program (a death ends it sooner)
 
 
 def jax_heartbeat_s(heartbeat_timeout_s: int) -> int:
@@ -398,6 +399,28 @@ def check_same_config(cfg) -> None:
         what = "; ".join(f"process {p}: {', '.join(v)}" for p, v in sorted(bad.items()))
         raise DistributedError(f"the resolved config differs between processes ({what} differ from process 0's). "
                                "Start every process with the same config file and key=value overrides")
+
+
+def call_compiled(fn, *args):
+    """`fn(*args)` for a jitted `fn`. In a multi-process run, the first call with each input signature compiles
+    `fn` ahead of time and then waits until every process has compiled it (a barrier of the coordination service,
+    not a device collective) before running it: JAX's CPU collectives (gloo) give a peer 30 s to join a program's
+    new communicator, and on a loaded machine compilation times of the processes differ by more than that (the
+    first step after a resume failed with `Gloo context initialization failed: DEADLINE_EXCEEDED`)."""
+    if jax.process_count() == 1:
+        return fn(*args)
+    leaves, tree = jax.tree.flatten(args)
+    key = (fn, tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+                           for x in leaves))
+    if key not in _STATE["compiled"]:
+        fn.lower(*args).compile()  # jit keeps it: the call below compiles nothing
+        _STATE["compiled"].add(key)
+        from jax._src import distributed as jd
+
+        if jd.global_state.client is not None:  # the same programs in the same order on every process
+            jd.global_state.client.wait_at_barrier(f"posttrain/compiled/{len(_STATE['compiled'])}",
+                                                   COMPILED_BARRIER_S * 1000)
+    return fn(*args)
 
 
 def barrier(name: str) -> None:

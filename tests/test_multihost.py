@@ -423,3 +423,31 @@ def test_a_known_error_from_a_failed_collective_asks_whether_a_peer_died_first(m
         assert cli._main(["--no-compile-cache", "sft"]) == 1
         assert asked == want
         assert capsys.readouterr().err.strip().endswith("error: cannot write checkpoints to X")
+
+
+def test_a_new_program_is_compiled_by_every_process_before_it_runs(monkeypatch):
+    """Several processes: the first call of each input signature of a jitted function compiles it, then waits at a
+    coordination-service barrier for the others (gloo gives a peer 30 s to join a new program's collectives); later
+    calls with that signature run at once; one process calls it directly."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src import distributed as jd
+
+    from posttrain import distributed
+
+    events = []
+
+    class Client:
+        def wait_at_barrier(self, name, timeout_in_ms):
+            events.append(("barrier", name))
+
+    f = jax.jit(lambda x: events.append(("trace", x.shape)) or x * 2)
+    assert float(distributed.call_compiled(f, jnp.ones(()))) == 2.0 and ("barrier" not in {e[0] for e in events})
+    events.clear()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jd.global_state, "client", Client())
+    monkeypatch.setitem(distributed._STATE, "compiled", set())
+    for shape in [(2,), (2,), (3,), (2,)]:
+        np.testing.assert_array_equal(distributed.call_compiled(f, jnp.ones(shape)), 2 * np.ones(shape))
+    assert events == [("trace", (2,)), ("barrier", "posttrain/compiled/1"), ("trace", (3,)),
+                      ("barrier", "posttrain/compiled/2")], events
