@@ -47,14 +47,16 @@ def commands(out: Path, student: str, teacher: str, data: Path) -> list[list[str
     distill = ["distill", "configs/distill_smoke.yaml", f"model.path={student}", f"teacher.path={teacher}", *STEPS,
                "trainer.eval_batches=1"]
     logit = [*distill, f"output_dir={out / 'logit'}", "trainer.max_steps=3", "trainer.eval_every=3"]
-    top_k = [*distill, f"output_dir={out / 'top_k'}", "trainer.max_steps=2", "trainer.eval_every=2", "teacher.top_k=8"]
+    top_k = [*distill, f"output_dir={out / 'top_k'}", "trainer.max_steps=2", "data.eval=null", "teacher.top_k=8"]
     on_policy = [*distill, f"output_dir={out / 'on_policy'}", "mode=on_policy", "trainer.max_steps=2",
-                 "trainer.eval_every=0", "on_policy.rollout.batch_prompts=4", "on_policy.rollout.max_new_tokens=8"]
+                 "trainer.eval_every=0", "on_policy.rollout.batch_prompts=4", "on_policy.rollout.group_size=4",
+                 "on_policy.rollout.max_new_tokens=8"]  # 16 slots: the sampling programs eval and generate use
     evaluate = ["eval", "--model", student, "--data", "tests/data/rl_prompts_tiny.jsonl", "--limit", "4", "--n", "4",
                 "--max-new-tokens", "8", "--temperature", "1.0", "--reward-workers", "0", "--no-progress",
                 "--output", str(out / "eval.jsonl")]
-    generate = ["generate", "--model", student, "--prompts", str(data / "prompts.jsonl"), "--n", "2", "--max-new-tokens", "8",
-                "--no-progress", "--output", str(out / "generate.jsonl")]
+    # eval's problems and shapes (4 prompts x 4 samples): generate runs the sampling programs eval compiled
+    generate = ["generate", "--model", student, "--prompts", str(data / "prompts.jsonl"), "--n", "4", "--max-new-tokens",
+                "8", "--no-progress", "--output", str(out / "generate.jsonl")]
     return [dpo, logit, top_k, on_policy, evaluate, generate]
 
 
@@ -66,7 +68,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mhcmds")
     cache = tmp / "tiny"  # built here, once: concurrent processes do not race to build them
     student, teacher = (resolve_model_path(f"tiny:{name}", cache_dir=cache) for name in ("llama", "llama-small"))
-    (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(5)))
+    problems = [json.loads(x) for x in (ROOT / "tests" / "data" / "rl_prompts_tiny.jsonl").read_text().splitlines()]
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps({"messages": r["prompt"]}) + "\n" for r in problems[:4]))
     pairs = (ROOT / "tests" / "data" / "dpo_tiny.jsonl").read_text().splitlines(keepends=True)
     (tmp / "pairs.jsonl").write_text("".join(pairs[:24]))  # 3 steps of 8 pairs: the reference scores little
     (tmp / "pairs_eval.jsonl").write_text("".join(pairs[24:32]))
@@ -92,7 +95,7 @@ def _close(a: dict, b: dict, what: str, tol: float = 1e-5) -> None:
 @pytest.mark.parametrize("command,keys,steps", [
     ("dpo", ("loss", "rewards/margins", "eval/loss"), [1, 2, 3]),
     ("logit", ("loss", "eval/divergence"), [1, 2, 3]),
-    ("top_k", ("loss", "eval/divergence"), [1, 2]),
+    ("top_k", ("loss", "grad_norm"), [1, 2]),
     ("on_policy", ("loss", "distill/reverse_kl", "completion/length_mean"), [1, 2]),
 ])
 def test_training_commands_two_hosts_match_one_host(runs, command, keys, steps):
@@ -123,9 +126,9 @@ def test_generate_two_hosts_match_one_host(runs):
     """The same completions (token ids and texts; log-probs to float precision), written once."""
     runs = list(runs)
     c1, c2 = ([json.loads(x) for x in open(r / "generate.jsonl")] for r in runs)
-    assert len(c1) == 10 and [(c["prompt_index"], c["sample_index"], c["token_ids"], c["text"]) for c in c1] == \
+    assert len(c1) == 16 and [(c["prompt_index"], c["sample_index"], c["token_ids"], c["text"]) for c in c1] == \
         [(c["prompt_index"], c["sample_index"], c["token_ids"], c["text"]) for c in c2]
     for a, b in zip(c1, c2):
         assert max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0) < 1e-4
     logs = [(runs[1].parent / f"two-{i}.log").read_text() for i in range(2)]
-    assert "wrote 10 completions to" in logs[0] and "completions to" not in logs[1]  # process 0 reports and writes
+    assert "wrote 16 completions to" in logs[0] and "completions to" not in logs[1]  # process 0 reports and writes
