@@ -15,7 +15,8 @@ heartbeat is set well above the watchdog's so that the watchdog speaks first; th
 JAX's client answers with a native abort at once) is turned into the same one line by the `posttrain` command,
 which supervises the process that runs JAX (`set_supervisor`, `posttrain.cli.supervisor`). On one
 process all of this is a no-op. Helpers for code that reads arrays on the host (`to_host`: every process
-must call it, it runs a collective) and for writing files once (`is_primary`).
+must call it, it runs a collective) and for writing files once (`is_primary`); `call_compiled` runs a jitted
+program only once every process has compiled it.
 """
 
 from __future__ import annotations
