@@ -15,7 +15,8 @@ heartbeat is set well above the watchdog's so that the watchdog speaks first; th
 JAX's client answers with a native abort at once) is turned into the same one line by the `posttrain` command,
 which supervises the process that runs JAX (`set_supervisor`, `posttrain.cli.supervisor`). On one
 process all of this is a no-op. Helpers for code that reads arrays on the host (`to_host`: every process
-must call it, it runs a collective) and for writing files once (`is_primary`).
+must call it, it runs a collective) and for writing files once (`is_primary`); `call_compiled` runs a jitted
+program only once every process has compiled it.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def devices_mesh() -> Mesh | None:
+    """The mesh of a command without a mesh section (eval, generate): every device of every process on the fsdp
+    axis, as `mesh.fsdp: -1` gives a training command; None on one device."""
+    return make_mesh() if jax.device_count() > 1 else None
+
+
 def logical_to_spec(logical_axes: Sequence[str | None] | None, shape: Sequence[int] | None = None,
                     mesh: Mesh | None = None, rules=None) -> PartitionSpec:
     """PartitionSpec for logical axis names; an axis whose size the mesh axis does not divide stays replicated."""
@@ -174,7 +181,8 @@ ENV_COORDINATOR = ("POSTTRAIN_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
 ENV_NUM_PROCESSES = ("POSTTRAIN_NUM_PROCESSES", "JAX_NUM_PROCESSES")
 ENV_PROCESS_ID = ("POSTTRAIN_PROCESS_ID", "JAX_PROCESS_ID")
 
-_STATE: dict[str, Any] = {"initialized": False, "watchdog": None, "supervisor": None}
+_STATE: dict[str, Any] = {"initialized": False, "watchdog": None, "supervisor": None, "compiled": set()}
+COMPILED_BARRIER_S = 3600  # how long a process waits for the others to compile a program (a death ends it sooner)
 
 
 def jax_heartbeat_s(heartbeat_timeout_s: int) -> int:
@@ -451,6 +459,28 @@ def check_same_config(cfg) -> None:
         what = "; ".join(f"process {p}: {', '.join(v)}" for p, v in sorted(bad.items()))
         raise DistributedError(f"the resolved config differs between processes ({what} differ from process 0's). "
                                "Start every process with the same config file and key=value overrides")
+
+
+def call_compiled(fn, *args):
+    """`fn(*args)` for a jitted `fn`. In a multi-process run, the first call with each input signature compiles
+    `fn` ahead of time and then waits until every process has compiled it (a barrier of the coordination service,
+    not a device collective) before running it: JAX's CPU collectives (gloo) give a peer 30 s to join a program's
+    new communicator, and on a loaded machine compilation times of the processes differ by more than that (the
+    first step after a resume failed with `Gloo context initialization failed: DEADLINE_EXCEEDED`)."""
+    if jax.process_count() == 1:
+        return fn(*args)
+    leaves, tree = jax.tree.flatten(args)
+    key = (fn, tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+                           for x in leaves))
+    if key not in _STATE["compiled"]:
+        fn.lower(*args).compile()  # jit keeps it: the call below compiles nothing
+        _STATE["compiled"].add(key)
+        from jax._src import distributed as jd
+
+        if jd.global_state.client is not None:  # the same programs in the same order on every process
+            jd.global_state.client.wait_at_barrier(f"posttrain/compiled/{len(_STATE['compiled'])}",
+                                                   COMPILED_BARRIER_S * 1000)
+    return fn(*args)
 
 
 def barrier(name: str) -> None:

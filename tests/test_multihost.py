@@ -2,7 +2,8 @@
 for N hosts, started as a user starts them (one `posttrain` command per host, with POSTTRAIN_* variables).
 
 The multi-process tests are slow (each process compiles its own programs on a shared 2-core machine); every
-process runs in its own process group with a time limit, and all of them are killed when a test fails.
+process runs in its own process group with a time limit, and all of them are killed when a test fails
+(`tests/multihost_helpers.py`). Commands other than sft and rl: `tests/test_multihost_commands.py`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -19,96 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-# ---------------------------------------------------------------------- helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(devices: int, **extra) -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), POSTTRAIN_COMPILE_CACHE="0")
-    for k in ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID"):
-        env.pop(k, None)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-class Procs:
-    """Processes started in their own process groups; `kill()` ends every group (tests call it in `finally`)."""
-
-    def __init__(self):
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-        f = open(log, "w")
-        p = subprocess.Popen(args, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        p.log = log  # type: ignore[attr-defined]
-        self.procs.append(p)
-        return p
-
-    def wait(self, procs, timeout: float) -> list[int]:
-        deadline = time.monotonic() + timeout
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                self.kill()
-                pytest.fail(f"a process did not finish within {timeout:.0f}s:\n{self.logs()}")
-        return codes
-
-    def logs(self) -> str:
-        out = []
-        for p in self.procs:
-            text = Path(p.log).read_text(errors="replace")
-            text = "\n".join(x for x in text.splitlines() if not x.startswith(("[Gloo]", "WARNING")))
-            out.append(f"--- {p.log} (rc={p.returncode})\n{text[-3000:]}")
-        return "\n".join(out)
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-
-
-@pytest.fixture
-def procs():
-    ps = Procs()
-    yield ps
-    ps.kill()
-
-
-def _posttrain(command: str, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "posttrain.cli.main", command, *overrides]
-
-
-def _hosts(procs: Procs, args: list[str], n: int, devices: int, folder: Path, tag: str, **env) -> list:
-    """Starts the command `n` times, as `n` hosts would (same command, POSTTRAIN_* variables per host)."""
-    port = _free_port()
-    return [procs.start(args, _env(devices, POSTTRAIN_COORDINATOR=f"127.0.0.1:{port}", POSTTRAIN_NUM_PROCESSES=n,
-                                   POSTTRAIN_PROCESS_ID=i, **env), folder / f"{tag}-{i}.log") for i in range(n)]
-
-
-def _rows(folder: Path, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in map(json.loads, open(folder / "metrics.jsonl")) if key in r}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """The tiny:llama checkpoint, built once here so that concurrent processes do not race to build it."""
-    from posttrain.models.tiny import resolve_model_path
-
-    return resolve_model_path("tiny:llama", cache_dir=tmp_path_factory.mktemp("tiny"))
+from multihost_helpers import Procs, procs, tiny_llama  # noqa: F401  (fixtures)
+from multihost_helpers import env as _env
+from multihost_helpers import free_port as _free_port
+from multihost_helpers import hosts as _hosts
+from multihost_helpers import posttrain as _posttrain
+from multihost_helpers import rows as _rows
 
 
 # ---------------------------------------------------------------------- fast checks (one process)
@@ -168,26 +83,6 @@ def test_mesh_that_does_not_divide_the_devices_is_a_clear_error():
         distributed.make_mesh(data=3, fsdp=1, tensor=1)
     with pytest.raises(ConfigError, match="does not divide"):
         distributed.make_mesh(data=1, fsdp=-1, tensor=2)
-
-
-def test_commands_without_multi_host_support_refuse_several_processes(monkeypatch, tmp_path):
-    """dpo and distill run on one process: with several they stop with a clear error, not wrong batches."""
-    from posttrain import distributed
-    from posttrain.config import ConfigError
-    from posttrain.distill.run import load_distill_config, run_distill
-    from posttrain.training.dpo import load_dpo_config, run_dpo
-
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.setattr(distributed, "initialize", lambda cfg=None: True)
-    monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
-    cfg = load_dpo_config(root / "configs" / "dpo_smoke.yaml", [f"output_dir={tmp_path / 'dpo'}"])
-    with pytest.raises(ConfigError, match="posttrain dpo runs on one process"):
-        run_dpo(cfg)
-    for mode in ("logit", "on_policy"):
-        cfg = load_distill_config(root / "configs" / "distill_smoke.yaml", [f"output_dir={tmp_path / mode}",
-                                                                           f"mode={mode}"])
-        with pytest.raises(ConfigError, match="posttrain distill runs on one process"):
-            run_distill(cfg)
 
 
 def test_each_process_reads_its_rows_of_every_global_batch(tiny_llama):
@@ -528,3 +423,31 @@ def test_a_known_error_from_a_failed_collective_asks_whether_a_peer_died_first(m
         assert cli._main(["--no-compile-cache", "sft"]) == 1
         assert asked == want
         assert capsys.readouterr().err.strip().endswith("error: cannot write checkpoints to X")
+
+
+def test_a_new_program_is_compiled_by_every_process_before_it_runs(monkeypatch):
+    """Several processes: the first call of each input signature of a jitted function compiles it, then waits at a
+    coordination-service barrier for the others (gloo gives a peer 30 s to join a new program's collectives); later
+    calls with that signature run at once; one process calls it directly."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src import distributed as jd
+
+    from posttrain import distributed
+
+    events = []
+
+    class Client:
+        def wait_at_barrier(self, name, timeout_in_ms):
+            events.append(("barrier", name))
+
+    f = jax.jit(lambda x: events.append(("trace", x.shape)) or x * 2)
+    assert float(distributed.call_compiled(f, jnp.ones(()))) == 2.0 and ("barrier" not in {e[0] for e in events})
+    events.clear()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jd.global_state, "client", Client())
+    monkeypatch.setitem(distributed._STATE, "compiled", set())
+    for shape in [(2,), (2,), (3,), (2,)]:
+        np.testing.assert_array_equal(distributed.call_compiled(f, jnp.ones(shape)), 2 * np.ones(shape))
+    assert events == [("trace", (2,)), ("barrier", "posttrain/compiled/1"), ("trace", (3,)),
+                      ("barrier", "posttrain/compiled/2")], events

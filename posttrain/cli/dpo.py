@@ -11,11 +11,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="config overrides, e.g. algorithm.loss=ipo algorithm.beta=0.5 data.train=FILE output_dir=DIR")
 
 
+# `posttrain.cli.main` leaves `distributed.initialize` to the run skeleton (`posttrain.training.run.Run`),
+# which reads the config's `distributed` section first.
+DISTRIBUTED_FROM_CONFIG = True
+
+
 def run(args) -> int:
+    from posttrain import distributed
     from posttrain.training.dpo import load_dpo_config, run_dpo
 
     cfg = load_dpo_config(args.config, args.overrides)
     result = run_dpo(cfg)  # holds the output folder's run lock (posttrain.training.run.Run)
+    distributed.finish()  # multi-host: every process waits for the others (process 0's export), then leaves
+    if not distributed.is_primary():
+        return 0
     done = f"dpo: done at step {result.final_step}"
     if result.losses:
         done += f", last loss {result.losses[-1][1]:.4f}"

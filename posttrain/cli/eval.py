@@ -3,7 +3,8 @@
     posttrain eval --model DIR --data FILE --reward math_answer --n 8 --temperature 0.6 [--chat] [--limit N]
 
 The evaluator is RL's held-out evaluator (`posttrain.eval.evaluate`): the same sampling, rewards and
-estimators. Writes one JSONL row per problem (the greedy completion, the n samples with their answers and
+estimators. The model is sharded over every device (of every process: on several hosts every process runs
+the same sampler on the global mesh, process 0 scores the rewards and writes the outputs). Writes one JSONL row per problem (the greedy completion, the n samples with their answers and
 correctness, the problem's pass@k / maj@k) to `--output`, the summary next to it (`.summary.json`), and
 prints a summary table.
 """
@@ -131,6 +132,7 @@ def run(args) -> int:
 
     from rich.console import Console
 
+    from posttrain import distributed
     from posttrain.models import tokenizer as tok_lib
     from posttrain.data import read_prompts
     from posttrain.models import from_pretrained
@@ -148,11 +150,12 @@ def run(args) -> int:
     by_env = checked is not None and args.reward == "environment"
     spec = None if by_env else RewardSpec.coerce(args.reward)
     correctness = "environment" if by_env else spec.name
-    with RewardRunner([spec] if spec else [], num_workers=args.reward_workers) as runner:
+    primary = distributed.is_primary()  # multi-host: process 0 scores (`score_once`) and writes
+    with RewardRunner([spec] if spec else [], num_workers=args.reward_workers if primary else 0) as runner:
         runner.check_records(records)  # a missing field fails before the model loads
         folder = model_folder(args.model)
         tok = tok_lib.load(folder)
-        model = from_pretrained(folder, dtype=args.dtype)
+        model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
         agent = make_agent(checked, tok, system_prompt=args.system_prompt, prompt_field=prompt_field)
         ids, images = [], []
         from posttrain.data.sources import DataError
@@ -181,10 +184,13 @@ def run(args) -> int:
         try:
             e = evaluate(sampler, records, ids, runner, correctness=correctness, max_new_tokens=args.max_new_tokens,
                          k=ks, n_samples=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                         progress=not args.no_progress, agent=agent)
+                         progress=not args.no_progress and primary, agent=agent)
         finally:
             if agent is not None:
                 agent.close()
+    distributed.finish()
+    if not primary:
+        return 0
     rows = per_problem(e, records, correctness=correctness, k=ks)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,9 @@
 
 With `--tools` or `--environment` each sample is a multi-turn conversation (`posttrain.agent`): the output
 line then holds the whole trajectory (messages, tool calls and results, turns, the token ids after the prompt
-with their `loss_mask`: 1 where sampled, 0 where appended) and `text` is the last assistant message."""
+with their `loss_mask`: 1 where sampled, 0 where appended) and `text` is the last assistant message.
+The model is sharded over every device (of every process: on several hosts every process runs the same sampler
+on the global mesh and gets every completion, and process 0 writes the file)."""
 
 from __future__ import annotations
 
@@ -125,6 +127,7 @@ def run(args) -> int:
         return 1
 
     from posttrain.agent.rollout import AgentRollout
+    from posttrain import distributed
     from posttrain.sampling import Sampler, SamplingParams
 
     try:
@@ -143,7 +146,7 @@ def run(args) -> int:
     try:
         folder = resolve_path(resolve_model_path(args.model))
         tokenizer = tok_lib.load(folder)
-        model = from_pretrained(folder, dtype=args.dtype)
+        model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
         agent = make_agent(checked, tokenizer)
         if agent is not None:
             records, prompts = agent_prompts(records, agent, args.prompts)
@@ -155,7 +158,7 @@ def run(args) -> int:
         return fail(str(e))
     try:
         rollout = None if agent is None else AgentRollout(agent, records, prompts)
-        completions = sampler.generate(prompts, params, progress=not args.no_progress,
+        completions = sampler.generate(prompts, params, progress=not args.no_progress and distributed.is_primary(),
                                        **({} if rollout is None else {"on_turn_end": rollout}))
     except ValueError as e:
         m = re.match(r"prompt (\d+) ", str(e))  # the sampler names prompts by index: name the line too
@@ -164,6 +167,9 @@ def run(args) -> int:
     finally:
         if agent is not None:
             agent.close()
+    distributed.finish()  # multi-host: every process has every completion; process 0 writes them
+    if not distributed.is_primary():
+        return 0
     out = write_output(args.output, completions, rollout)
     stats = sampler.last_stats
     print(f"wrote {len(completions)} completions to {out} "

@@ -10,6 +10,10 @@ is released, and each step reads its stored top-k.
 Held-out evaluation (data.eval, every trainer.eval_every steps and at the end): eval/divergence (the
 configured T^2 D(teacher || student) per target token), eval/ce and eval/top1_agreement (the student's most
 likely next token is the teacher's).
+
+Multi-host: as SFT, every process reads its rows of every global batch; the teacher is sharded on the same
+mesh; with `teacher.top_k` the store holds the teacher's scores of whole global batches (scored on the global
+mesh, written by process 0) and each process reads its rows of them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
+from posttrain import distributed
 from posttrain.algorithms.distill import make_token_loss
 from posttrain.algorithms.protocol import reduce_metrics, uses_frozen
 from posttrain.config import ConfigError
@@ -57,6 +62,24 @@ def heldout_metrics(trainer, batches: list[dict], loss_fn) -> dict[str, float]:
             if k.startswith("distill/")}
 
 
+def _stored_topk(cfg, run, teacher, ds_kw: dict, rows, eval_data: list[dict]):
+    """The teacher's top-k of the run's `teacher.top_k` store (scored now unless process 0 finds it complete),
+    and the held-out batches with their own top-k; returns (store, eval batches)."""
+    d, lc, tc = cfg.data, cfg.loss, cfg.trainer
+    score = teacher_topk_fn(teacher, cfg.teacher.top_k, lc.temperature, tc.loss_chunk_size or None,
+                            put=run.trainer.put_batch)
+    meta = {"teacher": cfg.teacher.path, "k": cfg.teacher.top_k, "temperature": lc.temperature, "steps": tc.max_steps,
+            "data": d.train, "format": dataclasses.asdict(d.format),
+            **{key: v for key, v in ds_kw.items() if key != "num_epochs"}}
+    store = TopKStore(run.out / "teacher_topk", meta)
+    if not distributed.broadcast_json(store.complete()):  # process 0's verdict: every process scores
+        # the run's own batches, in its order: the same pipeline from the start
+        store.build(iter(build_sft_dataset(d.train, run.tokenizer(), d.format, batch_rows=rows, **ds_kw)), score,
+                    tc.max_steps, run.say)
+    keys = ("teacher_logp", "teacher_ids")
+    return store, [{**b, **run.local_rows(dict(zip(keys, score(b))), rows)} for b in eval_data]
+
+
 def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,
               log: Callable[[str], None] | None = None) -> LogitResult:
     """Runs (or resumes) logit distillation as `cfg` (a `DistillConfig` with mode=logit) says."""
@@ -67,17 +90,18 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
     loss = make_logit_distill_loss(make_token_loss(lc.kind, lc.beta, lc.temperature, lc.alpha,
                                                    tail=cfg.teacher.top_k_tail), chunk)
     k = cfg.teacher.top_k
-    with Run(cfg, "distill", log=log, multi_host=False) as run:
+    with Run(cfg, "distill", log=log) as run:
         # data and the teacher's tokenizer first: bad data or another vocabulary fail before any weight loads
         tok = run.tokenizer()
         check_same_vocabulary(tok, tok_lib.load(teacher_folder(cfg.teacher)), student=cfg.model.path,
                               teacher=cfg.teacher.path)
         ds_kw = dict(seq_len=d.seq_len, batch_size=d.batch_size, pack=d.pack, seed=d.seed, shuffle=d.shuffle,
                      num_epochs=None, truncation=d.truncation, split=d.train_split)
-        train_ds = build_sft_dataset(d.train, tok, d.format, **ds_kw)
-        eval_data = eval_batches(d, tc.eval_batches, tok) if d.eval else []
+        rows = run.batch_rows(d.batch_size)  # multi-host: this process's rows of every global batch
+        train_ds = build_sft_dataset(d.train, tok, d.format, batch_rows=rows, **ds_kw)
+        eval_data = eval_batches(d, tc.eval_batches, tok, rows) if d.eval else []
         loss_fn = loss if k else uses_frozen(loss, "teacher")
-        trainer = run.build_trainer(loss_fn)
+        trainer = run.build_trainer(loss_fn, process_local_batches=True)
         teacher = load_teacher(cfg.teacher, cfg.model, tok, trainer.cfg.vocab_size, run.mesh)
         it = iter(train_ds)
         run.restore(it)
@@ -86,18 +110,11 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
         if k:
             if k > trainer.cfg.vocab_size:
                 raise ConfigError(f"teacher.top_k={k} is more than the vocabulary ({trainer.cfg.vocab_size})")
-            score = teacher_topk_fn(teacher, k, lc.temperature, chunk)
-            meta = {"teacher": cfg.teacher.path, "k": k, "temperature": lc.temperature, "steps": tc.max_steps,
-                    "data": d.train, "format":
-                    dataclasses.asdict(d.format), **{key: v for key, v in ds_kw.items() if key != "num_epochs"}}
-            store = TopKStore(run.out / "teacher_topk", meta)
-            if not store.complete():  # the run's own batches, in its order: the same pipeline from the start
-                store.build(iter(build_sft_dataset(d.train, tok, d.format, **ds_kw)), score, tc.max_steps, run.say)
-            eval_data = [{**b, **dict(zip(("teacher_logp", "teacher_ids"), score(b)))} for b in eval_data]
-            del teacher, score  # training holds no teacher
+            store, eval_data = _stored_topk(cfg, run, teacher, ds_kw, rows, eval_data)
+            del teacher  # training holds no teacher
 
             def with_topk(step, batch):
-                batch = {**batch, **store.get(step)}
+                batch = {**batch, **run.local_rows(store.get(step), rows)}
                 return batch_hook(step, batch) if batch_hook is not None else batch
 
             hook = with_topk

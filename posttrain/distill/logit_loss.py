@@ -14,6 +14,8 @@ its k most likely tokens' log-probs (at the loss's temperature) and ids are writ
 OUTPUT_DIR/teacher_topk/ (float32 log-probs, int32 ids: steps x B x (T-1) x k x 8 bytes), with a `meta.json`
 naming the teacher, k, the temperature and the data; training then
 reads the step's arrays and the teacher is not held. A store whose meta does not match is rebuilt.
+Multi-host: every process scores its rows of each batch on the global mesh and gets the whole batch's
+scores; process 0 writes the store, and every process reads it once it is complete.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain import distributed
 from posttrain.algorithms.distill import teacher_topk
 
 __all__ = ["logit_distill_loss", "make_logit_distill_loss", "TopKStore"]
@@ -109,7 +112,13 @@ class TopKStore:
     def build(self, batches, score: Callable[[dict], tuple[np.ndarray, np.ndarray]], steps: int,
               say: Callable[[str], None] = print) -> None:
         """Scores `steps` batches of `batches` with `score(batch) -> (values, ids)` and writes them; the meta
-        file is written last, so an interrupted build is rebuilt."""
+        file is written last, so an interrupted build is rebuilt. Multi-host: every process scores (a
+        collective), process 0 writes, and all wait until it has."""
+        if not distributed.is_primary():
+            for _ in range(steps):
+                score(next(batches))
+            distributed.barrier("posttrain-topk-store")
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "meta.json").unlink(missing_ok=True)
         vals = ids = None
@@ -123,6 +132,7 @@ class TopKStore:
         ids.flush()
         del vals, ids
         (self.folder / "meta.json").write_text(json.dumps(self.meta))
+        distributed.barrier("posttrain-topk-store")
         say(f"distill: stored the teacher's top-{self.meta['k']} logits of {steps} steps in {self.folder}")
 
     def get(self, step: int) -> dict[str, np.ndarray]:
@@ -132,9 +142,11 @@ class TopKStore:
         return {"teacher_logp": np.asarray(vals[step - 1]), "teacher_ids": np.asarray(ids[step - 1])}
 
 
-def teacher_topk_fn(teacher, k: int, temperature: float = 1.0, chunk_size: int | None = None):
+def teacher_topk_fn(teacher, k: int, temperature: float = 1.0, chunk_size: int | None = None, put=None):
     """batch -> the teacher's k most likely next tokens per position, (temperature-T log-probs, ids) [B, T-1, k]
-    (`posttrain.algorithms.distill.teacher_topk`), jitted over the teacher's state."""
+    (`posttrain.algorithms.distill.teacher_topk`), jitted over the teacher's state. `put(batch)` places a host
+    batch on the devices (the trainer's `put_batch`: multi-host, this process's rows of the global batch); the
+    result is read whole (on every process)."""
     graphdef, state = nnx.split(teacher)
 
     def fn(state, input_ids, attention_mask, positions, segment_ids):
@@ -147,6 +159,11 @@ def teacher_topk_fn(teacher, k: int, temperature: float = 1.0, chunk_size: int |
         return v.reshape(b, t - 1, k), i.reshape(b, t - 1, k)
 
     jitted = jax.jit(fn)
-    return lambda batch: tuple(np.asarray(x) for x in jitted(
-        state, jnp.asarray(batch["input_ids"]), *(None if batch.get(key) is None else jnp.asarray(batch[key])
-                                                  for key in ("attention_mask", "positions", "segment_ids"))))
+    keys = ("input_ids", "attention_mask", "positions", "segment_ids")
+    put = put or (lambda b: {key: jnp.asarray(v) for key, v in b.items()})
+
+    def score(batch):
+        dev = put({key: batch[key] for key in keys if batch.get(key) is not None})
+        return tuple(np.asarray(x) for x in distributed.to_host(jitted(state, *(dev.get(key) for key in keys))))
+
+    return score

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from posttrain import distributed
 from posttrain.config import ConfigError, save_config
 from posttrain.distill.teacher import check_same_vocabulary, load_teacher, teacher_folder
 from posttrain.models import tokenizer as tok_lib
@@ -52,7 +53,8 @@ class OnPolicyDistillRun(RLRun):
     def _setup(self, cfg) -> None:
         """The RL run's set-up, then the teacher (a frozen scorer on the trainer's mesh)."""
         super()._setup(cfg)
-        save_config(self.dcfg, self.out / "config.yaml")  # the distillation config, not the RL one
+        if distributed.is_primary():  # the distillation config, not the RL one (multi-host: written once)
+            save_config(self.dcfg, self.out / "config.yaml")
         teacher = load_teacher(self.dcfg.teacher, self.dcfg.model, self.tok, self.trainer.cfg.vocab_size, self.run.mesh)
         self.teacher = FrozenScorer(teacher, self.trainer, cfg.trainer.loss_chunk_size or None)
 

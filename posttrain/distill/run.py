@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain import distributed
 from posttrain.config import ConfigError, load_config
 from posttrain.distill.config import DistillConfig
 from posttrain.distill.logit import run_logit
@@ -26,9 +25,6 @@ def load_distill_config(path: str | Path | None, overrides=()):
 
 def run_distill(cfg, *, stop_after: int | None = None) -> str:
     """Runs (or resumes) the distillation `cfg` describes; returns a one-line summary."""
-    if distributed.initialize(cfg.distributed):
-        raise ConfigError("posttrain distill runs on one process; multi-host runs (several processes) are "
-                          "posttrain sft and posttrain rl (README: Several hosts)")
     if cfg.mode == "on_policy":
         res = run_on_policy(cfg, stop_after=stop_after)
         kl = [h["distill/reverse_kl"] for h in res.history]

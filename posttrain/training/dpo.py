@@ -3,6 +3,9 @@
 config -> pairs (encoded, truncated, counted; errors before any model loads) -> model (+LoRA/QLoRA) ->
 reference (the LoRA base with adapters off, or a frozen model; optionally scored once up front and
 cached in OUTPUT_DIR/reference_logps.npz) -> `Run.fit` with the family's loss -> HF export.
+Multi-host: every process builds the same global batches of pairs and feeds its own rows of each (after the
+host-side preparation that reads the whole batch, ORPO's NLL weights); the reference log-probs are scored on
+the global mesh and written by process 0.
 Losses and presets: `posttrain.algorithms.preference`. Data formats: `posttrain.data.preference`.
 
 Metrics (TRL's names): loss, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
@@ -19,6 +22,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
+from posttrain import distributed
 from posttrain.algorithms.preference import (ReferenceSource, make_preference_loss, make_preset,
                                              nll_weights)
 from posttrain.config import ConfigError, load_config
@@ -153,19 +157,34 @@ def cached_reference(cache: Path, fingerprint: str):
         return np.asarray(z["ref_logps"]) if str(z["fingerprint"]) == fingerprint else None
 
 
-def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Path | None, fingerprint: str = ""):
+def precompute_reference(trainer, name: str, pairs, batch_pairs: int, cache: Path | None, fingerprint: str = "",
+                         rows: list[int] | None = None):
     """Reference sequence log-probs of every pair [P, 2], scored with the frozen model `name` ("base": the
-    LoRA model with adapters off) and written atomically to `cache` with the data/model fingerprint."""
+    LoRA model with adapters off) and written atomically to `cache` with the data/model fingerprint.
+    Multi-host: every process calls it, feeding its `rows` of each batch; all get every pair's; process 0 writes."""
     out = []
     for b in _batches(pairs.arrays, batch_pairs):
-        lp = np.asarray(trainer.frozen_token_logprobs(name, b))
+        mine = b if rows is None else {k: v[rows] for k, v in b.items()}
+        lp = np.asarray(distributed.to_host(trainer.frozen_token_logprobs(name, mine)))
         out.append((lp * b["loss_mask"][:, 1:]).sum(-1).reshape(-1, 2))
     ref = np.concatenate(out)[: len(pairs)].astype(np.float32)
-    if cache is not None:
+    if cache is not None and distributed.is_primary():
         tmp = cache.with_name(cache.name + ".tmp.npz")
         np.savez(tmp, ref_logps=ref, fingerprint=np.asarray(fingerprint))
         tmp.replace(cache)
     return ref
+
+
+def _agreed(refs: list):
+    """The cached reference log-probs every process uses: process 0's verdict on each cache decides (a process
+    must not skip a scoring collective that the others run); a cache process 0 read must be readable here."""
+    if not distributed.is_multiprocess():
+        return refs
+    have = distributed.broadcast_json([r is not None for r in refs])
+    if any(h and r is None for h, r in zip(have, refs)):
+        raise ConfigError("output_dir: process 0 reads the cached reference log-probs there but this process "
+                          "cannot; a multi-host run's output_dir must be on a file system every host sees")
+    return [r if h else None for h, r in zip(have, refs)]
 
 
 def _check_config(tc: TrainerConfig, d: PreferenceData, a: PreferenceAlgorithm):
@@ -201,7 +220,8 @@ class DPORun:
     def build(self) -> None:
         """The trainer (LoRA decides where the reference comes from), its reference, the loss, the batches."""
         cfg, d, tc = self.cfg, self.cfg.data, self.cfg.trainer
-        self.trainer = self.run.build_trainer()
+        self.trainer = self.run.build_trainer(process_local_batches=True)
+        self.rows = self.run.batch_rows(2 * d.batch_size)  # multi-host: this process's rows of every batch
         self.reference = resolve_reference(cfg.algorithm, self.spec, self.trainer.has_lora)
         extra, eval_extra = self.attach_reference()
         self.trainer.loss_fn = make_preference_loss(self.spec, reference=self.reference,
@@ -232,12 +252,12 @@ class DPORun:
         if self.eval_pairs is not None:
             jobs.append((self.eval_pairs, run.out / "reference_logps_eval.npz"))
         fps = [_fingerprint(p.arrays, self.cfg.model, a, self.cfg.lora) for p, _ in jobs]
-        refs = [cached_reference(path, fp) for (_, path), fp in zip(jobs, fps)]
+        refs = _agreed([cached_reference(path, fp) for (_, path), fp in zip(jobs, fps)])
         if any(r is None for r in refs):
             if ref is ReferenceSource.MODEL:
                 trainer.add_frozen(ref.frozen_name, run.frozen_model(a.reference_path))
             refs = [r if r is not None else precompute_reference(trainer, ref.frozen_name, p, self.cfg.data.batch_size,
-                                                                 path, fp)
+                                                                 path, fp, self.rows)
                     for r, (p, path), fp in zip(refs, jobs, fps)]
             if ref is ReferenceSource.MODEL:  # no longer needed: free its memory
                 trainer.remove_frozen(ref.frozen_name)
@@ -245,12 +265,13 @@ class DPORun:
         return {"ref_logps": refs[0]}, ({"ref_logps": refs[1]} if self.eval_pairs is not None else None)
 
     def prepare(self, batch: dict) -> dict:
-        """A batch as the loss reads it: flat precomputed reference log-probs, ORPO's NLL row weights."""
+        """A global batch as the loss reads it: flat precomputed reference log-probs, ORPO's NLL row weights
+        (over the whole batch); then this process's rows of it (multi-host)."""
         if "ref_logps" in batch:
             batch = dict(batch, ref_logps=np.asarray(batch["ref_logps"]).reshape(-1))
         if self.spec.chosen_nll:
             batch = dict(batch, nll_weight=nll_weights(batch, nll_on_prompt=self.cfg.algorithm.nll_on_prompt))
-        return batch
+        return self.run.local_rows(batch, self.rows)
 
     def evaluate(self) -> dict[str, float]:
         """Loss and metrics over the held-out batches (eval/...); the first, before any step, is kept."""
@@ -303,7 +324,7 @@ def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callab
             log: Callable[[str], None] | None = None) -> DPOResult:
     """Runs (or resumes) preference tuning as `cfg` says (see the module docstring)."""
     spec = _check_config(cfg.trainer, cfg.data, cfg.algorithm)
-    with Run(cfg, "dpo", log=log, multi_host=False) as run:
+    with Run(cfg, "dpo", log=log) as run:
         dpo = DPORun(cfg, spec, run)
         dpo.read_data()
         dpo.build()

@@ -118,17 +118,11 @@ class Run:
       command: the command's name ("sft", "dpo", ...): the progress bar's label and the messages' prefix.
       log: where messages go (default: the metrics logger's console, or print before it is open).
       lock: take the output folder's run lock (`posttrain.training.runlock`) for the run's lifetime.
-      multi_host: the command runs on several processes (sft, rl); one that does not (yet) is refused there
-        with a clear error instead of training on wrong batches.
     """
 
-    def __init__(self, cfg: RunConfig, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True,
-                 multi_host: bool = True):
+    def __init__(self, cfg: RunConfig, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True):
         # before anything touches a device (the lock names its process): a no-op on one process
         distributed.initialize(cfg.distributed)
-        if not multi_host and distributed.is_multiprocess():
-            raise ConfigError(f"posttrain {command} runs on one process; multi-host runs (several processes) are "
-                              "posttrain sft and posttrain rl (README: Several hosts)")
         distributed.check_same_config(cfg)
         self.cfg = cfg
         self.command = command
@@ -169,6 +163,10 @@ class Run:
     def batch_rows(self, batch_size: int) -> list[int] | None:
         """This process's rows of every global batch of `batch_size` rows (None: all, one process)."""
         return distributed.process_batch_rows(self.mesh, batch_size)
+
+    def local_rows(self, batch: dict, rows: list[int] | None) -> dict:
+        """This process's `rows` (`batch_rows`) of a whole global batch (all of it on one process)."""
+        return batch if rows is None else {k: np.asarray(v)[rows] for k, v in batch.items()}
 
     def say(self, text: str) -> None:
         if self._log is not None:

@@ -355,8 +355,9 @@ class Trainer:
         if fn is None:
             fn = self._step_fns[(loss_fn, g)] = self._build_step(loss_fn, g)
         dev = self.put_batch(batch)
-        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, self.rest, self._frozen_args(loss_fn),
-                                                   dev, jnp.asarray(self.step_count, jnp.int32))
+        self.params, self.opt_state, metrics = distributed.call_compiled(  # several processes: compiled by all first
+            fn, self.params, self.opt_state, self.rest, self._frozen_args(loss_fn), dev,
+            jnp.asarray(self.step_count, jnp.int32))
         self.step_count += 1
         if fetch:
             return {k: float(v) for k, v in distributed.to_host(metrics).items()}
@@ -383,7 +384,8 @@ class Trainer:
                 return jnp.asarray(ls, jnp.float32), jnp.asarray(w, jnp.float32), _as_f32(m)
 
             fn = self._eval_fns[loss_fn] = jax.jit(eval_fn)
-        ls, w, m = distributed.to_host(fn(self.params, self.rest, self._frozen_args(loss_fn), self.put_batch(batch)))
+        ls, w, m = distributed.to_host(distributed.call_compiled(fn, self.params, self.rest, self._frozen_args(loss_fn),
+                                                                 self.put_batch(batch)))
         m = {k: (tuple(float(x) for x in v) if isinstance(v, (tuple, list)) else float(v)) for k, v in m.items()}
         return float(ls), float(w), m
 
