@@ -122,3 +122,42 @@ def _check_eval_sampler_matches_greedy(folder):
     outs = sampler.generate([ids for ids, _ in enc], SamplingParams(max_new_tokens=4, temperature=0.0))
     texts = [c.text for c in sorted(outs, key=lambda c: c.prompt_index)]
     assert texts == greedy_answers(model, tok, spec, [r["prompt"] for r in recs], max_new_tokens=4)
+
+
+@pytest.mark.slow  # runs the CLI on the tiny VLM
+def test_generate_cli_takes_image_prompts(tiny_vlm, tmp_path, capsys):
+    """`posttrain generate` on chat prompts with image parts (TRL's format, image files on disk) gives the greedy
+    answers of the plain uncached decoder; the same file for a text-only model is a one-line error."""
+    import json
+
+    from PIL import Image
+
+    from posttrain.cli.main import main
+    from posttrain.data.vlm import VisionSpec
+    from posttrain.demo.vlm_eval import greedy_answers
+    from posttrain.models import tokenizer as tok_lib
+    from posttrain.models.hf_io import from_pretrained
+
+    prompts, lines = [], []
+    for i, colour in enumerate(["red", "blue", "green"]):
+        path = tmp_path / f"img{i}.png"
+        Image.new("RGB", (20 + 7 * i, 24), colour).save(path)
+        msg = [{"role": "user", "content": [{"type": "image", "path": str(path)},
+                                            {"type": "text", "text": "What colour is it?"}]}]
+        prompts.append(msg)
+        lines.append(json.dumps({"messages": msg}))
+    lines.insert(1, json.dumps({"prompt": "a text prompt beside them"}))
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(tiny_vlm), "--prompts", str(src), "--output", str(out),
+                 "--max-new-tokens", "4", "--temperature", "0", "--no-progress"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    tok, model = tok_lib.load(tiny_vlm), from_pretrained(tiny_vlm)
+    want = greedy_answers(model, tok, VisionSpec.from_checkpoint(tiny_vlm, tok), prompts, max_new_tokens=4)
+    assert [rows[i]["text"] for i in (0, 2, 3)] == want and len(rows) == 4
+
+    assert main(["generate", "--model", "tiny:llama", "--prompts", str(src), "--output", str(out),
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: {src}, line 1: the prompt has images but the model has no vision tower (a text-only model)"

@@ -73,9 +73,14 @@ def read_prompts(path: str | Path) -> list[dict]:
     return records
 
 
-def encode_prompts(records: list[dict], tokenizer, chat: bool, source: str) -> list[list[int]]:
+def encode_prompts(records: list[dict], tokenizer, chat: bool, source: str,
+                   given: dict[int, list[int]] | None = None) -> list[list[int]]:
+    """Each record's prompt ids (`given[i]`: already encoded, e.g. an image prompt)."""
     out = []
-    for rec in records:
+    for i, rec in enumerate(records):
+        if given and i in given:
+            out.append(given[i])
+            continue
         try:
             if "messages" in rec:
                 ids = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=True)
@@ -90,6 +95,28 @@ def encode_prompts(records: list[dict], tokenizer, chat: bool, source: str) -> l
             raise InputError(f"{source}, line {rec['_line']}: the prompt is empty after tokenization")
         out.append(list(ids))
     return out
+
+
+def image_prompts(records: list[dict], tokenizer, folder, source: str) -> tuple[dict[int, list[int]], list[list]]:
+    """Chat prompts with image parts (TRL's VLM format): {record index: ids with the image tokens expanded} and
+    every record's pixel arrays (empty lists for text prompts). A text-only model given an image is a one-line
+    error naming the line."""
+    # lazy: image decoding and the vision spec load only for prompts that carry images
+    from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
+
+    marked = [i for i, r in enumerate(records) if has_images(r, ("messages",))]
+    images: list[list] = [[] for _ in records]
+    ids_of: dict[int, list[int]] = {}
+    if not marked:
+        return ids_of, images
+    spec = VisionSpec.from_checkpoint(folder, tokenizer)
+    for i in marked:
+        where = f"{source}, line {records[i]['_line']}"
+        if spec is None:
+            raise InputError(f"{where}: the prompt has images but the model has no vision tower (a text-only model)")
+        ids, pixels = encode_image_prompt(records[i]["messages"], tokenizer, spec, where)
+        ids_of[i], images[i] = ids, list(pixels)
+    return ids_of, images
 
 
 def agent_prompts(records: list[dict], agent, source: str) -> tuple[list[dict], list[list[int]]]:
@@ -150,16 +177,20 @@ def run(args) -> int:
         agent = make_agent(checked, tokenizer)
         if agent is not None:
             records, prompts = agent_prompts(records, agent, args.prompts)
+            images = [[] for _ in prompts]
         else:
-            prompts = encode_prompts(records, tokenizer, args.chat, args.prompts)
+            given, images = image_prompts(records, tokenizer, folder, args.prompts)
+            prompts = encode_prompts(records, tokenizer, args.chat, args.prompts, given)
         slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
         sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
     try:
         rollout = None if agent is None else AgentRollout(agent, records, prompts)
-        completions = sampler.generate(prompts, params, progress=not args.no_progress and distributed.is_primary(),
-                                       **({} if rollout is None else {"on_turn_end": rollout}))
+        kwargs = dict(progress=not args.no_progress and distributed.is_primary(),
+                      **({} if rollout is None else {"on_turn_end": rollout}))
+        completions = (sampler.generate_with_images(prompts, images, params, **kwargs) if any(images)
+                       else sampler.generate(prompts, params, **kwargs))
     except ValueError as e:
         m = re.match(r"prompt (\d+) ", str(e))  # the sampler names prompts by index: name the line too
         where = f"{args.prompts}, line {records[int(m.group(1))]['_line']}: " if m else ""
