@@ -50,7 +50,7 @@ are each compiled once (the decode state is kept for the last (slots, cache leng
 
 Continuation (multi-turn). When a turn ends and `on_turn_end` appends ids, the extend program (`_extend`)
 computes only those ids, plus the turn's last sampled token (sampled but not yet fed), against the slot's
-kept cache: rows of appended ids (rows and lengths bucketed to powers of two, so few shapes compile), the
+kept cache: rows of appended ids (rows bucketed to powers of two, lengths to `continuation_bucket`), the
 slots' cache rows gathered (attention reads them) with a scratch tail for the padding columns; only the
 computed positions are scattered back into the donated cache (in place, not whole rows); the next token
 is drawn from the last appended id's logits. See the scheduler's docstring for parking and multi-process.
