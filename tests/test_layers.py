@@ -107,3 +107,24 @@ def test_generic_float32_products_ask_for_highest_precision(compute_dtype):
             assert found, "no product traced"
             highest = {p for p in found if "HIGHEST" in p}
             assert (highest == found) if want_highest else not highest, (kset, compute_dtype, found)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_cpu_many_query_cached_attention_matches_generic(softcap):
+    """The cpu set's cached attention of several queries (its transposed key cache read without a transpose)
+    against the generic set on the same keys in the [B, S, K, H] layout: GQA groups, padding and causal mask."""
+    from types import SimpleNamespace
+
+    b, t, s, n, kvh, h = 3, 5, 11, 4, 2, 8
+    cfg = SimpleNamespace(attn_logit_softcap=softcap, attn_scale=h ** -0.5, attention_impl="auto")
+    kq, kk, kv, km = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(kq, (b, t, n, h))
+    k = jax.random.normal(kk, (b, s, kvh, h))
+    v = jax.random.normal(kv, (b, s, kvh, h))
+    pos = jnp.arange(t)[None, :] + jnp.array([0, 3, 6])[:, None]
+    mask = (jnp.arange(s)[None, None, :] <= pos[:, :, None]) & jax.random.bernoulli(km, 0.8, (b, 1, s))
+    mask = mask.at[:, :, 0].set(True)[:, None]  # [B, 1, T, S], every query sees a key
+    want = jax.jit(lambda q, k, v, m: kernels.get("generic").attend_cached(q, k, v, m, cfg))(q, k, v, mask)
+    got = jax.jit(lambda q, k, v, m: kernels.get("cpu").attend_cached(
+        q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), m, cfg))(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -265,3 +265,13 @@ def test_multi_process_turns_follow_process_0(tmp_path):
                                                                          stop_token_ids=[]),
         on_turn_end=on_turn_end, max_len=64)
     assert got[0] == got[1] == [[c.token_ids, c.mask] for c in ref]
+
+
+def test_continuation_bucket_pads_appends_by_at_most_half_a_power_of_two():
+    from posttrain.sampling.scheduler import continuation_bucket
+
+    got = {n: continuation_bucket(n, 4096) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 100)}
+    assert got == {1: 16, 16: 16, 17: 24, 24: 24, 25: 32, 33: 48, 48: 48, 49: 64, 65: 96, 100: 128}
+    assert continuation_bucket(17, 20) == 20  # capped at the context limit
+    # few shapes: lengths 1..4096 meet 2 per octave above the minimum
+    assert len({continuation_bucket(n, 4096) for n in range(1, 4097)}) == 1 + 2 * 8

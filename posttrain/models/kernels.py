@@ -25,7 +25,9 @@ ask the kernel set of their config (`get(cfg)`).
   of dy, about a fifth of a training step on the benchmark model).
 - KV cache keys transposed per layer, k [slots, kv_heads, head_dim, max_len], values
   [slots, kv_heads, max_len, head_dim]; decode attention as two small batched products that stream the
-  cache along rows (about twice as fast as summing q.k along the contiguous head_dim on CPU).
+  cache along rows (about twice as fast as summing q.k along the contiguous head_dim on CPU); cached calls
+  of many tokens (prefill, continuation) stack each kv head's queries into the same two products, so no
+  call transposes the cache.
 - Cached calls unroll the layers; the decode loop slices the per-layer weights once, outside its
   `while_loop` (on CPU a slice inside the loop is a copy every step).
 - Sampling inverts a two-level CDF at one uniform number per row (Gumbel-max's V random numbers per row
@@ -318,6 +320,22 @@ def attend_one_query(q, k_t, v, mask, cfg):
     return out.reshape(b, 1, n, h).astype(q.dtype)
 
 
+def attend_queries(q, k_t, v, mask, cfg):
+    """Attention of many queries per row (prefill, continuation) over a cache in the CPU layouts, without
+    transposing the cache (a copy of every row): the queries of a kv head's group and all positions are
+    stacked, [G*T,H] x [H,S] and [G*T,S] x [S,H] per (row, kv head), accumulated in float32.
+    q [B,T,N,H], k_t [B,K,H,S], v [B,K,S,H], mask [B,1,T,S]."""
+    b, t, n, h = q.shape
+    kvh, s = k_t.shape[1], k_t.shape[3]
+    g = n // kvh
+    qg = q.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, h)  # [B,K,G*T,H]
+    logits = jnp.einsum("bkqh,bkhs->bkqs", qg, k_t, preferred_element_type=jnp.float32)
+    m = jnp.broadcast_to(mask[:, :, None], (b, 1, g, t, s)).reshape(b, 1, g * t, s)
+    probs = masked_probs(logits, m, cfg).astype(v.dtype)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, v, preferred_element_type=jnp.float32)  # [B,K,G*T,H]
+    return out.reshape(b, kvh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
 class CpuKernels(GenericKernels):
     """The CPU-tuned pieces (see the module docstring)."""
 
@@ -357,9 +375,7 @@ class CpuKernels(GenericKernels):
     def attend_cached(self, q, k_c, v_c, mask, cfg):
         if q.shape[1] == 1:
             return attend_one_query(q, k_c.astype(q.dtype), v_c.astype(q.dtype), mask, cfg)
-        k = k_c.transpose(0, 3, 1, 2).astype(q.dtype)  # [B, S, K, H] for the many-query path
-        v = v_c.swapaxes(1, 2).astype(q.dtype)
-        return self.attend(q, k, v, mask, cfg)
+        return attend_queries(q, k_c.astype(q.dtype), v_c.astype(q.dtype), mask, cfg)
 
     def attend(self, q, k, v, mask, cfg):
         if cfg.attn_logit_softcap is not None:

@@ -50,8 +50,9 @@ are each compiled once (the decode state is kept for the last (slots, cache leng
 
 Continuation (multi-turn). When a turn ends and `on_turn_end` appends ids, the extend program (`_extend`)
 computes only those ids, plus the turn's last sampled token (sampled but not yet fed), against the slot's
-kept cache: rows of appended ids (rows and lengths bucketed to powers of two, so few shapes compile), the
-slots' cache rows gathered with a scratch tail for the padding columns, written back whole; the next token
+kept cache: rows of appended ids (rows bucketed to powers of two, lengths to `continuation_bucket`), the
+slots' cache rows gathered (attention reads them) with a scratch tail for the padding columns; only the
+computed positions are scattered back into the donated cache (in place, not whole rows); the next token
 is drawn from the last appended id's logits. See the scheduler's docstring for parking and multi-process.
 
 Compilation. What is static: slots, the cache capacity, the prefill (rows, bucket) shape, greedy-or-not,
@@ -250,6 +251,17 @@ def _gather_rows(cache: KVCache, rows, extra: int, ks) -> KVCache:
                    take(cache.valid, 1))
 
 
+def _columns(axis: int, rows, pos):
+    """The index of positions pos [R, T] of rows `rows` [R] of a cache array whose sequence axis is `axis`."""
+    return (rows[:, None],) + (slice(None),) * (axis - 1) + (pos,)
+
+
+def _put_columns(c, t, axis: int, rows, slot, pos):
+    """Copies positions pos [R, T] of gathered row r of `t` to the same positions of cache row slot[r] of `c`
+    (a scatter into the donated cache: out-of-range slots and positions are dropped)."""
+    return c.at[_columns(axis, slot, pos)].set(t[_columns(axis, rows, pos)], mode="drop")
+
+
 def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new, stop_ids, temperature, top_p, min_p,
             *, top_k: int, greedy: bool, nucleus: bool):
     """Continues slots after a turn: computes only their new tokens against the slots' kept caches.
@@ -283,12 +295,11 @@ def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new,
                                  kernels=cfg)
     done = _is_stop(tok, stop_ids) | (n_after + 1 >= max_new)
 
-    k_idx, v_idx = _seq_index(ks.k_seq_axis, slot, cap), _seq_index(ks.v_seq_axis, slot, cap)
-    k = tuple(c.at[k_idx].set(t[_seq_index(ks.k_seq_axis, slice(None), cap)], mode="drop")
-              for c, t in zip(cache.k, sub.k))
-    v = tuple(c.at[v_idx].set(t[_seq_index(ks.v_seq_axis, slice(None), cap)], mode="drop")
-              for c, t in zip(cache.v, sub.v))
-    valid = cache.valid.at[slot].set(sub.valid[:, :cap], mode="drop")
+    # write back only the computed columns, in place (padding rows and scratch positions >= cap are dropped)
+    rows = jnp.arange(n_rows)
+    k = tuple(_put_columns(c, t, ks.k_seq_axis, rows, slot, pos) for c, t in zip(cache.k, sub.k))
+    v = tuple(_put_columns(c, t, ks.v_seq_axis, rows, slot, pos) for c, t in zip(cache.v, sub.v))
+    valid = cache.valid.at[slot[:, None], pos].set(real, mode="drop")
 
     def put(arr, values):
         return arr.at[slot].set(values, mode="drop")
