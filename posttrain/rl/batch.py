@@ -23,7 +23,7 @@ import numpy as np
 
 from posttrain.rl.rollout import Rollouts
 
-__all__ = ["RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs"]
+__all__ = ["RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs", "stack_images"]
 
 
 @jax.tree_util.register_dataclass
@@ -40,6 +40,9 @@ class RLBatch:
     old_logp [N, C] | None: the proximal policy's (pi_old); None until the learner sets it (the behaviour
       log-probs while the policy has not moved, else recomputed by the training forward).
     ref_logp [N, C] | None: the reference policy's (KL penalty, beta > 0).
+    pixel_values [N, M, 3, H, W] | None: a vision-language batch's images, row r's in prompt order, blank
+      (zero) images after them (`posttrain.algorithms.sft.images_in_order` orders them for the model); None
+      for text (the same compiled programs as before).
     """
 
     input_ids: np.ndarray
@@ -51,6 +54,7 @@ class RLBatch:
     old_logp: np.ndarray | None = None
     ref_logp: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
+    pixel_values: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(np.shape(self.input_ids)[0])
@@ -70,6 +74,8 @@ class RLBatch:
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "positions": self.positions}
         if self.segment_ids is not None:
             out["segment_ids"] = self.segment_ids
+        if self.pixel_values is not None:
+            out["pixel_values"] = self.pixel_values
         return out
 
     def replace(self, **changes) -> "RLBatch":
@@ -86,12 +92,13 @@ def bucket_length(n: int, multiple: int = 16) -> int:
 
 
 def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: np.ndarray | None = None,
-                   pad_id: int = 0, multiple: int = 16) -> RLBatch:
+                   pad_id: int = 0, multiple: int = 16, images=None) -> RLBatch:
     """The `RLBatch` of scored rollouts: model inputs [N, P+C]; per-token [N, C]; `advantages` [N] or [N, C].
 
     `seq_weights` [N] scale each sequence's loss mask (0 drops it, e.g. DAPO overlong filtering). Multi-turn
     rollouts (`rollouts.completion_mask`) have loss mask 1 on sampled tokens only; the trajectory's advantage
     is then spread over them (a per-sequence advantage applies to every token with mask 1).
+    `images` (image prompts): row i's prompt images, pixel arrays [3, H, W] (`stack_images`).
     """
     n = len(rollouts)
     p = bucket_length(max(len(x) for x in rollouts.prompt_ids), multiple)
@@ -111,7 +118,22 @@ def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: n
         loss_mask *= np.asarray(seq_weights, np.float32)[:, None]
     positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
     return RLBatch(input_ids=input_ids, attention_mask=attention_mask, positions=positions, loss_mask=loss_mask,
-                   advantages=np.asarray(advantages, np.float32), behaviour_logp=behaviour_logp)
+                   advantages=np.asarray(advantages, np.float32), behaviour_logp=behaviour_logp,
+                   pixel_values=None if images is None else stack_images(images))
+
+
+def stack_images(rows) -> np.ndarray:
+    """Rows of pixel arrays [3, H, W] (row r's images in prompt order) -> float32 [N, M, 3, H, W], M the most
+    images of a row (at least 1), blank images after each row's own."""
+    shape = next((np.shape(x) for r in rows for x in r), None)
+    if shape is None:
+        raise ValueError("an image batch without any image")
+    m = max(1, max(len(r) for r in rows))
+    out = np.zeros((len(rows), m, *shape), np.float32)
+    for i, r in enumerate(rows):
+        for k, x in enumerate(r):
+            out[i, k] = x
+    return out
 
 
 def completion_logprobs(full: np.ndarray, batch: RLBatch) -> np.ndarray:

@@ -46,17 +46,19 @@ class FrozenScorer:
         graphdef, self.state = nnx.split(model)
         self.put_batch = trainer.put_batch
 
-        def lp(state, input_ids, attention_mask, positions, last):
+        def lp(state, input_ids, attention_mask, positions, last, pixel_values):
             return token_logprobs(nnx.merge(graphdef, state), input_ids, attention_mask=attention_mask,
-                                  positions=positions, chunk_size=chunk_size, last=last)
+                                  positions=positions, chunk_size=chunk_size, last=last, pixel_values=pixel_values)
 
         self._fn = jax.jit(lp, static_argnums=4)
         self._packed = _packed_fn(graphdef, chunk_size)
 
     def __call__(self, inputs: dict[str, np.ndarray], last: int | None = None) -> np.ndarray:
-        """Scores `inputs` (`RLBatch.model_inputs()`: input_ids, attention_mask, positions)."""
-        dev = self.put_batch({k: inputs[k] for k in ("input_ids", "attention_mask", "positions")})
-        return distributed.to_host(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"], last))
+        """Scores `inputs` (`RLBatch.model_inputs()`: input_ids, attention_mask, positions[, pixel_values])."""
+        dev = self.put_batch({k: inputs[k] for k in ("input_ids", "attention_mask", "positions", "pixel_values")
+                              if k in inputs})
+        return distributed.to_host(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"],
+                                            last, dev.get("pixel_values")))
 
     def packed(self, batch: PackedRLBatch) -> np.ndarray:
         """The log-probs [R*S, C] of a packed batch's slots (`posttrain.rl.loss.packed_logprobs`)."""

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.algorithms.policy import Aggregation, policy_loss
-from posttrain.algorithms.sft import logprobs_and_entropy
+from posttrain.algorithms.sft import images_in_order, logprobs_and_entropy
 from posttrain.rl.batch import RLBatch
 from posttrain.rl.packing import PackedRLBatch
 
@@ -44,10 +44,12 @@ def _logp_and_entropy(model, h, targets, chunk_size: int | None):
 
 
 def padded_logprobs(model, batch: RLBatch, chunk_size: int | None = None):
-    """(log-probs, entropies) [N, C] of a padded batch's completion tokens under `model`."""
+    """(log-probs, entropies) [N, C] of a padded batch's completion tokens under `model` (an image batch's
+    `pixel_values` to the model in placeholder order)."""
     c = batch.completion_len  # completions fill the last C columns; column P-1+j predicts completion token j
     ids = batch.input_ids
-    h, _ = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions)
+    extra = {} if batch.pixel_values is None else {"pixel_values": images_in_order(batch.pixel_values, ids, model)}
+    h, _ = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions, **extra)
     return _logp_and_entropy(model, h[:, -c - 1:-1], ids[:, -c:], chunk_size)
 
 

@@ -162,6 +162,7 @@ def generate_rollouts(
     uids: list[int] | None = None,
     progress: bool = False,
     agent: Agent | None = None,
+    images: list[list] | None = None,
 ) -> Rollouts:
     """Samples `params.n` completions per prompt and scores them with `reward_runner` (a `RewardRunner`).
 
@@ -169,13 +170,17 @@ def generate_rollouts(
     (one per prompt: the groups' stream positions), a group's samples are drawn from keys of (seed, uid),
     so they do not depend on which other groups share the call, and each sample is stamped with the
     sampler's weights version. `progress` shows the sampler's progress bar. `agent`: multi-turn rollouts
-    (the sampler calls its trajectories at every turn end; see the module docstring)."""
+    (the sampler calls its trajectories at every turn end; see the module docstring). `images` (image prompts):
+    prompt p's pixel arrays [3, H, W] in order, handed to its prefill (`Sampler.generate_with_images`)."""
     kwargs: dict[str, Any] = {"progress": True} if progress else {}
     rollout = None
     if agent is not None:
         rollout = AgentRollout(agent, [records[r] for r in record_indices], prompt_ids)
         kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
-    completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
+    if images is not None:
+        completions = sampler.generate_with_images(prompt_ids, images, params, key_ids=uids, **kwargs)
+    else:
+        completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
     trajs = [rollout.finished(c) for c in completions] if rollout is not None else None
     g = params.n
     n = len(completions)

@@ -30,6 +30,8 @@ from posttrain.algorithms.registry import ADVANTAGES, get, loss_kwargs
 from posttrain.config import ConfigError
 from posttrain.data import read_prompts
 from posttrain.data.sources import DataError
+from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
+from posttrain.eval.images import ImagePromptSampler
 from posttrain.eval.evaluate import evaluate
 from posttrain.rl import metrics
 from posttrain.rl.batch import RLBatch, build_rl_batch
@@ -55,16 +57,23 @@ class RLResult:
     hf_dir: Path | None
 
 
-def _encode_all(tok, records, data: PromptData, agent: Agent | None = None) -> list[list[int]]:
+def _encode_all(tok, records, data: PromptData, agent: Agent | None = None,
+                vision=None) -> tuple[list[list[int]], list[list[np.ndarray]] | None]:
     """Prompt token ids of every record (chat template or text; with an `agent`, its first messages rendered
-    with the tools); an empty or too long prompt is an error naming its file and line."""
-    out = []
+    with the tools) and, when some prompt has image parts, every record's images (pixel arrays [3, H, W], an
+    empty list for a text prompt; else None). An image prompt's image tokens are expanded for `vision` (the
+    checkpoint's `VisionSpec`; None, a text-only model: an error naming the record). An empty or too long prompt
+    is an error naming its file and line."""
+    out, images = [], [[] for _ in records]
     for i, r in enumerate(records):
         if agent is not None:
             try:
                 ids = agent.prompt_ids(agent.first_messages(r))
             except Exception as e:  # the environment's reset failed on this record
                 raise DataError(f"{records.where(i)}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+        elif has_images(r, ("prompt",)):
+            ids, pixels = encode_image_prompt(r["prompt"], tok, vision, records.where(i))
+            images[i] = list(pixels)
         else:
             ids = encode_prompt(tok, r["prompt"], chat=data.chat, system_prompt=data.system_prompt)
         if not ids:
@@ -73,7 +82,20 @@ def _encode_all(tok, records, data: PromptData, agent: Agent | None = None) -> l
             raise ConfigError(f"{records.where(i)}: the prompt has {len(ids)} tokens, more than "
                               f"data.max_prompt_tokens={data.max_prompt_tokens}")
         out.append(ids)
-    return out
+    return out, (images if any(images) else None)
+
+
+def _check_image_prompts(cfg: RLConfig, records, eval_records) -> bool:
+    """Whether the train or held-out prompts have images; image prompts with the fleet, packed batches or
+    multi-turn rollouts are a one-line config error (not supported yet)."""
+    if not any(has_images(r, ("prompt",)) for recs in (records, eval_records or []) for r in recs):
+        return False
+    for on, key in ((cfg.fleet.enabled, "fleet.workers"), (cfg.learner.pack, "learner.pack"),
+                    (agent_enabled(cfg.rollout), "rollout.tools")):
+        if on:
+            raise ConfigError(f"{key}: not supported with image prompts ({cfg.data.train} has images); "
+                              "image prompts train in-process on padded batches, single-turn")
+    return True
 
 
 def policy_loss_kwargs(preset: dict, learner: LearnerConfig, max_new_tokens: int) -> dict:
@@ -142,6 +164,7 @@ class RLRun:
             if cfg.data.eval_limit:
                 self.eval_records = self.eval_records[: cfg.data.eval_limit]
             self.runner.check_records(self.eval_records)
+        self.image_prompts = _check_image_prompts(cfg, self.records, self.eval_records)
 
     def _build_trainer(self, cfg: RLConfig) -> None:
         """The trainer (its schedule counts every optimizer step), the tokenizer and the prompts' token ids."""
@@ -151,8 +174,10 @@ class RLRun:
         if self._agent_parts is not None:
             self.agent = build_agent(cfg.rollout, self.tok, system_prompt=cfg.data.system_prompt,
                                      prompt_field=cfg.data.prompt_field, parts=self._agent_parts)
-        self.prompt_ids = _encode_all(self.tok, self.records, cfg.data, self.agent)
-        self.eval_ids = _encode_all(self.tok, self.eval_records, cfg.data, self.agent) if self.eval_records else None
+        vision = VisionSpec.from_checkpoint(self.run.model_folder(), self.tok) if self.image_prompts else None
+        self.prompt_ids, self.prompt_images = _encode_all(self.tok, self.records, cfg.data, self.agent, vision)
+        self.eval_ids, self.eval_images = (_encode_all(self.tok, self.eval_records, cfg.data, self.agent, vision)
+                                           if self.eval_records else (None, None))
 
     @staticmethod
     def _check_agent(cfg: RLConfig):
@@ -213,6 +238,10 @@ class RLRun:
         return ({r: self.records[r] for r in lease.records}, list(lease.records),
                 [self.prompt_ids[r] for r in lease.records])
 
+    def lease_images(self, lease) -> list[list[np.ndarray]] | None:
+        """The images of a lease's prompts (`generate_rollouts`'s `images`), None for text prompts."""
+        return None if self.prompt_images is None else [self.prompt_images[r] for r in lease.records]
+
     def pass_rates(self, ro: Rollouts) -> dict[int, float]:
         """uid -> fraction of the group's samples that are correct (for curation)."""
         return metrics.pass_rates(ro, self.cfg.rewards.correctness)
@@ -236,7 +265,8 @@ class RLRun:
         the sampler's log-probs as behaviour log-probs (the learner adds proximal and reference ones)."""
         adv = np.asarray(self.advantage_fn(ro.rewards, ro.group_size))
         weights = dapo.overlong_mask(ro.finish_reasons) if self.preset.get("overlong_filtering") else None
-        return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0)
+        images = None if self.prompt_images is None else [self.prompt_images[r] for r in ro.record_index]
+        return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0, images=images)
 
     def rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
         return metrics.rollout_metrics(ro, self.cfg.rewards.correctness)
@@ -253,6 +283,8 @@ class RLRun:
         if sampler.version != step:
             sampler.load_weights(self.trainer.params, step)
         t0 = time.perf_counter()
+        if self.eval_images is not None:  # image prompts: each prompt's images go to its prefill
+            sampler = ImagePromptSampler(sampler, self.eval_images)
         e = evaluate(sampler, self.eval_records, self.eval_ids, self.runner, correctness=cfg.rewards.correctness,
                      max_new_tokens=cfg.rollout.max_new_tokens, k=cfg.eval.k, n_samples=cfg.eval.n_samples,
                      temperature=cfg.eval.temperature, seed=cfg.trainer.seed + 7919 * step, agent=self.agent)

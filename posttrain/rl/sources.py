@@ -101,7 +101,7 @@ class InProcessSource(RolloutSource):
         t0 = time.perf_counter()
         items = run.lease_items(lease)
         ro = generate_rollouts(self.sampler, *items, run.sampling_params, run.runner, uids=lease.uids,
-                               agent=run.agent)
+                               agent=run.agent, images=run.lease_images(lease))
         self._t_generate += time.perf_counter() - t0
         self._complete(lease.id, ro)
 

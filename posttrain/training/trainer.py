@@ -390,18 +390,20 @@ class Trainer:
         return float(ls), float(w), m
 
     def logprob_fn(self, *, adapters: bool = True, last: int | None = None) -> Callable:
-        """The jitted pure function (params, rest, input_ids, attention_mask, positions, segment_ids) ->
-        [B, T-1] per-token log-probs (chunked log-softmax), or [B, last] for the last `last` tokens only
-        (the vocabulary projected at those positions only); `adapters=False` gives the base model."""
+        """The jitted pure function (params, rest, input_ids, attention_mask, positions, segment_ids[,
+        pixel_values]) -> [B, T-1] per-token log-probs (chunked log-softmax), or [B, last] for the last `last`
+        tokens only (the vocabulary projected at those positions only); `adapters=False` gives the base model.
+        pixel_values: a vision-language batch's images [B, M, C, H, W] (None: text)."""
         fn = self._logprob_fns.get((adapters, last))
         if fn is None:
             graphdef = self.graphdef if adapters else self.graphdef_base
             chunk = self.logprob_chunk_size
 
-            def lp(params, rest, input_ids, attention_mask, positions, segment_ids):
+            def lp(params, rest, input_ids, attention_mask, positions, segment_ids, pixel_values=None):
                 model = nnx.merge(graphdef, params, rest)
                 return token_logprobs(model, input_ids, attention_mask=attention_mask, positions=positions,
-                                      segment_ids=segment_ids, chunk_size=chunk, last=last)
+                                      segment_ids=segment_ids, chunk_size=chunk, last=last,
+                                      pixel_values=pixel_values)
 
             fn = self._logprob_fns[(adapters, last)] = jax.jit(lp)
         return fn
@@ -437,7 +439,7 @@ class Trainer:
         dev = self.put_batch(batch)  # read it with `distributed.to_host` (a collective with several processes)
         return self.logprob_fn(adapters=adapters, last=last)(
             self.params if params is None else params, self.rest, dev["input_ids"], dev.get("attention_mask"),
-            dev.get("positions"), dev.get("segment_ids"))
+            dev.get("positions"), dev.get("segment_ids"), dev.get("pixel_values"))
 
 
 # ---------------------------------------------------------------------- helpers
