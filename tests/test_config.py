@@ -200,7 +200,8 @@ def test_post_init_errors_become_config_errors():
 SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
            "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo",
            "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill", "vlm_smoke.yaml": "sft",
-           "vlm_gemma3_4b.yaml": "sft", "agent_gsm8k_python.yaml": "rl", "agent_chain_sum_calculator.yaml": "rl"}
+           "vlm_gemma3_4b.yaml": "sft", "vlm_rl_smoke.yaml": "rl", "agent_gsm8k_python.yaml": "rl",
+           "agent_chain_sum_calculator.yaml": "rl"}
 NOT_RUN_HERE = {"vlm_gemma3_4b.yaml"}  # its data files are documented placeholders (no image-QA set offline)
 
 
