@@ -275,17 +275,18 @@ def test_no_recompilation_within_a_bucket(llama):
     sampler.generate(_prompts(lengths=(40, 3, 5)), params)
     assert engine.TRACE_COUNTS["prefill"] == counts["prefill"] + 1
     assert engine.TRACE_COUNTS["decode"] == counts["decode"]
-    # greedy is static: its own (sampling-free) programs, compiled once, whatever temperature says
+    # greedy is static: its own (sampling-free) programs, compiled once, whatever temperature says (at most one
+    # new program each here: another test in the process may have compiled them for this model and shape)
     counts = dict(engine.TRACE_COUNTS)
     sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=0.0))
-    assert engine.TRACE_COUNTS["prefill"] == counts["prefill"] + 1
-    assert engine.TRACE_COUNTS["decode"] == counts["decode"] + 1
+    assert engine.TRACE_COUNTS["prefill"] <= counts["prefill"] + 1
+    assert engine.TRACE_COUNTS["decode"] <= counts["decode"] + 1
     counts = dict(engine.TRACE_COUNTS)
     sampler.generate(_prompts(lengths=(20, 21, 22)), SamplingParams(max_new_tokens=9, temperature=0.0, seed=4))
     assert dict(engine.TRACE_COUNTS) == counts
     # so is top-p on or off: top_p=1 compiles programs without its sort, then any temperature reuses them
     sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=0.8))
-    assert engine.TRACE_COUNTS["decode"] == counts["decode"] + 1
+    assert engine.TRACE_COUNTS["decode"] <= counts["decode"] + 1
     counts = dict(engine.TRACE_COUNTS)
     sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=1.2, seed=2))
     assert dict(engine.TRACE_COUNTS) == counts

@@ -396,11 +396,12 @@ _grow_jit = jax.jit(_grow_state, static_argnums=(1, 2, 3))
 
 def _fit_len(longest: int, max_new: int, limit: int) -> int:
     """A call's context length when the sampler has no `max_len`: what its longest prompt (and that prompt's
-    prefill bucket) plus `max_new` new tokens need, rounded up to 64 positions. Not to a power of two: with
-    64-token prompts and 128 new tokens that gave 256 positions, 64 of which no step could fill but every
-    decode step attended over (15-21% slower, found bisecting the default sampler's regression to cbb36a7)."""
+    prefill bucket) plus `max_new` new tokens need, rounded up to a power of two or to 64 positions, whichever
+    is less. Not always to a power of two: with 64-token prompts and 128 new tokens that gave 256 positions, 64
+    of which no step could fill but every decode step attended over (15-21% slower, found bisecting the
+    default sampler's regression to cbb36a7)."""
     need = max(longest + max_new, length_bucket(longest, limit) + 1, MIN_BUCKET)
-    return -(-need // 64) * 64
+    return min(_pow2(need), -(-need // 64) * 64)
 
 
 def cache_capacities(max_len: int, step: int) -> list[int]:
