@@ -107,3 +107,17 @@ def write_toy_task(folder, reward_source: str):
     with open(folder / "prompts.jsonl", "w") as f:
         for i in range(16):
             f.write(json.dumps({"prompt": "x" * (1 + i % 4), "answer": "a"}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    """A tiny random Gemma 3 VLM checkpoint folder (SigLIP at 32 px, 16 tokens per image), built per module
+    (tests/test_vlm_model.py defines its own, from `tiny:gemma3-vlm`)."""
+    from posttrain.models.hf_io import save_pretrained
+    from posttrain.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
+    from posttrain.models.transformer import init_model
+
+    out = tmp_path_factory.mktemp("tiny_vlm")
+    tok = build_vlm_tokenizer(out)
+    save_pretrained(init_model(tiny_vlm_config(tok.vocab_size), seed=0), out, tokenizer=tok)
+    return out

@@ -9,24 +9,12 @@ import pytest
 
 from posttrain.config import ConfigError
 from posttrain.data.errors import DataError
-from posttrain.models.hf_io import save_pretrained
-from posttrain.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
-from posttrain.models.transformer import init_model
 from posttrain.rl.batch import build_rl_batch, stack_images
 from posttrain.rl.loop import load_rl_config, run_rl
 from posttrain.rl.rollout import Rollouts
 from posttrain.rl.setup import RLRun
 
 SMOKE = Path(__file__).parents[1] / "configs" / "vlm_rl_smoke.yaml"
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    """A tiny random Gemma 3 VLM checkpoint folder (SigLIP at 32 px, 16 tokens per image)."""
-    out = tmp_path_factory.mktemp("tiny_vlm")
-    tok = build_vlm_tokenizer(out)
-    save_pretrained(init_model(tiny_vlm_config(tok.vocab_size), seed=0), out, tokenizer=tok)
-    return out
 
 
 def _cfg(model, out, *overrides):

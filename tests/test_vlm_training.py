@@ -10,9 +10,6 @@ from flax import nnx
 
 from posttrain.algorithms.sft import images_in_order
 from posttrain.models import lora as lora_lib
-from posttrain.models.hf_io import save_pretrained
-from posttrain.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
-from posttrain.models.transformer import init_model
 from posttrain.training.config import LoraConfig, ModelSection
 from posttrain.training.run import lora_target, trained_variables
 from posttrain.training.sft import load_sft_config, run_sft
@@ -22,15 +19,6 @@ SMOKE = Path(__file__).parents[1] / "configs" / "vlm_smoke.yaml"
 
 def _paths(state) -> set[str]:
     return {".".join(map(str, p)) for p, _ in nnx.to_flat_state(state)}
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    """A tiny random Gemma 3 VLM checkpoint folder (SigLIP at 32 px, 16 tokens per image)."""
-    out = tmp_path_factory.mktemp("tiny_vlm")
-    tok = build_vlm_tokenizer(out)
-    save_pretrained(init_model(tiny_vlm_config(tok.vocab_size), seed=0), out, tokenizer=tok)
-    return out
 
 
 @pytest.mark.slow  # builds a model: a few seconds

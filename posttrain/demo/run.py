@@ -61,23 +61,26 @@ class DemoSettings:
                             sft_batch=8, rl_steps=3, rl_prompts=4, group_size=4, rl_eval_every=2)
 
 
-def build_base_model(out: Path, s: DemoSettings, seed: int) -> Path:
-    """A small random Llama-shaped model and the character tokenizer, saved as a HF checkpoint."""
+def build_base_model(out: Path, s, seed: int, *, tokenizer=build_tokenizer, max_positions: int = 256) -> Path:
+    """A small random Llama-shaped model (sizes from `s`: hidden, layers, heads) and the character tokenizer
+    `tokenizer(folder)` builds, saved as a HF checkpoint."""
     folder = out / "model_init"
-    tok = build_tokenizer(folder)
+    tok = tokenizer(folder)
     cfg = llama_like(vocab_size=tok.vocab_size, hidden_size=s.hidden, intermediate_size=3 * s.hidden,
-                     num_layers=s.layers, num_heads=s.heads, num_kv_heads=s.heads // 2, max_position_embeddings=256,
+                     num_layers=s.layers, num_heads=s.heads, num_kv_heads=s.heads // 2,
+                     max_position_embeddings=max_positions,
                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     save_pretrained(init_model(cfg, seed=seed), folder, tokenizer=tok)
     return folder
 
 
-def sft_config(out: Path, model: Path, s: DemoSettings, seed: int) -> dict:
+def sft_config(out: Path, model: Path, s, seed: int, *, seq_len: int = 128, fmt: str = "prompt_completion") -> dict:
+    """The SFT stage's config (sizes from `s`: sft_batch, sft_lr, sft_steps) on `out/data/sft_train.jsonl`."""
     return {
         "output_dir": str(out / "sft"),
         "model": {"path": str(model)},
-        "data": {"train": str(out / "data" / "sft_train.jsonl"), "seq_len": 128, "batch_size": s.sft_batch,
-                 "pack": True, "seed": seed, "format": {"format": "prompt_completion"}},
+        "data": {"train": str(out / "data" / "sft_train.jsonl"), "seq_len": seq_len, "batch_size": s.sft_batch,
+                 "pack": True, "seed": seed, "format": {"format": fmt}},
         "optim": {"name": "adamw", "lr": s.sft_lr, "warmup_steps": 20, "decay": "constant",
                   "weight_decay": 0.01, "clip_norm": 1.0},
         "trainer": {"max_steps": s.sft_steps, "log_every": 10, "save_every": s.sft_steps, "keep_checkpoints": 1,

@@ -20,12 +20,11 @@ from rich.table import Table
 
 from posttrain.agent.setup import build_agent
 from posttrain.data import read_prompts
+from posttrain.demo.run import build_base_model, sft_config
 from posttrain.demo.tools_task import build_tools_tokenizer, make_splits, prompt_records, sft_records, write_jsonl
 from posttrain.eval.evaluate import evaluate
 from posttrain.models import tokenizer as tok_lib
-from posttrain.models.config import llama_like
-from posttrain.models.hf_io import from_pretrained, save_pretrained
-from posttrain.models.transformer import init_model
+from posttrain.models.hf_io import from_pretrained
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rl.config import RolloutConfig
 from posttrain.rl.loop import load_rl_config, run_rl
@@ -63,30 +62,6 @@ class ToolsDemoSettings:
 
 ROLLOUT = {"tools": ["calculator"], "tool_format": "hermes", "tool_timeout_s": 5.0, "tool_workers": 2,
            "max_tool_calls": 2, "max_tool_output_tokens": 32}
-
-
-def build_base_model(out: Path, s: ToolsDemoSettings, seed: int) -> Path:
-    """A small random Llama-shaped model and the demo's tool-use character tokenizer, as a HF checkpoint."""
-    folder = out / "model_init"
-    tok = build_tools_tokenizer(folder)
-    cfg = llama_like(vocab_size=tok.vocab_size, hidden_size=s.hidden, intermediate_size=3 * s.hidden,
-                     num_layers=s.layers, num_heads=s.heads, num_kv_heads=s.heads // 2, max_position_embeddings=512,
-                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    save_pretrained(init_model(cfg, seed=seed), folder, tokenizer=tok)
-    return folder
-
-
-def sft_config(out: Path, model: Path, s: ToolsDemoSettings, seed: int) -> dict:
-    return {
-        "output_dir": str(out / "sft"),
-        "model": {"path": str(model)},
-        "data": {"train": str(out / "data" / "sft_train.jsonl"), "seq_len": 256, "batch_size": s.sft_batch,
-                 "pack": True, "seed": seed, "format": {"format": "messages"}},
-        "optim": {"name": "adamw", "lr": s.sft_lr, "warmup_steps": 20, "decay": "constant",
-                  "weight_decay": 0.01, "clip_norm": 1.0},
-        "trainer": {"max_steps": s.sft_steps, "log_every": 10, "save_every": s.sft_steps, "keep_checkpoints": 1,
-                    "seed": seed, "resume": False},
-    }
 
 
 def rl_config(out: Path, model: Path, s: ToolsDemoSettings, seed: int) -> dict:
@@ -186,7 +161,7 @@ def run_tools_demo(output_dir: str | Path, seed: int = 0, settings: ToolsDemoSet
     write_jsonl(sft_records(train[: s.n_train]), data / "sft_train.jsonl")
     write_jsonl(prompt_records(train[s.n_train:]), data / "rl_prompts.jsonl")
     write_jsonl(prompt_records(heldout), data / "heldout.jsonl")
-    base = build_base_model(out, s, seed)
+    base = build_base_model(out, s, seed, tokenizer=build_tools_tokenizer, max_positions=512)
     stages: list[dict] = []
 
     def stage(name: str, model_dir: Path, seconds: float) -> None:
@@ -199,7 +174,7 @@ def run_tools_demo(output_dir: str | Path, seed: int = 0, settings: ToolsDemoSet
     stage("init", base, 0.0)
     console.rule("[bold]1/2 supervised fine-tuning on tool-use conversations")
     sft_yaml = out / "sft.yaml"
-    sft_yaml.write_text(yaml.safe_dump(sft_config(out, base, s, seed), sort_keys=False))
+    sft_yaml.write_text(yaml.safe_dump(sft_config(out, base, s, seed, seq_len=256, fmt="messages"), sort_keys=False))
     t0 = time.perf_counter()
     sft = run_sft(load_sft_config(sft_yaml))
     stage("sft", Path(sft.hf_dir), time.perf_counter() - t0)
