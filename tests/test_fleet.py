@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from conftest import write_toy_task
 
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, from_dict, load_config, to_dict
+from posttrain.rl.config import RLConfig
 from posttrain.rl.loop import load_rl_config, run_rl
 
 REWARD = '''
@@ -104,6 +105,21 @@ def test_fleet_config_errors_name_the_key(toy):
                           ("fleet.publish_every=3", "fleet.publish_every")):
         with pytest.raises(ConfigError, match=key):
             load_rl_config(None, toy("bad", override))
+
+
+@pytest.mark.parametrize("value,fixed,bounds", [("4", 4, (4, 4)), ("2..8", "2..8", (2, 8)), ("1 .. 1", "1..1", (1, 1))])
+def test_fleet_workers_is_a_count_or_a_range(value, fixed, bounds):
+    fc = load_config(RLConfig, None, [f"fleet.workers={value}"]).fleet
+    assert (fc.workers, (fc.min_workers, fc.max_workers), fc.elastic) == (fixed, bounds, isinstance(fixed, str))
+    assert fc.enabled and load_config(RLConfig, None, []).fleet.enabled is False
+    assert from_dict(RLConfig, to_dict(load_config(RLConfig, None, [f"fleet.workers={value}"]))).fleet.workers == fixed
+
+
+@pytest.mark.parametrize("value", ["0", "3..2", "0..2", "2-8", "two", "2..", "2.5", "true"])
+def test_fleet_workers_anything_else_is_a_one_line_error_with_the_forms(value):
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, None, [f"fleet.workers={value}"])
+    assert "fleet.workers" in str(e.value) and "MIN..MAX" in str(e.value) and "\n" not in str(e.value)
 
 
 def _free_port() -> int:

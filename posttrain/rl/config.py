@@ -9,6 +9,7 @@ How a rollout batch is trained on (epochs, minibatches, old log-probs, off-polic
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, ClassVar, Literal
 
 from posttrain.config import at_least
@@ -191,9 +192,31 @@ class CurationConfig:
         at_least("curation.window", self.window, 0, "0 = off")
 
 
+_WORKER_RANGE = re.compile(r"\s*(\d+)\s*\.\.\s*(\d+)\s*")
+
+
+def worker_bounds(workers: int | str | None) -> tuple[int, int]:
+    """(MIN, MAX) workers of `fleet.workers` (N: (N, N); "MIN..MAX"; unset: (0, 0)); ValueError naming the key
+    and the accepted forms for anything else."""
+    if workers is None:
+        return 0, 0
+    if isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1:
+        return workers, workers
+    m = _WORKER_RANGE.fullmatch(workers) if isinstance(workers, str) else None
+    if m and 1 <= int(m[1]) <= int(m[2]):
+        return int(m[1]), int(m[2])
+    raise ValueError(f"fleet.workers must be a count N >= 1 (a fixed fleet) or a range MIN..MAX with 1 <= MIN <= MAX "
+                     f"(an elastic fleet, e.g. 2..8), found {workers!r}; leave it unset to sample in-process")
+
+
 @dataclasses.dataclass
 class FleetConfig:
     """The asynchronous rollout fleet on Ray (`posttrain.rl.fleet`). `workers` unset = sample in-process.
+
+    workers: N (a fixed fleet: N workers, restarted by Ray up to max_restarts times each) or "MIN..MAX" (an
+      elastic fleet: as many workers as the Ray nodes offering worker_cpus/gpus/resources hold, up to MAX; a
+      worker that fails more than max_restarts times, or whose node leaves, is dropped; fewer than MIN serving
+      for stall_timeout_s stops the run).
 
     max_staleness: versions a trained group may lag the weights it updates (0 = synchronous RL).
     publish_every: trainer steps between weight publications (at most max_staleness + 1).
@@ -207,7 +230,7 @@ class FleetConfig:
       restarted and its leases re-queued.
     """
 
-    workers: int | None = None
+    workers: int | str | None = None
     max_staleness: int = 1
     publish_every: int = 1
     keep_versions: int = 2
@@ -225,7 +248,9 @@ class FleetConfig:
     connect_timeout_s: float = 30.0
 
     def __post_init__(self):
-        at_least("fleet.workers", self.workers, 1, "leave it unset to sample in-process")
+        lo, hi = worker_bounds(self.workers)
+        if self.elastic:
+            self.workers = f"{lo}..{hi}"  # the canonical spelling in the saved config
         at_least("fleet.max_staleness", self.max_staleness, 0, "0 = synchronous")
         if not 1 <= self.publish_every <= self.max_staleness + 1:
             raise ValueError(f"fleet.publish_every must be in [1, fleet.max_staleness + 1 = {self.max_staleness + 1}], "
@@ -237,6 +262,19 @@ class FleetConfig:
     @property
     def enabled(self) -> bool:
         return self.workers is not None
+
+    @property
+    def elastic(self) -> bool:
+        """`workers` is a range MIN..MAX (the fleet grows and shrinks with the Ray nodes)."""
+        return isinstance(self.workers, str)
+
+    @property
+    def min_workers(self) -> int:
+        return worker_bounds(self.workers)[0]
+
+    @property
+    def max_workers(self) -> int:
+        return worker_bounds(self.workers)[1]
 
 
 @dataclasses.dataclass
