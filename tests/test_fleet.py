@@ -12,8 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from itertools import groupby
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +23,10 @@ from conftest import write_toy_task
 
 from posttrain.config import ConfigError, from_dict, load_config, to_dict
 from posttrain.rl.config import RLConfig
+from posttrain.rl.fleet.cluster import FleetError
+from posttrain.rl.fleet.elastic import node_room, placements, worker_needs
 from posttrain.rl.loop import load_rl_config, run_rl
+from posttrain.rl.sources import RolloutSource
 
 REWARD = '''
 import time
@@ -34,6 +39,14 @@ def count_a(prompts, completions, **fields):
 def slow_count_a(prompts, completions, **fields):
     """count_a, slowly: generation + scoring outlasts a trainer step, so workers are busy when killed."""
     time.sleep(0.3)
+    return count_a(prompts, completions)
+
+def held_count_a(prompts, completions, **fields):
+    """count_a, held while a file `hold` exists next to this one (a test pauses the run's progress with it)."""
+    from pathlib import Path
+
+    while (Path(__file__).parent / "hold").exists():
+        time.sleep(0.05)
     return count_a(prompts, completions)
 
 def hangs(prompts, completions, **fields):
@@ -122,6 +135,92 @@ def test_fleet_workers_anything_else_is_a_one_line_error_with_the_forms(value):
     assert "fleet.workers" in str(e.value) and "MIN..MAX" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_elastic_placements_fill_the_nodes_with_most_room_up_to_the_count():
+    overrides = ["fleet.workers=1..8", "fleet.worker_cpus=2", "fleet.worker_resources={rollout: 1}"]
+    fc = load_config(RLConfig, None, overrides).fleet
+    needs = worker_needs(fc)
+    assert needs == {"CPU": 2.0, "rollout": 1.0}
+    nodes = {"head": {"CPU": 8.0}, "a": {"CPU": 8.0, "rollout": 4.0}, "b": {"CPU": 3.0, "rollout": 2.0},
+             "c": {"CPU": 0.6, "rollout": 1.0}}
+    assert node_room(nodes["a"], needs, 99) == 4 and node_room(nodes["b"], needs, 99) == 1
+    assert node_room({"CPU": 0.3}, {"CPU": 0.1}, 99) == 3 and node_room({}, {}, 5) == 5
+    assert sorted(placements(nodes, needs, Counter(), 8)) == ["a"] * 4 + ["b"]
+    assert placements(nodes, needs, Counter(a=3), 2) == ["b", "a"]  # ties: the node with fewer workers first
+    assert placements(nodes, needs, Counter(a=4, b=1), 3) == []  # full
+    assert placements(nodes, needs, Counter(), 3, excluded={"a"}) == ["b"]
+    assert sorted(placements({"x": {}, "y": {}}, {}, Counter(), 4)) == ["x", "x", "y", "y"]  # no needs: spread
+
+
+class _FakeRay:
+    """Just enough of Ray for `FleetSource`'s membership: live nodes (id -> resources), actors, kills."""
+
+    class exceptions:  # noqa: N801 - Ray's name
+        RayError = RuntimeError
+
+    def __init__(self, nodes: dict):
+        self.alive, self.killed = nodes, []
+
+    def nodes(self):
+        return [{"NodeID": n, "Alive": True, "Resources": r} for n, r in self.alive.items()]
+
+    def kill(self, handle, no_restart=True):
+        self.killed.append(handle.name)
+
+
+class _FakeWorkerClass:
+    def options(self, **options):
+        self.node = options["scheduling_strategy"].node_id
+        return self
+
+    def remote(self, name, ps, **sections):
+        return SimpleNamespace(name=name, node=self.node, ready=SimpleNamespace(remote=lambda: object()))
+
+
+def _elastic_source(tmp_path, nodes: dict, *overrides):
+    """A `FleetSource` over a fake Ray (no cluster): its sizing, drop rule and stop, as the source runs them."""
+    from posttrain.rl.fleet.source import FleetSource
+
+    cfg = load_config(RLConfig, None, ["fleet.worker_cpus=0", "fleet.worker_resources={rollout: 1}", *overrides])
+    saved = []
+    run = SimpleNamespace(cfg=cfg, dispatcher=SimpleNamespace(fail=lambda lease, why: None), out=tmp_path,
+                          save=saved.append, ckpt=SimpleNamespace(wait=lambda: None))
+    src = FleetSource.__new__(FleetSource)
+    RolloutSource.__init__(src, run)
+    src.ray, src.fc, src.worker_cls, src.worker_options, src.sections, src.ps = (
+        _FakeRay(nodes), cfg.fleet, _FakeWorkerClass(), {}, {}, None)
+    src._start_fleet()
+    return src, saved
+
+
+def test_elastic_fleet_grows_with_nodes_drops_failing_workers_and_stops_below_its_minimum(tmp_path):
+    """The elastic source's bookkeeping over a fake Ray; the loopback test below runs it on a real cluster."""
+    a, b, c = ("a" * 56, "b" * 56, "c" * 56)  # node ids
+    src, saved = _elastic_source(tmp_path, {a: {"rollout": 1.0}, b: {"rollout": 2.0}}, "fleet.workers=2..4",
+                                 "fleet.max_restarts=1", "fleet.stall_timeout_s=5")
+    assert sorted(src.node_of.values()) == [a, b, b] and src.target == 3
+    src.ray.alive[c] = {"rollout": 5.0}  # a node joins: MAX caps the fleet
+    src._resize()
+    assert sorted(src.node_of.values()) == [a, b, b, c] and src.target == 4
+    src.up = {n: {"node": src.node_of[n]} for n in src.workers}
+    del src.ray.alive[b]  # a node leaves: its workers are dropped, and the room left fills the fleet up to MAX
+    src._resize()
+    assert sorted(src.node_of.values()) == [a, c, c, c] and len(src.dropped) == len(src.ray.killed) == 2
+    worker_a = next(n for n, node in src.node_of.items() if node == a)
+    src._worker_down(worker_a, "died")  # 1 failure: max_restarts=1 allows it
+    assert worker_a in src.workers
+    src._failed(worker_a, "not answering")  # 2 > 1: dropped, and no new worker on its node
+    src._resize()
+    assert worker_a not in src.workers and a in src.bad_nodes and a not in src.node_of.values()
+    src.up, src.delivered = {}, True
+    src._check_stall(7)  # below the minimum since now: not for stall_timeout_s yet
+    src.short_since -= 10
+    with pytest.raises(FleetError, match=r"fewer than 2 rollout workers \(fleet.workers=2..4\) served for 5 s") as e:
+        src._check_stall(7)
+    assert f"{worker_a}: dropped (2 failures, more than fleet.max_restarts=1" in str(e.value) and saved == [6]
+    kinds = [json.loads(x)["event"] for x in (tmp_path / "fleet_workers.jsonl").read_text().splitlines()]
+    assert kinds == ["dropped", "dropped", "down", "dropped"], kinds
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,8 +237,8 @@ def test_unreachable_cluster_is_a_clear_error_within_30s(toy):
     assert "Traceback" not in proc.stderr
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "rl", *args], env=_env(),
+def _start(args: list[str], **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "rl", *args], env=_env(**env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -162,7 +261,8 @@ def _ray_pids(title: str, exact: bool = False, sessions=()) -> list[int]:
     return out
 
 
-def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None):
+def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, ok: bool = False):
+    """`cond()`'s first true value within `timeout` s (else an AssertionError, or None with `ok`)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         v = cond()
@@ -171,6 +271,8 @@ def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = N
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the run ended while waiting for {what}:\n{proc.stdout.read()}")
         time.sleep(0.02)
+    if ok:
+        return None
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -239,42 +341,113 @@ def test_chaos_workers_and_trainer_killed_nothing_lost_nothing_twice(toy):
     _wait_for(lambda: not _ray_pids("ray::RolloutWorker", sessions=runs), 5, "no worker to outlive the run by 5 s")
 
 
+def _session(sid: int) -> list[int]:
+    """The live processes of session `sid` (a loopback Ray node started by `_ray_node`: its raylet, agents and
+    workers, and the head's GCS)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[3]) == sid and rest[0] != "Z":
+            out.append(int(d))
+    return out
+
+
+def _ray_node(args: list[str], env: dict) -> int:
+    """`ray start ARGS` in a session of its own, whose id (returned) names that node's processes."""
+    p = subprocess.Popen(["ray", "start", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+                          '--resources={"rollout": 1}', *args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, log
+    return p.pid
+
+
+def _stop_node(sid: int) -> None:
+    """What `ray stop` does, for one node of a loopback cluster only (`ray stop` would end every node on the
+    machine): SIGTERM to its processes (the raylet leaves the cluster at once), SIGKILL to what remains."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _session(sid):
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        if _wait_for(lambda: not _session(sid), 10, "the node's processes to end", ok=True):
+            return
+
+
 @pytest.mark.slow
-def test_two_node_cluster_on_loopback_runs_a_worker_on_each(toy, tmp_path):
-    port = _free_port()
+def test_two_node_cluster_on_loopback_grows_and_shrinks_with_its_nodes(toy):
+    """An elastic fleet (fleet.workers=1..2) on a 2-node loopback cluster, each node offering one `rollout`: a
+    worker on each node; the second node stopped mid-run (its worker dropped; the run goes on with the other)
+    and started again (a new worker there); every group trained once; bfloat16 weights on the wire."""
+    port, out, hold = _free_port(), toy.dir / "elastic", toy.dir / "hold"
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     env = _env(RAY_TMPDIR=ray_tmp)
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    nodes, proc = [], None
+    joins = out / "fleet_workers.jsonl"
+    events = lambda: [json.loads(x) for x in joins.read_text().splitlines()] if joins.exists() else []  # noqa: E731
     try:
-        for extra in (["--head", f"--port={port}", "--include-dashboard=false"], [f"--address=127.0.0.1:{port}"]):
-            started = subprocess.run(["ray", "start", *extra, *common, '--resources={"rollout": 1}'], env=env,
-                                     capture_output=True, text=True, timeout=120)
-            assert started.returncode == 0, started.stdout + started.stderr
-        proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "rl", *toy(
-            "two_nodes", "trainer.max_steps=3", "fleet.workers=2", f"fleet.ray_address=127.0.0.1:{port}",
-            "fleet.worker_cpus=0", "fleet.worker_resources={rollout: 1}", "fleet.transfer_dtype=bfloat16")],
-            env=env, capture_output=True, text=True, timeout=400)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        nodes.append(_ray_node(["--head", f"--port={port}", "--include-dashboard=false"], env))
+        proc = _start(toy("elastic", "trainer.max_steps=7", "fleet.workers=1..2", f"fleet.ray_address=127.0.0.1:{port}",
+                          "fleet.worker_cpus=0", "fleet.worker_resources={rollout: 1}", "fleet.max_staleness=0",
+                          "fleet.lease_groups=1", "fleet.transfer_dtype=bfloat16",
+                          f"rewards.functions=[{{name: '{toy.dir / 'reward.py'}:held_count_a'}}]"), RAY_TMPDIR=ray_tmp)
+        nodes.append(_ray_node([f"--address=127.0.0.1:{port}"], env))
+        ups = _wait_for(lambda: _steps_done(out) >= 2 and len({e["node"] for e in events() if e["event"] == "up"}) == 2
+                        and events(), 240, "a worker up on each node and two steps", proc)
+        hold.touch()  # a step in progress waits (its rewards): both workers hold a lease when the node stops
+        second = next(e for e in ups if e["event"] == "up" and e["pid"] in _session(nodes[1]))
+        _stop_node(nodes[1])
+        _wait_for(lambda: any(e["event"] == "dropped" and e["name"] == second["name"] for e in events()), 30,
+                  "the stopped node's worker to be dropped", proc)
+        steps = _steps_done(out)
+        hold.unlink()
+        _wait_for(lambda: _steps_done(out) > steps, 60, "a step with the node gone", proc)
+        hold.touch()
+        nodes[1] = _ray_node([f"--address=127.0.0.1:{port}"], env)
+        _wait_for(lambda: len({e["node"] for e in events() if e["event"] == "up"}) == 3, 60,
+                  "a worker on the node that came back", proc)
+        hold.unlink()
+        log = proc.communicate(timeout=240)[0]
+        assert proc.returncode == 0, log
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        hold.unlink(missing_ok=True)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for sid in reversed(nodes):
+            _stop_node(sid)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    workers = [json.loads(x) for x in (toy.dir / "two_nodes" / "fleet_workers.jsonl").read_text().splitlines()]
-    assert len({w["node"] for w in workers}) == 2 and len(ledger(toy.dir / "two_nodes")) == 3
-    rows = metric_rows(toy.dir / "two_nodes").values()
+    uids = [u for r in ledger(out) for u in r["uids"]]
+    assert [r["step"] for r in ledger(out)] == list(range(1, 8)) and sorted(uids) == list(range(4 * 7)), uids
+    seen = events()
+    assert [e["event"] for e in seen if e["name"] == second["name"]][-1] == "dropped", seen
+    assert "its node left" in next(e["reason"] for e in seen if e["event"] == "dropped"), seen
+    rows = metric_rows(out).values()
+    assert {r["fleet/workers_up"] for r in rows} == {1.0, 2.0} and max(r["fleet/workers_dropped"] for r in rows) == 1
+    assert any(r.get("fleet/requeued/worker_died", 0) + r.get("fleet/requeued/worker_dropped", 0) for r in rows)
     assert all(abs(r["fleet/publish_mb"] - 0.427 / 2) < 0.01 for r in rows)  # bfloat16 on the wire: half the bytes
 
 
 @pytest.mark.slow
 def test_all_workers_dead_stops_with_a_checkpoint_and_names_them(toy):
+    """An elastic fleet of one (fleet.workers=1..1, the fixed count's stop is the same): the killed worker is
+    dropped (fleet.max_restarts=0), none replaces it on its node, and below the minimum the run stops."""
     out = toy.dir / "dead"
-    proc = _start(toy("dead", "trainer.max_steps=50", "fleet.workers=1", "fleet.max_restarts=0",
+    proc = _start(toy("dead", "trainer.max_steps=50", "fleet.workers=1..1", "fleet.max_restarts=0",
                       "fleet.stall_timeout_s=20"))
     _wait_for(lambda: _steps_done(out) >= 2, 240, "two steps", proc)
     for pid in _ray_pids("ray::RolloutWorker", sessions=[proc.pid]):
         os.kill(pid, signal.SIGKILL)
     log = proc.communicate(timeout=120)[0]
-    assert proc.returncode != 0 and "workers down: worker-0" in log and "Traceback" not in log, log
+    assert proc.returncode != 0 and "Traceback" not in log, log
+    assert "workers down: worker-0: dropped (1 failure, more than fleet.max_restarts=0" in log, log
     assert any(p.name.isdigit() for p in (out / "checkpoints").iterdir())
+    events = [json.loads(x)["event"] for x in (out / "fleet_workers.jsonl").read_text().splitlines()]
+    assert events == ["up", "down", "dropped"], events
 
 
 @pytest.mark.slow

@@ -16,7 +16,15 @@ heartbeat (sent every few seconds, answered from a second thread even mid-genera
 `fleet.heartbeat_timeout_s`, or stays that long pulling weights. If no worker delivers anything for
 `fleet.stall_timeout_s` (`fleet.start_timeout_s` until the first result: model loads and compiles; a
 worker coming up counts as progress), the run saves a checkpoint and stops with an error naming the workers that are
-down. Each worker that comes up (again) is recorded in `fleet_workers.jsonl` (name, pid, host, Ray node).
+down. `fleet_workers.jsonl` records each worker coming up (again) (event "up": name, pid, host, Ray node)
+and going down (event "down", with the reason).
+
+An elastic fleet (`fleet.workers: MIN..MAX`, `posttrain.rl.fleet.elastic`): every few seconds the source looks
+at Ray's live nodes and starts workers, each pinned to its node, where nodes offer room for them, up to MAX
+(a node joining mid-run gets workers within seconds). A worker whose node left, or that failed more than
+`fleet.max_restarts` times (went down or did not answer a probe), is dropped (event "dropped"; its leases
+re-queued; no new workers on a node where one failed that often); the run goes on with the rest, and stops
+as above (checkpoint, the workers named) when fewer than MIN serve for `fleet.stall_timeout_s`.
 Worker results carry timings, from which the step's metrics come (pull seconds, busy fraction,
 samples/s); the trainer side measures publish seconds and bytes.
 
@@ -39,6 +47,7 @@ import ml_dtypes
 
 from posttrain import distributed
 from posttrain.rl.fleet.cluster import FleetError, connect, disconnect, require_ray
+from posttrain.rl.fleet.elastic import live_nodes, placements, worker_needs
 from posttrain.rl.fleet.param_server import NAME, ParameterServer
 from posttrain.rl.fleet.shards import put_chunks
 from posttrain.rl.fleet.worker import RolloutWorker
@@ -49,6 +58,7 @@ __all__ = ["FleetSource"]
 
 PIPELINE = 2  # leases in flight per worker
 PROBE_RETRY_S = 2.0
+SIZING_S = 2.0  # between looks at the Ray nodes (an elastic fleet)
 HEARTBEAT_S = 5.0  # between heartbeats to each serving worker
 MAX_TASK_ERRORS = 3  # failed rollout calls (not deaths) in a row before the run stops with the error
 JOIN_GRACE_S = 120.0  # how long a trainer process may be unresponsive while it starts or joins Ray
@@ -69,6 +79,13 @@ def publish_part(ray, ps, params, version: int, fc) -> tuple[bool, int]:
     return bool(done), nbytes
 
 
+def _pinned(node: str):
+    """Ray's placement on `node` and nowhere else (see `posttrain.rl.fleet.elastic` for why)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # lazy, like Ray itself (require_ray)
+
+    return NodeAffinitySchedulingStrategy(node, soft=False)
+
+
 class FleetSource(RolloutSource):
     def __init__(self, run):
         super().__init__(run)
@@ -76,25 +93,38 @@ class FleetSource(RolloutSource):
         self.fc = fc = run.cfg.fleet
         namespace = f"posttrain-{os.getpid()}-{time.time_ns()}"
         with distributed.busy(fc.connect_timeout_s + JOIN_GRACE_S):  # Ray's start-up may hold the GIL for seconds
-            self.started = connect(fc, num_cpus_needed=fc.workers * fc.worker_cpus, namespace=namespace)
-            self.ps = ray.remote(num_cpus=0)(ParameterServer).options(name=NAME).remote(fc.keep_versions)
+            self.started = connect(fc, num_cpus_needed=fc.max_workers * fc.worker_cpus, namespace=namespace)
+            self.ps = ray.remote(num_cpus=0)(ParameterServer).options(  # on the trainer's node: rollout nodes may leave
+                name=NAME, scheduling_strategy=_pinned(ray.get_runtime_context().get_node_id())
+            ).remote(fc.keep_versions)
             self.ray.get(self.ps.latest_version.remote())  # up before the other trainer processes look it up
         distributed.post_json(RAY_KEY, {"address": ray.get_runtime_context().gcs_address, "namespace": namespace})
-        worker_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker).options(
-            num_cpus=fc.worker_cpus, num_gpus=fc.worker_gpus or None, resources=dict(fc.worker_resources) or None,
-            max_restarts=fc.max_restarts, max_task_retries=0)
+        self.worker_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
+        self.worker_options = dict(num_cpus=fc.worker_cpus, num_gpus=fc.worker_gpus or None, max_task_retries=0,
+                                   resources=dict(fc.worker_resources) or None, max_restarts=fc.max_restarts)
         cfg = run.cfg
-        sections = dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards, preset=run.preset,
-                        seed=cfg.trainer.seed, data=cfg.data)
-        self.workers = {f"worker-{i}": worker_cls.remote(f"worker-{i}", self.ps, **sections) for i in range(fc.workers)}
+        self.sections = dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards,
+                             preset=run.preset, seed=cfg.trainer.seed, data=cfg.data)
+        self._start_fleet()
+
+    def _start_fleet(self) -> None:
+        """The bookkeeping of workers, leases and timings, and the first workers (an elastic fleet's: where the
+        nodes have room now)."""
+        fc = self.fc
+        self.workers: dict = {}  # name -> actor handle of every worker in the fleet (dropped ones leave it)
         self.up: dict[str, dict] = {}  # name -> ready() info of workers known to be serving
-        self.probes: dict = {h.ready.remote(): n for n, h in self.workers.items()}  # ref -> worker name
+        self.probes: dict = {}  # ref -> worker name
         self.probe_due: dict[str, float] = {}  # worker -> when to probe again after a failed probe
+        self.node_of: dict[str, str] = {}  # an elastic worker -> the node it is pinned to
+        self.dropped: dict[str, str] = {}  # worker -> why it was dropped (an elastic fleet)
+        self.failures = collections.Counter()  # worker -> times down or not answering a probe (the drop rule)
+        self.bad_nodes: set[str] = set()  # nodes where a worker was dropped for failing: no new workers there
+        self.needs, self.next_sizing, self.target = worker_needs(fc), 0.0, fc.max_workers
+        self.short_since: float | None = None  # since when fewer than the minimum of workers serve
         self.last_error: dict[str, str] = {}
         self.inflight: dict = {}  # ref -> (lease id, worker name)
         self.heartbeats: dict = {}  # ref -> (worker name, sent at)
         self.next_heartbeat = time.monotonic() + HEARTBEAT_S
-        self.lease_groups = fc.lease_groups or math.ceil(run.cfg.rollout.batch_prompts / fc.workers)
         self.last_result = time.monotonic()
         self.delivered = False  # until the first result, start_timeout_s applies (model load, compiles)
         self.task_errors = 0
@@ -103,6 +133,11 @@ class FleetSource(RolloutSource):
         self._t_window = time.monotonic()
         self._publish = (0.0, 0)  # seconds and bytes of the last publish
         self._busy_total, self._t_start = 0.0, time.monotonic()
+        if fc.elastic:
+            self._resize()
+        else:
+            for _ in range(fc.workers):
+                self._add_worker()
 
     # ------------------------------------------------------------------ weights
     def publish(self, params, version: int) -> None:
@@ -138,13 +173,77 @@ class FleetSource(RolloutSource):
             self._stopped = True
             distributed.post_json(f"{BATCH_KEY}/{step}", {"error": message, "save": save})
 
+    # ------------------------------------------------------------------ membership
+    def _add_worker(self, node: str | None = None) -> None:
+        """A new worker `worker-<i>` (pinned to `node` when given: an elastic fleet's), probed until it is up."""
+        name = f"worker-{len(self.workers) + len(self.dropped)}"
+        pinned = {} if node is None else {"scheduling_strategy": _pinned(node)}
+        cls = self.worker_cls.options(**self.worker_options, **pinned)
+        self.workers[name] = handle = cls.remote(name, self.ps, **self.sections)
+        if node is not None:
+            self.node_of[name] = node
+        self.probes[handle.ready.remote()] = name
+
+    def _resize(self) -> None:
+        """An elastic fleet's look at the Ray nodes (module docstring): drops the workers of nodes that left and
+        starts workers where live nodes have room, up to MAX."""
+        self.next_sizing = time.monotonic() + SIZING_S
+        nodes = live_nodes(self.ray)
+        for name, node in list(self.node_of.items()):
+            if node not in nodes:
+                self._drop(name, "its node left the cluster")
+        held = collections.Counter(self.node_of.values())
+        room = len(placements(nodes, self.needs, collections.Counter(), self.fc.max_workers, self.bad_nodes))
+        self.target = max(room, len(self.workers))
+        for node in placements(nodes, self.needs, held, self.fc.max_workers - len(self.workers), self.bad_nodes):
+            self._add_worker(node)
+
+    def _drop(self, name: str, why: str) -> None:
+        """An elastic worker leaves the fleet for good: killed, its leases re-queued, never probed again."""
+        handle, node = self.workers.pop(name), self.node_of.pop(name, None)
+        try:
+            self.ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone with its node: nothing to end
+            pass
+        for ref, (lease_id, owner) in list(self.inflight.items()):
+            if owner == name:
+                del self.inflight[ref]
+                self.dispatcher.fail(lease_id, "worker_dropped")
+        for ref in [r for r, n in self.probes.items() if n == name]:
+            del self.probes[ref]
+        for ref in [r for r, (n, _) in self.heartbeats.items() if n == name]:
+            del self.heartbeats[ref]
+        self.up.pop(name, None)
+        self.probe_due.pop(name, None)
+        self.dropped[name] = why
+        self._log_event("dropped", name, node, reason=why)
+
+    def _failed(self, name: str, why: str) -> None:
+        """A worker went down or did not answer a probe. The drop rule of an elastic fleet: more failures than
+        `fleet.max_restarts` (-1: never) drop the worker; and since a failure may be its node leaving (whose
+        workers `_resize` drops), the nodes are looked at again at once."""
+        n = self.failures[name] = self.failures[name] + 1
+        self.last_error[name] = why
+        if not self.fc.elastic:
+            return
+        self.next_sizing = 0.0
+        if 0 <= self.fc.max_restarts < n:
+            self.bad_nodes.add(self.node_of.get(name))
+            self._drop(name, f"{n} failure{'s' * (n > 1)}, more than fleet.max_restarts={self.fc.max_restarts}; "
+                             f"the last: {why}")
+
+    def _log_event(self, event: str, name: str, node: str | None, **fields) -> None:
+        with open(self.run.out / "fleet_workers.jsonl", "a", encoding="utf-8") as f:  # who ran where, and when
+            f.write(json.dumps({"event": event, "time": time.time(), "name": name, "node": node, **fields}) + "\n")
+
     # ------------------------------------------------------------------ work
     def _hand_out(self, step: int) -> None:
         d, run = self.dispatcher, self.run
         busy = collections.Counter(name for _, name in self.inflight.values())
+        size = self.fc.lease_groups or math.ceil(run.cfg.rollout.batch_prompts / max(len(self.workers), 1))
         for name in sorted(self.up, key=lambda n: busy[n]):
             while busy[name] < PIPELINE:
-                k = min(self.lease_groups, d.admissible(step - 1, self.version))
+                k = min(size, d.admissible(step - 1, self.version))
                 if k < 1:
                     return
                 lease = d.lease(name, k)
@@ -153,10 +252,12 @@ class FleetSource(RolloutSource):
                 busy[name] += 1
 
     def _worker_down(self, name: str, why: str) -> None:
-        if self.up.pop(name, None) is not None:
+        info = self.up.pop(name, None)
+        if info is not None:
             self.restarts[name] += 1
-        self.last_error[name] = why
-        if name not in self.probes.values() and name not in self.probe_due:
+            self._log_event("down", name, info.get("node"), reason=why, restarts=self.restarts[name])
+        self._failed(name, why)
+        if name in self.workers and name not in self.probes.values() and name not in self.probe_due:
             self.probes[self.workers[name].ready.remote()] = name
 
     def _on_result(self, ref) -> None:
@@ -164,7 +265,7 @@ class FleetSource(RolloutSource):
         lease_id, name = self.inflight.pop(ref)
         try:
             res = ray.get(ref)
-        except ray.exceptions.RayActorError as e:
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as e:  # the latter: node gone
             self.dispatcher.fail(lease_id, "worker_died")
             self._worker_down(name, f"died ({type(e).__name__})")
             return
@@ -186,6 +287,8 @@ class FleetSource(RolloutSource):
 
     def _restart(self, name: str, why: str) -> None:
         """A stuck worker: its leases go back to the queue and Ray restarts it."""
+        if name not in self.workers:  # dropped already
+            return
         self.ray.kill(self.workers[name], no_restart=False)
         for ref, (lease_id, owner) in list(self.inflight.items()):
             if owner == name:
@@ -224,11 +327,12 @@ class FleetSource(RolloutSource):
             self.up[name] = info = self.ray.get(ref)
             self.last_error.pop(name, None)
             self.last_result = time.monotonic()  # a worker (re)joining is progress too
-            with open(self.run.out / "fleet_workers.jsonl", "a", encoding="utf-8") as f:  # who ran where
-                f.write(json.dumps({"time": time.time(), "restarts": self.restarts[name], **info}) + "\n")
+            self._log_event("up", name, info["node"], restarts=self.restarts[name],
+                            **{k: v for k, v in info.items() if k not in ("name", "node")})
         except self.ray.exceptions.RayError as e:
-            self.last_error[name] = f"not answering ({type(e).__name__})"
-            self.probe_due[name] = time.monotonic() + PROBE_RETRY_S
+            self._failed(name, f"not answering ({type(e).__name__})")
+            if name in self.workers:
+                self.probe_due[name] = time.monotonic() + PROBE_RETRY_S
 
     def _produce(self, step: int) -> None:
         ray, d = self.ray, self.dispatcher
@@ -236,6 +340,8 @@ class FleetSource(RolloutSource):
             self._restart(lease.worker, "lease expired")
         self._check_health()
         now = time.monotonic()
+        if self.fc.elastic and now >= self.next_sizing:
+            self._resize()
         for name, due in list(self.probe_due.items()):
             if due <= now:
                 del self.probe_due[name]
@@ -252,18 +358,31 @@ class FleetSource(RolloutSource):
                 self._on_probe(ref)
             else:
                 self._on_heartbeat(ref)
-        fc = self.fc
+        self._check_stall(step)
+
+    def _check_stall(self, step: int) -> None:
+        """Stops the run (after a checkpoint, naming the workers down) when no worker delivered anything for the
+        stall timeout, or (an elastic fleet) fewer than its minimum served for that long."""
+        fc, now = self.fc, time.monotonic()
         limit = fc.stall_timeout_s if self.delivered else max(fc.stall_timeout_s, fc.start_timeout_s)
-        if time.monotonic() - self.last_result > limit:
-            down = sorted(n for n in self.workers if n not in self.up)
-            detail = ", ".join(f"{n}: {self.last_error.get(n, 'no result')}" for n in down) or "none down"
-            key = "stall_timeout_s" if self.delivered else "start_timeout_s"
-            message = (f"no rollout worker delivered anything for {limit:g} s (fleet.{key}); workers down: "
-                       f"{detail}. A checkpoint of step {step - 1} was saved: rerun the command to resume.")
-            self._stop_others(step, message, save=step - 1)  # every trainer process saves (a collective)
-            self.run.save(step - 1)
-            self.run.ckpt.wait()
-            raise FleetError(message)
+        key = "stall_timeout_s" if self.delivered else "start_timeout_s"
+        short = fc.elastic and len(self.up) < fc.min_workers
+        self.short_since = (self.short_since or now) if short else None
+        if now - self.last_result > limit:
+            what = f"no rollout worker delivered anything for {limit:g} s (fleet.{key})"
+        elif short and now - self.short_since > limit:
+            what = (f"fewer than {fc.min_workers} rollout workers (fleet.workers={fc.workers}) served for {limit:g} s "
+                    f"(fleet.{key}); serving: {', '.join(sorted(self.up)) or 'none'}")
+        else:
+            return
+        down = [f"{n}: {self.last_error.get(n, 'no result')}" for n in sorted(self.workers) if n not in self.up]
+        down += [f"{n}: dropped ({why})" for n, why in sorted(self.dropped.items())]
+        message = (f"{what}; workers down: {', '.join(down) or 'none down'}. A checkpoint of step {step - 1} was "
+                   f"saved: rerun the command to resume.")
+        self._stop_others(step, message, save=step - 1)  # every trainer process saves (a collective)
+        self.run.save(step - 1)
+        self.run.ckpt.wait()
+        raise FleetError(message)
 
     # ------------------------------------------------------------------ metrics and shutdown
     def metrics(self, step: int, rollouts) -> dict[str, float]:
@@ -275,9 +394,11 @@ class FleetSource(RolloutSource):
             "fleet/publish_mb": self._publish[1] / 2**20,
             "fleet/pull_s": w["pull_s"] / max(w["results"], 1),
             # since the start: a result's seconds may predate a step's window (workers run ahead)
-            "fleet/busy_fraction": self._busy_total / ((now - self._t_start) * len(self.workers)),
+            "fleet/busy_fraction": self._busy_total / ((now - self._t_start) * max(len(self.workers), 1)),
             "fleet/samples_per_s": w["samples"] / wall,
             "fleet/workers_up": float(len(self.up)),
+            "fleet/workers_target": float(self.target),  # what the nodes hold, up to MAX (elastic); N (fixed)
+            "fleet/workers_dropped": float(len(self.dropped)),
             "fleet/worker_restarts": float(sum(self.restarts.values())),
         })
         self._window, self._t_window = collections.Counter(), now
