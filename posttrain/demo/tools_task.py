@@ -12,9 +12,12 @@ imitates both styles; answering in one go is almost always wrong (it cannot mult
 after SFT greedy decoding often takes the shortcut, and RL with the exact-answer reward has a clear lesson
 to learn: calling the tool pays.
 
-The demo's character tokenizer gets the four tag strings as single tokens and a chat template with tool
-support in the format above (a one-line `tools:` system turn instead of whole JSON schemas, to keep the
-sequences short for a model trained from scratch on a CPU).
+The demo's character tokenizer gets the four tag strings, and the fixed JSON around a calculator call's
+expression (`CALL_PREFIX`, `CALL_SUFFIX`), as single tokens, and a chat template with tool support in the
+format above (a one-line `tools:` system turn instead of whole JSON schemas). The text is unchanged (the
+Hermes parser reads it as ever); only its tokenization is shorter: a call is 11 tokens instead of ~80, and
+the digits a model copies sit at fixed offsets from the problem's, which a tiny model from scratch learns
+in a few hundred steps on a CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from posttrain.models.tokenizer import build_tokenizer
 from posttrain.tools import calculator, tool_from_callable
 
 TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+#: The fixed JSON of a calculator call before and after its expression (as the template's `tojson` writes it).
+CALL_PREFIX = '{"name": "calculator", "arguments": {"expression": "'
+CALL_SUFFIX = '"}}'
 
 #: `<|role|>content<eos>` per message; tools named in a system turn; calls as `<tool_call>{json}</tool_call>`
 #: (the Hermes format the default parser reads); tool results as a user turn in `<tool_response>` tags.
@@ -46,9 +52,10 @@ TOOLS_TEMPLATE = (
 
 
 def build_tools_tokenizer(folder: Path):
-    """The demo's character tokenizer with the tag tokens and the tool-use chat template, saved in `folder`."""
+    """The demo's character tokenizer with the tag and call tokens and the tool-use chat template, saved in
+    `folder`."""
     tok = build_tokenizer(folder)
-    tok.hf.add_tokens(TAGS)
+    tok.hf.add_tokens(TAGS + [CALL_PREFIX, CALL_SUFFIX])
     tok.hf.chat_template = TOOLS_TEMPLATE
     tok.hf.save_pretrained(str(folder))
     return tok_lib.load(folder)
