@@ -1,21 +1,22 @@
 """The tool-use demo's task: products of two 3-digit numbers, which a tiny model cannot compute, and the
 built-in `calculator` tool, which it can call.
 
-A problem is `a*b=` (100 <= a, b <= 999); the answer is written `#### p`, as the `math_answer` reward reads it.
+A problem is `a*b=` (317 <= a, b <= 999, so that every product has 6 digits and a demonstration's layout is
+fixed); the answer is written `#### p`, as the `math_answer` reward reads it.
 A demonstration either calls the calculator and copies its result:
 
-    <|user|>123*456=<eos><|assistant|><tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}
-    </tool_call><eos><|user|><tool_response>56088</tool_response><eos><|assistant|>#### 56088<eos>
+    <|user|>423*456=<eos><|assistant|><tool_call>{"name": "calculator", "arguments": {"expression": "423*456"}}
+    </tool_call><eos><|user|><tool_response>192888</tool_response><eos><|assistant|>#### 192888<eos>
 
-or answers in one go (`#### 56088`), as much real SFT data mixes worked and unworked answers. A tiny model
+or answers in one go (`#### 192888`), as much real SFT data mixes worked and unworked answers. A tiny model
 imitates both styles; answering in one go is almost always wrong (it cannot multiply 3-digit numbers), so
-after SFT greedy decoding often takes the shortcut, and RL with the exact-answer reward has a clear lesson
+after SFT greedy decoding takes the shortcut (the majority of the demonstrations), and RL with the exact-answer reward has a clear lesson
 to learn: calling the tool pays.
 
 The demo's character tokenizer gets the four tag strings, and the fixed JSON around a calculator call's
 expression (`CALL_PREFIX`, `CALL_SUFFIX`), as single tokens, and a chat template with tool support in the
 format above (a one-line `tools:` system turn instead of whole JSON schemas). The text is unchanged (the
-Hermes parser reads it as ever); only its tokenization is shorter: a call is 11 tokens instead of ~80, and
+Hermes parser reads it as ever); only its tokenization is shorter: a call is 11 tokens instead of 64, and
 the digits a model copies sit at fixed offsets from the problem's, which a tiny model from scratch learns
 in a few hundred steps on a CPU.
 """
@@ -65,7 +66,7 @@ def calculator_schema() -> dict:
     return tool_from_callable(calculator).schema
 
 
-def make_problem(rng: random.Random, *, use_tool: bool, low: int = 100, high: int = 999) -> dict:
+def make_problem(rng: random.Random, *, use_tool: bool, low: int = 317, high: int = 999) -> dict:
     """One problem: its prompt, answer and SFT conversation (with a calculator call when `use_tool`)."""
     a, b = rng.randint(low, high), rng.randint(low, high)
     expr, answer = f"{a}*{b}", str(a * b)
