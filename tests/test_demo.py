@@ -94,3 +94,45 @@ def test_reduced_tools_demo_plumbing(tmp_path, capsys):
     assert [r["step"] for r in rows if "agent/tool_calls_mean" in r] == list(range(1, s.rl_steps + 1))
     t = json.loads(open(out / "rl" / "trajectories.jsonl").readline())
     assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"])
+
+
+def test_tools_demo_call_tokens_parse_and_match_the_rollout_buffer(tmp_path):
+    """The tools demo's tokenizer makes the calculator call 11 tokens (tags and the fixed JSON around the
+    expression are added tokens); its text still parses with the Hermes parser, and a multi-turn rollout that
+    samples the demonstration's turns builds exactly the token ids SFT trains on (loss mask on the model's turns)."""
+    import random
+
+    from posttrain.agent.parsers import parse_tool_calls
+    from posttrain.agent.rollout import Agent, AgentRollout
+    from posttrain.data.formats import DataFormatConfig, encode_record
+    from posttrain.demo.tools_task import build_tools_tokenizer, make_problem, sft_records
+    from posttrain.sampling.params import Completion, TurnEnd
+    from posttrain.tools import load_tools
+
+    tok = build_tools_tokenizer(tmp_path / "tok")
+    p = make_problem(random.Random(3), use_tool=True)
+    a, b = p["prompt"][:-1].split("*")
+    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}*{b}"}}}}</tool_call>'
+    call_ids = tok.encode(call, add_special_tokens=False)
+    assert len(call_ids) == 11 and tok.decode(call_ids, skip_special_tokens=False) == call
+    parsed = parse_tool_calls(call, "hermes")
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": f"{a}*{b}"})]
+
+    example = encode_record(sft_records([p])[0], tok, DataFormatConfig(format="messages"))
+    answer_ids = tok.encode(f"#### {p['answer']}", add_special_tokens=False)
+    agent = Agent(tok, tools=load_tools(["calculator"]))
+    try:
+        prompt = agent.prompt_ids(agent.first_messages({"prompt": p["prompt"]}))
+        rollout = AgentRollout(agent, [{"prompt": p["prompt"]}], [prompt])
+        ids, mask = [], []
+        for k, turn in enumerate([call_ids + [tok.eos_token_id], answer_ids + [tok.eos_token_id]]):
+            more = rollout(TurnEnd(0, 0, k, turn, [-0.5] * len(turn), None, "stop", 1000, len(prompt) + len(ids)))
+            more = more.result(timeout=30) if hasattr(more, "result") else more
+            ids, mask = ids + turn + (more or []), mask + [1] * len(turn) + [0] * len(more or [])
+        traj = rollout.finished(Completion(0, 0, ids, [-0.5 if m else 0.0 for m in mask], None, "stop", "",
+                                           mask=mask, turns=2))
+    finally:
+        agent.close()
+    assert traj.buffer.ids == example.input_ids.tolist()
+    assert traj.buffer.loss_mask[1:] == example.loss_mask[1:].astype(int).tolist()
+    assert traj.tool_results[0]["content"] == p["answer"] and traj.final_text == f"#### {p['answer']}"

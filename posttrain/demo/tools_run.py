@@ -46,12 +46,13 @@ class ToolsDemoSettings:
     sft_steps: int = 250
     sft_batch: int = 32
     sft_lr: float = 3e-3
+    sft_seq_len: int = 128  # a call demonstration is 65 tokens, a direct answer 42
     rl_steps: int = 30
     rl_prompts: int = 16
     group_size: int = 8
     rl_lr: float = 2e-4
     rl_eval_every: int = 10
-    turn_tokens: int = 72  # new tokens per model turn; the call is ~62 tokens, the answer ~12
+    turn_tokens: int = 16  # new tokens per model turn; the call is 11 tokens, the answer 12
     max_turns: int = 3
 
     @staticmethod
@@ -130,12 +131,20 @@ def plot(out: Path, rl_dir: Path, sft_steps: int, stages: list[dict]) -> Path:
     return path
 
 
+def _timed(fn, *args):
+    """`fn(*args)`, its wall seconds and this process's CPU seconds (all threads)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn(*args)
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
 def _report(console, stages: list[dict], seed: int, total: float, out: Path) -> None:
     table = Table(title=f"posttrain demo --task tools (seed {seed})")
-    for col in ("stage", "held-out accuracy", "tool calls / trajectory", "train seconds"):
+    for col in ("stage", "held-out accuracy", "tool calls / trajectory", "train seconds", "train CPU seconds"):
         table.add_column(col, justify="right" if col != "stage" else "left")
     for st in stages:
-        table.add_row(st["name"], f"{st['accuracy']:.3f}", f"{st['tool_calls']:.2f}", f"{st['seconds']:.1f}")
+        table.add_row(st["name"], f"{st['accuracy']:.3f}", f"{st['tool_calls']:.2f}", f"{st['seconds']:.1f}",
+                      f"{st['cpu_seconds']:.1f}")
     console.print(table)
     gain = stages[2]["accuracy"] - stages[1]["accuracy"]
     console.print(f"RL changed held-out accuracy by {100 * gain:+.1f} points over SFT. Total {total:.0f} s. "
@@ -151,9 +160,9 @@ def run_tools_demo(output_dir: str | Path, seed: int = 0, settings: ToolsDemoSet
     t_start = time.perf_counter()
     console.rule("[bold]posttrain demo --task tools")
     console.print(
-        "Task: products of 3-digit numbers like [cyan]123*456=[/cyan], which a tiny model cannot compute, with a "
+        "Task: products of 3-digit numbers like [cyan]423*456=[/cyan], which a tiny model cannot compute, with a "
         "[bold]calculator[/bold] tool it can call ([cyan]<tool_call>{\"name\": \"calculator\", ...}</tool_call>[/cyan]) "
-        f"before answering [cyan]#### 56088[/cyan]. A {s.layers}-layer model is built from scratch; only "
+        f"before answering [cyan]#### 192888[/cyan]. A {s.layers}-layer model is built from scratch; only "
         f"{100 * s.tool_fraction:.0f}% of the SFT demonstrations call the tool (the rest answer in one go), so RL "
         "has a lesson to learn: calling the tool pays.")
     train, heldout = make_splits(seed, s.n_train + s.n_rl_prompts, s.n_eval, s.tool_fraction)
@@ -161,29 +170,30 @@ def run_tools_demo(output_dir: str | Path, seed: int = 0, settings: ToolsDemoSet
     write_jsonl(sft_records(train[: s.n_train]), data / "sft_train.jsonl")
     write_jsonl(prompt_records(train[s.n_train:]), data / "rl_prompts.jsonl")
     write_jsonl(prompt_records(heldout), data / "heldout.jsonl")
-    base = build_base_model(out, s, seed, tokenizer=build_tools_tokenizer, max_positions=512)
+    base = build_base_model(out, s, seed, tokenizer=build_tools_tokenizer, max_positions=256)
     stages: list[dict] = []
 
-    def stage(name: str, model_dir: Path, seconds: float) -> None:
-        e = evaluate_checkpoint(model_dir, data / "heldout.jsonl", s)
+    def stage(name: str, model_dir: Path, seconds: float = 0.0, cpu: float = 0.0) -> None:
+        e, eval_s, eval_cpu = _timed(evaluate_checkpoint, model_dir, data / "heldout.jsonl", s)
         stages.append({"name": name, "accuracy": e["accuracy"], "tool_calls": e["tool_calls"],
-                       "mean_reward": e["mean_reward"], "seconds": round(seconds, 1)})
+                       "mean_reward": e["mean_reward"], "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
+                       "eval_seconds": round(eval_s, 1), "eval_cpu_seconds": round(eval_cpu, 1)})
         console.print(f"[bold]{name}[/bold]: held-out accuracy {e['accuracy']:.3f}, {e['tool_calls']:.2f} tool calls "
                       f"per trajectory on {s.n_eval} problems")
 
-    stage("init", base, 0.0)
+    stage("init", base)
     console.rule("[bold]1/2 supervised fine-tuning on tool-use conversations")
     sft_yaml = out / "sft.yaml"
-    sft_yaml.write_text(yaml.safe_dump(sft_config(out, base, s, seed, seq_len=256, fmt="messages"), sort_keys=False))
-    t0 = time.perf_counter()
-    sft = run_sft(load_sft_config(sft_yaml))
-    stage("sft", Path(sft.hf_dir), time.perf_counter() - t0)
+    sft_cfg = sft_config(out, base, s, seed, seq_len=s.sft_seq_len, fmt="messages")
+    sft_cfg["optim"]["decay"] = "cosine"  # the call-or-answer choice settles near the data's mix at the end
+    sft_yaml.write_text(yaml.safe_dump(sft_cfg, sort_keys=False))
+    sft, *timing = _timed(run_sft, load_sft_config(sft_yaml))
+    stage("sft", Path(sft.hf_dir), *timing)
     console.rule("[bold]2/2 multi-turn RL (GRPO with the calculator, exact-answer reward)")
     rl_yaml = out / "rl.yaml"
     rl_yaml.write_text(yaml.safe_dump(rl_config(out, Path(sft.hf_dir), s, seed), sort_keys=False))
-    t0 = time.perf_counter()
-    rl = run_rl(load_rl_config(rl_yaml))
-    stage("rl", Path(rl.hf_dir), time.perf_counter() - t0)
+    rl, *timing = _timed(run_rl, load_rl_config(rl_yaml))
+    stage("rl", Path(rl.hf_dir), *timing)
     plot_path = plot(out, out / "rl", s.sft_steps, stages)
     total = time.perf_counter() - t_start
     summary = {"task": "tools", "stages": stages, "seed": seed, "total_seconds": round(total, 1),

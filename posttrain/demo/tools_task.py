@@ -1,20 +1,24 @@
 """The tool-use demo's task: products of two 3-digit numbers, which a tiny model cannot compute, and the
 built-in `calculator` tool, which it can call.
 
-A problem is `a*b=` (100 <= a, b <= 999); the answer is written `#### p`, as the `math_answer` reward reads it.
+A problem is `a*b=` (317 <= a, b <= 999, so that every product has 6 digits and a demonstration's layout is
+fixed); the answer is written `#### p`, as the `math_answer` reward reads it.
 A demonstration either calls the calculator and copies its result:
 
-    <|user|>123*456=<eos><|assistant|><tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}
-    </tool_call><eos><|user|><tool_response>56088</tool_response><eos><|assistant|>#### 56088<eos>
+    <|user|>423*456=<eos><|assistant|><tool_call>{"name": "calculator", "arguments": {"expression": "423*456"}}
+    </tool_call><eos><|user|><tool_response>192888</tool_response><eos><|assistant|>#### 192888<eos>
 
-or answers in one go (`#### 56088`), as much real SFT data mixes worked and unworked answers. A tiny model
+or answers in one go (`#### 192888`), as much real SFT data mixes worked and unworked answers. A tiny model
 imitates both styles; answering in one go is almost always wrong (it cannot multiply 3-digit numbers), so
-after SFT greedy decoding often takes the shortcut, and RL with the exact-answer reward has a clear lesson
+after SFT greedy decoding takes the shortcut (the majority of the demonstrations), and RL with the exact-answer reward has a clear lesson
 to learn: calling the tool pays.
 
-The demo's character tokenizer gets the four tag strings as single tokens and a chat template with tool
-support in the format above (a one-line `tools:` system turn instead of whole JSON schemas, to keep the
-sequences short for a model trained from scratch on a CPU).
+The demo's character tokenizer gets the four tag strings, and the fixed JSON around a calculator call's
+expression (`CALL_PREFIX`, `CALL_SUFFIX`), as single tokens, and a chat template with tool support in the
+format above (a one-line `tools:` system turn instead of whole JSON schemas). The text is unchanged (the
+Hermes parser reads it as ever); only its tokenization is shorter: a call is 11 tokens instead of 64, and
+the digits a model copies sit at fixed offsets from the problem's, which a tiny model from scratch learns
+in a few hundred steps on a CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from posttrain.models.tokenizer import build_tokenizer
 from posttrain.tools import calculator, tool_from_callable
 
 TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+#: The fixed JSON of a calculator call before and after its expression (as the template's `tojson` writes it).
+CALL_PREFIX = '{"name": "calculator", "arguments": {"expression": "'
+CALL_SUFFIX = '"}}'
 
 #: `<|role|>content<eos>` per message; tools named in a system turn; calls as `<tool_call>{json}</tool_call>`
 #: (the Hermes format the default parser reads); tool results as a user turn in `<tool_response>` tags.
@@ -46,9 +53,10 @@ TOOLS_TEMPLATE = (
 
 
 def build_tools_tokenizer(folder: Path):
-    """The demo's character tokenizer with the tag tokens and the tool-use chat template, saved in `folder`."""
+    """The demo's character tokenizer with the tag and call tokens and the tool-use chat template, saved in
+    `folder`."""
     tok = build_tokenizer(folder)
-    tok.hf.add_tokens(TAGS)
+    tok.hf.add_tokens(TAGS + [CALL_PREFIX, CALL_SUFFIX])
     tok.hf.chat_template = TOOLS_TEMPLATE
     tok.hf.save_pretrained(str(folder))
     return tok_lib.load(folder)
@@ -58,7 +66,7 @@ def calculator_schema() -> dict:
     return tool_from_callable(calculator).schema
 
 
-def make_problem(rng: random.Random, *, use_tool: bool, low: int = 100, high: int = 999) -> dict:
+def make_problem(rng: random.Random, *, use_tool: bool, low: int = 317, high: int = 999) -> dict:
     """One problem: its prompt, answer and SFT conversation (with a calculator call when `use_tool`)."""
     a, b = rng.randint(low, high), rng.randint(low, high)
     expr, answer = f"{a}*{b}", str(a * b)
