@@ -169,7 +169,7 @@ def test_tool_failures_are_messages_and_counted(tok, pool, tmp_path):
     reads an error (or a cut output), the rollout goes on, and the metrics count the failures."""
     (tmp_path / "bad.py").write_text(BAD_TOOLS)
     secret = tmp_path / "config.yaml"
-    secret.write_text("secret: 42\n")
+    secret.write_text("secret: do-not-leak-7e3fa1\n")  # a value no temp path can hold
     tools = load_tools([f"{tmp_path}/bad.py:boom", f"{tmp_path}/bad.py:hang", f"{tmp_path}/bad.py:flood", "python"])
     turns = [call("boom", x=1) + call("hang", x=1), call("flood", x=1),
              call("python", code=f"print(open({str(secret)!r}).read())"), '<tool_call>{"name": oops</tool_call>',
@@ -182,7 +182,7 @@ def test_tool_failures_are_messages_and_counted(tok, pool, tmp_path):
     assert "tool bug" in json.loads(res[0]["content"])["error"]
     assert "time limit" in json.loads(res[1]["content"])["error"]
     assert "output cut" in res[2]["content"] and len(res[2]["content"]) < 500
-    assert "not allowed" in res[3]["content"] and "42" not in res[3]["content"]
+    assert "not allowed" in res[3]["content"] and "do-not-leak-7e3fa1" not in res[3]["content"]
     assert traj["turns"] == 6 and ro.finish_reasons == ["stop"] and traj["tool_errors"] == 4
     assert agent_metrics(ro.trajectories)["agent/tool_errors"] == 4
     assert agent_metrics(ro.trajectories)["agent/tool_seconds"] >= 2.0
