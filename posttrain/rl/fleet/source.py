@@ -2,7 +2,8 @@
 
     trainer process(es)                               Ray actors
       publish(params, v) --- chunks of its blocks ---> ParameterServer (versions, object store)
-                                                           ^ latest()  (pulled at the start of a lease)
+                                                           ^ latest()  (pulled at the start of a lease; with
+                                                           |  fleet.swap=segment also between decode segments)
       dispatcher.lease(k) --- rollout(lease) ---------> RolloutWorker 1..W (own devices, Sampler, rewards)
       dispatcher.complete <-- scored groups + versions -+
       next(step) -> B groups within the staleness bound; commit(rollouts) after the update
@@ -18,7 +19,7 @@ heartbeat (sent every few seconds, answered from a second thread even mid-genera
 worker coming up counts as progress), the run saves a checkpoint and stops with an error naming the workers that are
 down. Each worker that comes up (again) is recorded in `fleet_workers.jsonl` (name, pid, host, Ray node).
 Worker results carry timings, from which the step's metrics come (pull seconds, busy fraction,
-samples/s); the trainer side measures publish seconds and bytes.
+samples/s, weight swaps within leases); the trainer side measures publish seconds and bytes.
 
 A multi-process trainer (JAX multi-controller): process 0 is the one Ray driver that runs the dispatcher
 and this source; every process publishes its own blocks of the weights (`publish_part`), and the others
@@ -85,7 +86,7 @@ class FleetSource(RolloutSource):
             max_restarts=fc.max_restarts, max_task_retries=0)
         cfg = run.cfg
         sections = dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards, preset=run.preset,
-                        seed=cfg.trainer.seed, data=cfg.data)
+                        seed=cfg.trainer.seed, data=cfg.data, fleet=fc)
         self.workers = {f"worker-{i}": worker_cls.remote(f"worker-{i}", self.ps, **sections) for i in range(fc.workers)}
         self.up: dict[str, dict] = {}  # name -> ready() info of workers known to be serving
         self.probes: dict = {h.ready.remote(): n for n, h in self.workers.items()}  # ref -> worker name
@@ -183,6 +184,8 @@ class FleetSource(RolloutSource):
         self._busy_total += res["seconds"]
         w["pull_s"] += res["pull_s"]
         w["results"] += 1
+        w["swaps"] += res["swaps"]
+        w["swap_s"] += res["swap_s"]
 
     def _restart(self, name: str, why: str) -> None:
         """A stuck worker: its leases go back to the queue and Ray restarts it."""
@@ -274,6 +277,8 @@ class FleetSource(RolloutSource):
             "fleet/publish_s": self._publish[0],
             "fleet/publish_mb": self._publish[1] / 2**20,
             "fleet/pull_s": w["pull_s"] / max(w["results"], 1),
+            "fleet/swaps_mid_lease": float(w["swaps"]),  # fleet.swap=segment: weights taken between segments
+            "fleet/swap_s": w["swap_s"] / max(w["swaps"], 1),
             # since the start: a result's seconds may predate a step's window (workers run ahead)
             "fleet/busy_fraction": self._busy_total / ((now - self._t_start) * len(self.workers)),
             "fleet/samples_per_s": w["samples"] / wall,
