@@ -622,8 +622,7 @@ class Sampler:
                  progress: bool | Callable[[int, int, int, float], None] = False,
                  key_ids: Sequence[int] | None = None,
                  on_turn_end: Callable[[TurnEnd], object] | None = None,
-                 max_len: int | None = None,
-                 between_segments: Callable[[], tuple[object, int] | None] | None = None) -> list[Completion]:
+                 max_len: int | None = None, between_segments: Callable | None = None) -> list[Completion]:
         """One `Completion` per prompt and sample: prompt order, the `n` samples of a prompt in a row.
 
         progress: True for a rich progress bar, or a callable(done, total, generated_tokens, seconds).
@@ -643,9 +642,7 @@ class Sampler:
         max_len: the context limit of each sequence (prompt and every turn) for this call; None = the
           sampler's max_len, else (multi-turn) the model's max_position_embeddings or (single turn) the
           next power of two of the longest prompt plus max_new_tokens.
-        between_segments: partial rollouts (module docstring, "Weight swaps within a call"): called after every
-          decode segment while sequences remain; returns None, or `(weights, version)` (as `load_weights` takes
-          them) to load before the next segment. `Completion.versions` records which version made each token.
+        between_segments: partial rollouts: () -> None | (weights, version), loaded before the next decode segment.
         """
         params = params or SamplingParams()
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
@@ -656,8 +653,6 @@ class Sampler:
                 raise ValueError(f"key_ids must hold one integer in [0, 2**31) per prompt ({len(prompts)})")
         if not prompts:
             return []
-        if between_segments is not None and jax.process_count() > 1:
-            raise ValueError("between_segments (weight swaps within a call) needs a single-process sampler")
         total = len(prompts) * params.n
         slots = self.slots_for(total)
         longest = max(len(p) for p in prompts)
@@ -668,13 +663,12 @@ class Sampler:
         cache_len = next((c for c in caps if c >= min(length_bucket(longest, max_len) + 1, max_len)), max_len)
         ds = self._ensure_state(slots, cache_len)
         self._state = None  # donated below; restored when the call completes
-        swap = None if between_segments is None else functools.partial(self._swap, between_segments, params, stop)
         sched = SlotScheduler(
             self._programs(params, stop), ds, prompts, params, slots=slots, max_len=max_len, caps=caps,
             cache_len=cache_len, stop=stop, vocab_size=self.cfg.vocab_size, key_ids=key_ids, on_turn_end=on_turn_end,
             quantum=max(1, math.ceil(self.refill_fraction * slots)), profile=self.profile, progress=_Progress(progress, total) if progress else None,
             decode_text=self.tokenizer.decode if self.tokenizer is not None else None, version=self.version,
-            between_segments=swap)
+            between_segments=self._swapper(between_segments, params, stop))
         try:
             out = sched.run()
         finally:  # the latest state, also after an error (every slot is free again at the next call's start)
@@ -685,15 +679,22 @@ class Sampler:
         self.last_stats = dict(sched.stats, slots=slots, max_len=max_len, cache_len=sched.cache_len)
         return out
 
-    def _swap(self, between_segments, params: SamplingParams, stop: list[int]) -> tuple[Programs, int] | None:
-        """The scheduler's hook between segments: newer weights from `between_segments`, loaded in place, and the
-        programs bound to them (the same compiled programs: the weights keep their shapes and shardings)."""
-        new = between_segments()
-        if new is None:
+    def _swapper(self, between_segments, params: SamplingParams, stop: list[int]):
+        """The scheduler's hook between segments (None without `between_segments`): newer weights, loaded in
+        place, and the programs bound to them (the same compiled programs: the weights keep their shapes)."""
+        if between_segments is None:
             return None
-        weights, version = new
-        self.load_weights(weights, version)
-        return self._programs(params, stop), version
+        if jax.process_count() > 1:
+            raise ValueError("between_segments (weight swaps within a call) needs a single-process sampler")
+
+        def swap() -> tuple[Programs, int] | None:
+            new = between_segments()
+            if new is None:
+                return None
+            self.load_weights(*new)
+            return self._programs(params, stop), new[1]
+
+        return swap
 
     def slots_for(self, total: int) -> int:
         """The slot count of a call of `total` sequences: the next power of two from 8 at least (so that a
