@@ -129,6 +129,8 @@ def test_segment_swaps_give_tokens_newer_weights_within_the_bound_and_train_ever
     # a sample's later tokens lag less than its first one; never more than the bound
     assert all(r["fleet/token_staleness_mean"] <= r["fleet/staleness_mean"] for r in m.values())
     assert any(r["fleet/token_staleness_mean"] < r["fleet/staleness_mean"] for r in m.values())
+    assert any(0 < r["fleet/fresh_token_fraction"] < 1 for r in m.values())  # a lease that took newer weights
+    assert sum(r["fleet/leases"] for r in m.values()) >= steps  # one worker, one lease of 4 groups per step at most
 
 
 def _free_port() -> int:

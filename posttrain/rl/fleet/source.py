@@ -277,6 +277,7 @@ class FleetSource(RolloutSource):
             "fleet/publish_s": self._publish[0],
             "fleet/publish_mb": self._publish[1] / 2**20,
             "fleet/pull_s": w["pull_s"] / max(w["results"], 1),
+            "fleet/leases": float(w["results"]),  # leases delivered in this step's window
             "fleet/swaps_mid_lease": float(w["swaps"]),  # fleet.swap=segment: weights taken between segments
             "fleet/swap_s": w["swap_s"] / max(w["swaps"], 1),
             # since the start: a result's seconds may predate a step's window (workers run ahead)
