@@ -115,7 +115,8 @@ def test_one_worker_at_staleness_zero_reproduces_the_synchronous_loop(toy):
 
 def test_fleet_config_errors_name_the_key(toy):
     for override, key in (("fleet.workers=0", "fleet.workers"), ("fleet.max_staleness=-1", "fleet.max_staleness"),
-                          ("fleet.publish_every=3", "fleet.publish_every")):
+                          ("fleet.publish_every=3", "fleet.publish_every"), ("fleet.swap=token", "fleet.swap"),
+                          ("fleet.segment_steps=-1", "fleet.segment_steps")):
         with pytest.raises(ConfigError, match=key):
             load_rl_config(None, toy("bad", override))
 
@@ -219,6 +220,32 @@ def test_elastic_fleet_grows_with_nodes_drops_failing_workers_and_stops_below_it
     assert f"{worker_a}: dropped (2 failures, more than fleet.max_restarts=1" in str(e.value) and saved == [6]
     kinds = [json.loads(x)["event"] for x in (tmp_path / "fleet_workers.jsonl").read_text().splitlines()]
     assert kinds == ["dropped", "dropped", "down", "dropped"], kinds
+
+
+@pytest.mark.slow
+def test_segment_swaps_give_tokens_newer_weights_within_the_bound_and_train_every_group_once(toy):
+    """fleet.swap=segment (partial rollouts): one worker whose generation (128 tokens, no stop, one decode step
+    per segment) outlasts a trainer step once both are compiled, so publishes land mid-lease and the worker
+    takes them between segments (the first steps' groups were generated during the trainer's compiles)."""
+    bound, steps = 1, 6
+    res = run_rl(load_rl_config(None, toy("segment", f"trainer.max_steps={steps}", "fleet.workers=1",
+                                           f"fleet.max_staleness={bound}", "fleet.swap=segment",
+                                           "fleet.segment_steps=1", "rollout.max_new_tokens=128",
+                                           "rollout.stop_token_ids=[]")))
+    assert res.steps == steps
+    rows = ledger(toy.dir / "segment")
+    uids = [u for r in rows for u in r["uids"]]
+    assert len(uids) == len(set(uids)) == 4 * steps, "every group trained once"
+    assert max(r["staleness_max"] for r in rows) <= bound  # on version_first
+    m = metric_rows(toy.dir / "segment")
+    assert sum(r["fleet/swaps_mid_lease"] for r in m.values()) >= 1
+    spans = [r for r in rows if r["version_max"] > r["version_min"]]
+    assert spans and any(m[r["step"]]["fleet/version_span_mean"] > 0 for r in spans)  # version_first < version_last
+    # a sample's later tokens lag less than its first one; never more than the bound
+    assert all(r["fleet/token_staleness_mean"] <= r["fleet/staleness_mean"] for r in m.values())
+    assert any(r["fleet/token_staleness_mean"] < r["fleet/staleness_mean"] for r in m.values())
+    assert any(0 < r["fleet/fresh_token_fraction"] < 1 for r in m.values())  # a lease that took newer weights
+    assert sum(r["fleet/leases"] for r in m.values()) >= steps  # one worker, one lease of 4 groups per step at most
 
 
 def _free_port() -> int:

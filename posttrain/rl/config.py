@@ -228,6 +228,12 @@ class FleetConfig:
       start_timeout_s applies instead until the first result arrives (model loads and compiles).
     heartbeat_timeout_s: a worker that answers no heartbeat for this long (or pulls weights that long) is
       restarted and its leases re-queued.
+    swap: when a worker takes newer published weights: "lease" (at the start of each lease) or "segment"
+      (partial rollouts: also between decode segments of a lease, so long completions do not pin old weights;
+      the KV caches of sequences in flight are kept). Every token carries the version that produced it, and its
+      behaviour log-prob is the one it was drawn with; staleness is bounded on a group's first token's version.
+    segment_steps: decode steps per segment on the workers (0 = the sampler's 128): with swap=segment, the
+      most tokens a sequence decodes before a newer version can reach it.
     """
 
     workers: int | str | None = None
@@ -244,6 +250,8 @@ class FleetConfig:
     worker_gpus: float = 0.0
     worker_resources: dict[str, float] = dataclasses.field(default_factory=dict)
     transfer_dtype: Literal["native", "bfloat16"] = "native"
+    swap: Literal["lease", "segment"] = "lease"
+    segment_steps: int = 0
     ray_address: str | None = None
     connect_timeout_s: float = 30.0
 
@@ -258,6 +266,7 @@ class FleetConfig:
         at_least("fleet.keep_versions", self.keep_versions, 1)
         at_least("fleet.lease_groups", self.lease_groups, 0)
         at_least("fleet.max_restarts", self.max_restarts, -1)
+        at_least("fleet.segment_steps", self.segment_steps, 0, "0 = the sampler's default")
 
     @property
     def enabled(self) -> bool:

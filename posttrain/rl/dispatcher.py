@@ -15,7 +15,9 @@ expired lease or a retried task (Ray may run a call twice) is counted as a dupli
 group is trained twice; a group leaves `taken` only when the trainer commits the step that trained it.
 
 Staleness (policy versions: version v = the weights after v trainer steps). A group consumed at step s
-(which updates version s - 1) and generated with version w has staleness s - 1 - w. It is bounded twice:
+(which updates version s - 1) and generated with version w has staleness s - 1 - w, w being the version of
+its oldest token (`version_first`: with partial rollouts, `fleet.swap=segment`, later tokens of a sample may
+come from newer weights, which only lowers their own lag). It is bounded twice:
 at admission, groups are leased only while every group already leased or ready could still be consumed
 within `max_staleness` versions of the published weights (so `max_staleness: 0` leases one batch after
 each publish: synchronous RL), and at consumption, where a group over the bound goes back to the queue.

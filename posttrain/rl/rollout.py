@@ -3,8 +3,9 @@
 `Rollouts` holds only Python lists and numpy arrays, so the fleet ships it between processes unchanged
 (and `to_json` puts it in a checkpoint): prompt and completion token ids, the sampler's per-token
 log-probs (the behaviour policy's), finish reasons, texts, the reward total and each reward's value, and
-per sample the group's uid (its position in the prompt stream) and the first and last policy version of
-the weights that generated it.
+per sample the group's uid (its position in the prompt stream), the policy version of the weights that
+generated each token and the first and last of them (they differ when a fleet worker swapped weights between
+decode segments: `fleet.swap=segment`).
 
 Multi-turn rollouts (an `Agent`: tools or an environment, `posttrain.agent`) add per sample the completion
 mask (1 on sampled tokens, 0 on appended tool results, observations and turn headers, whose log-probs are
@@ -48,11 +49,12 @@ class Rollouts:
     uid: list[int] = dataclasses.field(default_factory=list)  # [N] the group's uid (prompt stream position)
     version_first: list[int] = dataclasses.field(default_factory=list)  # [N] policy version at the first token
     version_last: list[int] = dataclasses.field(default_factory=list)  # [N] ... and at the last token
+    token_versions: list[list[int]] = dataclasses.field(default_factory=list)  # [N] per completion token
     completion_mask: list[list[int]] = dataclasses.field(default_factory=list)  # [N] multi-turn: 1 = sampled
     trajectories: list[dict] = dataclasses.field(default_factory=list)  # [N] multi-turn: `Trajectory.summary()`
 
     _PER_SAMPLE = ("record_index", "prompt_ids", "completion_ids", "logprobs", "finish_reasons", "texts",
-                   "prompts_text", "uid", "version_first", "version_last", "completion_mask", "trajectories")
+                   "prompts_text", "uid", "version_first", "version_last", "token_versions", "completion_mask", "trajectories")
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -66,6 +68,16 @@ class Rollouts:
 
     def version_first_min(self) -> int:
         return int(min(self.version_first))
+
+    def sampled_token_versions(self) -> np.ndarray:
+        """The policy versions of every sampled token (appended multi-turn ids left out); without per-token
+        versions (rollouts saved before they were kept), each sample's version_first per token."""
+        out = []
+        for i, ids in enumerate(self.completion_ids):
+            v = self.token_versions[i] if self.token_versions else [self.version_first[i]] * len(ids)
+            m = self.completion_mask[i] if self.completion_mask else None
+            out.extend(x for j, x in enumerate(v) if m is None or m[j])
+        return np.asarray(out, np.int64)
 
     def _pick(self, idx: list[int], reward_stats: dict[str, float]) -> "Rollouts":
         lists = {k: [getattr(self, k)[i] for i in idx] if getattr(self, k) else [] for k in self._PER_SAMPLE}
@@ -163,6 +175,7 @@ def generate_rollouts(
     progress: bool = False,
     agent: Agent | None = None,
     images: list[list] | None = None,
+    between_segments=None,
 ) -> Rollouts:
     """Samples `params.n` completions per prompt and scores them with `reward_runner` (a `RewardRunner`).
 
@@ -171,8 +184,12 @@ def generate_rollouts(
     so they do not depend on which other groups share the call, and each sample is stamped with the
     sampler's weights version. `progress` shows the sampler's progress bar. `agent`: multi-turn rollouts
     (the sampler calls its trajectories at every turn end; see the module docstring). `images` (image prompts):
-    prompt p's pixel arrays [3, H, W] in order, handed to its prefill (`Sampler.generate_with_images`)."""
+    prompt p's pixel arrays [3, H, W] in order, handed to its prefill (`Sampler.generate_with_images`).
+    `between_segments`: newer weights between decode segments (`Sampler.generate`; partial rollouts): each
+    token is stamped with the version that produced it."""
     kwargs: dict[str, Any] = {"progress": True} if progress else {}
+    if between_segments is not None:
+        kwargs["between_segments"] = between_segments
     rollout = None
     if agent is not None:
         rollout = AgentRollout(agent, [records[r] for r in record_indices], prompt_ids)
@@ -201,6 +218,7 @@ def generate_rollouts(
     if trajs is not None:
         total, per_reward = _add_env_rewards(trajs, total, per_reward)
     version = int(getattr(sampler, "version", None) or 0)  # the weights' policy version (`Sampler.load_weights`)
+    versions = [_token_versions(c, version) for c in completions]
     assert len(total) == n
     return Rollouts(
         group_size=g,
@@ -216,11 +234,19 @@ def generate_rollouts(
         per_reward={k: np.asarray(v, np.float32) for k, v in per_reward.items()},
         reward_stats=dict(stats),
         uid=[uids[c.prompt_index] for c in completions] if uids is not None else [],
-        version_first=[version] * n,
-        version_last=[version] * n,
+        version_first=[min(v, default=version) for v in versions],  # versions only grow within a call
+        version_last=[max(v, default=version) for v in versions],
+        token_versions=versions,
         completion_mask=[] if trajs is None else [list(t.buffer.loss_mask[t.prompt_len:]) for t in trajs],
         trajectories=[] if trajs is None else [t.summary() for t in trajs],
     )
+
+
+def _token_versions(c, default: int) -> list[int]:
+    """Per token of a completion, the version that produced it (`default` where the sampler kept none)."""
+    if not c.versions:
+        return [default] * len(c.token_ids)
+    return [default if v is None else int(v) for v in c.versions]
 
 
 def _context_limit(sampler, prompt_ids, params: SamplingParams, agent: Agent) -> int | None:

@@ -65,10 +65,15 @@ class RolloutSource:
 
     def base_metrics(self, step: int, rollouts: Rollouts) -> dict[str, float]:
         staleness = (step - 1) - np.asarray(rollouts.version_first)
+        token_lag = (step - 1) - rollouts.sampled_token_versions()
         d = self.dispatcher
         out = {
             "fleet/staleness_mean": float(staleness.mean()),
             "fleet/staleness_max": float(staleness.max()),
+            # per sampled token (lower than the groups' with fleet.swap=segment), and the versions a sample spans
+            "fleet/token_staleness_mean": float(token_lag.mean()) if token_lag.size else 0.0,
+            "fleet/fresh_token_fraction": float((token_lag == 0).mean()) if token_lag.size else 1.0,  # lag 0
+            "fleet/version_span_mean": float(np.mean(np.subtract(rollouts.version_last, rollouts.version_first))),
             "fleet/ready_groups": float(len(d.ready)),
             "fleet/leased_groups": float(len(d.leased)),
             "fleet/queued_groups": float(len(d.queue)),

@@ -63,6 +63,16 @@ with top-p). A greedy program holds no sampling code and compiles in ~40% less t
 most of a first call's cost on CPU. The programs are shared by every sampler of a model of the same
 structure, and the weights are read from the model at every call (RL updates them in place between calls).
 
+Weight swaps within a call (partial rollouts). `generate(between_segments=f)` calls f between decode
+segments; when it returns newer weights (`(weights, version)`) they are loaded into the model in place and the
+next segment runs with them, while the slots in flight keep their KV caches (entries computed with the older
+weights are not recomputed, as in PipelineRL's in-flight weight updates). Each `Completion` says per token which
+version produced it (`versions`), and its log-probs are the ones each token was drawn with (the behaviour
+policy's, older cache included), which is what an importance correction needs. The swap costs the copy of the
+weights and nothing else: the new weights have the old ones' shapes, dtypes and shardings, so nothing
+recompiles. The callback must give the same answer on every process of a multi-process mesh, so it is refused
+there (rollout workers sample on their own devices).
+
 Randomness: sample i of prompt p uses keys derived from (seed, p, i) and its token index only (the index
 after the prompt, appended ids counted), so the same seed gives the same completions whatever the slot
 count, scheduling or, in multi-turn calls, the time an answer arrives.
@@ -601,7 +611,7 @@ class Sampler:
         weights: a flat `{path: array}` dict (`posttrain.models.weights.flat_weights`, numpy or device
         arrays) or an `nnx.State` of some of the model's variables (e.g. a trainer's trained parameters, or
         only its LoRA adapters). The values are copied, so the caller may donate or overwrite its own
-        buffers afterwards; the swap happens between calls, never inside one.
+        buffers afterwards. Called between calls; within a call only through `generate(between_segments=...)`.
         """
         flat = weights if isinstance(weights, dict) else flat_weights(weights)
         load_flat_weights(self.model, flat)
@@ -612,7 +622,7 @@ class Sampler:
                  progress: bool | Callable[[int, int, int, float], None] = False,
                  key_ids: Sequence[int] | None = None,
                  on_turn_end: Callable[[TurnEnd], object] | None = None,
-                 max_len: int | None = None) -> list[Completion]:
+                 max_len: int | None = None, between_segments: Callable | None = None) -> list[Completion]:
         """One `Completion` per prompt and sample: prompt order, the `n` samples of a prompt in a row.
 
         progress: True for a rich progress bar, or a callable(done, total, generated_tokens, seconds).
@@ -632,6 +642,7 @@ class Sampler:
         max_len: the context limit of each sequence (prompt and every turn) for this call; None = the
           sampler's max_len, else (multi-turn) the model's max_position_embeddings or (single turn) the
           next power of two of the longest prompt plus max_new_tokens.
+        between_segments: partial rollouts: () -> None | (weights, version), loaded before the next decode segment.
         """
         params = params or SamplingParams()
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
@@ -656,7 +667,8 @@ class Sampler:
             self._programs(params, stop), ds, prompts, params, slots=slots, max_len=max_len, caps=caps,
             cache_len=cache_len, stop=stop, vocab_size=self.cfg.vocab_size, key_ids=key_ids, on_turn_end=on_turn_end,
             quantum=max(1, math.ceil(self.refill_fraction * slots)), profile=self.profile, progress=_Progress(progress, total) if progress else None,
-            decode_text=self.tokenizer.decode if self.tokenizer is not None else None)
+            decode_text=self.tokenizer.decode if self.tokenizer is not None else None, version=self.version,
+            between_segments=self._swapper(between_segments, params, stop))
         try:
             out = sched.run()
         finally:  # the latest state, also after an error (every slot is free again at the next call's start)
@@ -666,6 +678,23 @@ class Sampler:
             self._state_config = self._state_config_for(slots, sched.cache_len)  # the cache may have grown
         self.last_stats = dict(sched.stats, slots=slots, max_len=max_len, cache_len=sched.cache_len)
         return out
+
+    def _swapper(self, between_segments, params: SamplingParams, stop: list[int]):
+        """The scheduler's hook between segments (None without `between_segments`): newer weights, loaded in
+        place, and the programs bound to them (the same compiled programs: the weights keep their shapes)."""
+        if between_segments is None:
+            return None
+        if jax.process_count() > 1:
+            raise ValueError("between_segments (weight swaps within a call) needs a single-process sampler")
+
+        def swap() -> tuple[Programs, int] | None:
+            new = between_segments()
+            if new is None:
+                return None
+            self.load_weights(*new)
+            return self._programs(params, stop), new[1]
+
+        return swap
 
     def slots_for(self, total: int) -> int:
         """The slot count of a call of `total` sequences: the next power of two from 8 at least (so that a

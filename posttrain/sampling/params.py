@@ -81,7 +81,9 @@ class Completion:
     prompt, the sampled ids of each turn and the ids appended after it, interleaved in sequence order;
     logprobs (and sampling_logprobs) are 0.0 at appended positions; mask[i] is 1 where token_ids[i] was
     sampled and 0 where it was appended; turns counts the turns sampled; finish_reason is the last turn's.
-    Plain single-turn calls leave mask None and turns 1.
+    Plain single-turn calls leave mask None and turns 1. versions[i]: the policy version of the weights that
+    produced token_ids[i] (`Sampler.load_weights`; None for unversioned weights); it changes within a sequence
+    only when `generate(between_segments=...)` swapped weights between decode segments.
     """
 
     prompt_index: int
@@ -93,6 +95,7 @@ class Completion:
     text: str | None = None
     mask: list[int] | None = None
     turns: int = 1
+    versions: list[int | None] | None = None
 
 
 @dataclasses.dataclass

@@ -13,6 +13,15 @@ Loop (one iteration; every step below is skipped when it has nothing to do):
 4. decode: one segment (`engine._decode`) over all slots.
 5. read: one `distributed.to_host` of the new tokens and the slots' `active` flags; a slot that stopped
    decoding has ended its turn: without `on_turn_end` it is finished, else the callback says what follows.
+6. swap: with `between_segments` (partial rollouts), newer weights may replace the programs' weights before
+   the next segment (see "Weight versions").
+
+Weight versions. Every token (sampled or appended) is recorded with the policy version of the weights that
+ran the iteration it was read in: the prefill, extend and decode calls of one iteration share one set of
+weights, and `between_segments` runs only between iterations, so a sequence's versions change exactly at a
+segment boundary. The caches of sequences in flight are kept across a swap (their earlier entries were
+computed with the older weights); each token's log-prob is the one it was drawn with, i.e. its behaviour
+log-prob under the weights (and cache) that produced it.
 
 Multi-turn. `on_turn_end(TurnEnd)` returns None (finished), a list of ids to append, or a
 `concurrent.futures.Future` of either. A slot waiting for its answer is parked: it keeps its cache but does
@@ -90,14 +99,16 @@ class _Seq:
     lps: list[float] = dataclasses.field(default_factory=list)
     slps: list[float] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
+    versions: list[int | None] = dataclasses.field(default_factory=list)
     turn: int = 0
     turn_start: int = 0
     reason: str = "length"
 
-    def add(self, tok: list[int], lp: list[float], slp: list[float], sampled: bool = True):
+    def add(self, tok: list[int], lp: list[float], slp: list[float], version: int | None, sampled: bool = True):
         self.tokens.extend(tok)
         self.lps.extend(lp)
         self.slps.extend(slp)
+        self.versions.extend([version] * len(tok))
         self.mask.extend([int(sampled)] * len(tok))
 
 
@@ -108,14 +119,19 @@ class SlotScheduler:
     (prompt and all turns); caps: the cache capacities the call may grow through, starting at cache_len with
     the donated state ds; stop: the stop ids; key_ids: per-prompt ids replacing the prompt index in the sampling
     keys, or None; on_turn_end: the multi-turn callback or None; quantum: free slots that end a segment early
-    for waiting prompts (or, in multi-turn calls with none waiting, turns that end one); progress: a `_Progress`-like object or None.
+    for waiting prompts (or, in multi-turn calls with none waiting, turns that end one); progress: a `_Progress`-like object or None;
+    version: the policy version of the programs' weights; between_segments: called after each segment while work
+    remains, returns None or `(programs, version)` with newer weights (see "Weight versions").
     """
 
     def __init__(self, programs: Programs, ds, prompts: list[list[int]], params: SamplingParams, *, slots: int,
                  max_len: int, caps: list[int], cache_len: int, stop: list[int], vocab_size: int,
                  key_ids: list[int] | None = None, on_turn_end: Callable[[TurnEnd], object] | None = None,
-                 quantum: int = 1, profile: bool = False, progress=None, decode_text: Callable | None = None):
+                 quantum: int = 1, profile: bool = False, progress=None, decode_text: Callable | None = None,
+                 version: int | None = None,
+                 between_segments: Callable[[], tuple[Programs, int | None] | None] | None = None):
         self.programs, self.ds = programs, ds
+        self.version, self.between_segments = version, between_segments
         self.prompts, self.params = prompts, params
         self.slots, self.max_len, self.caps, self.cache_len = slots, max_len, caps, cache_len
         self.stop_set, self.vocab_size = set(stop), vocab_size
@@ -152,9 +168,19 @@ class SlotScheduler:
             self._collect(first and first[0], host[0], ext and ext[0], host[1], host[2], int(host[3]), host[4])
             if self.progress is not None:
                 self.progress.update(len(self.finished), self.generated, time.perf_counter() - t0)
+            self._swap()
         self.stats["generated_tokens"] = self.generated
         self.stats["seconds"] = time.perf_counter() - t0
         return [self.finished[(p, i)] for p in range(len(self.prompts)) for i in range(self.n)]
+
+    def _swap(self):
+        """Between two segments: the weights `between_segments` offers, if any (see "Weight versions")."""
+        if self.between_segments is None or not (self.waiting or any(o is not None for o in self.owner)):
+            return
+        new = self.between_segments()
+        if new is not None:
+            self.programs, self.version = new
+            self.stats["weight_swaps"] += 1
 
     def _grow_to(self, n: int):
         """Pads the cache so that it holds n positions (the smallest capacity that does, at most max_len)."""
@@ -289,12 +315,12 @@ class SlotScheduler:
         if admitted:
             f_tok, f_lp, f_slp = (x.tolist() for x in first)
             for a, (_, s, _, _) in enumerate(admitted):
-                self.owner[s].add([f_tok[a]], [f_lp[a]], [f_slp[a]])
+                self.owner[s].add([f_tok[a]], [f_lp[a]], [f_slp[a]], self.version)
             self.generated += len(admitted)
         if extended:
             f_tok, f_lp, f_slp = (x.tolist() for x in ext_first)
             for r, s in enumerate(extended):
-                self.owner[s].add([f_tok[r]], [f_lp[r]], [f_slp[r]])
+                self.owner[s].add([f_tok[r]], [f_lp[r]], [f_slp[r]], self.version)
             self.generated += len(extended)
         for s, seq in enumerate(self.owner):
             if seq is None or not self.decoding[s]:
@@ -302,7 +328,7 @@ class SlotScheduler:
             emit = record[3][:steps, s] if steps else None
             if steps and emit.any():
                 seq.add(record[0][:steps, s][emit].tolist(), record[1][:steps, s][emit].tolist(),
-                        record[2][:steps, s][emit].tolist())
+                        record[2][:steps, s][emit].tolist(), self.version)
                 n = int(emit.sum())
                 self.pos[s] += n
                 self.generated += n
@@ -330,7 +356,7 @@ class SlotScheduler:
             prompt_index=seq.prompt, sample_index=seq.sample, token_ids=seq.tokens, logprobs=seq.lps,
             sampling_logprobs=seq.slps if self.params.modifies_distribution else None, finish_reason=seq.reason,
             text=self.decode_text(seq.tokens) if self.decode_text is not None else None,
-            mask=seq.mask if multi else None, turns=seq.turn + 1,
+            mask=seq.mask if multi else None, turns=seq.turn + 1, versions=seq.versions,
         )
         self.owner[s] = None
 
@@ -366,7 +392,7 @@ class SlotScheduler:
         if bad:
             raise ValueError(f"on_turn_end appended token id {bad[0]} to prompt {seq.prompt} sample {seq.sample}, "
                              f"outside the vocabulary [0, {self.vocab_size})")
-        seq.add(ids, [0.0] * len(ids), [0.0] * len(ids), sampled=False)
+        seq.add(ids, [0.0] * len(ids), [0.0] * len(ids), self.version, sampled=False)
         seq.turn += 1
         seq.turn_start = len(seq.tokens)
         self.ready.append((s, ids))

@@ -2,7 +2,8 @@
 
     trainer process(es)                               Ray actors
       publish(params, v) --- chunks of its blocks ---> ParameterServer (versions, object store)
-                                                           ^ latest()  (pulled at the start of a lease)
+                                                           ^ latest()  (pulled at the start of a lease; with
+                                                           |  fleet.swap=segment also between decode segments)
       dispatcher.lease(k) --- rollout(lease) ---------> RolloutWorker 1..W (own devices, Sampler, rewards)
       dispatcher.complete <-- scored groups + versions -+
       next(step) -> B groups within the staleness bound; commit(rollouts) after the update
@@ -26,7 +27,7 @@ at Ray's live nodes and starts workers, each pinned to its node, where nodes off
 re-queued; no new workers on a node where one failed that often); the run goes on with the rest, and stops
 as above (checkpoint, the workers named) when fewer than MIN serve for `fleet.stall_timeout_s`.
 Worker results carry timings, from which the step's metrics come (pull seconds, busy fraction,
-samples/s); the trainer side measures publish seconds and bytes.
+samples/s, weight swaps within leases); the trainer side measures publish seconds and bytes.
 
 A multi-process trainer (JAX multi-controller): process 0 is the one Ray driver that runs the dispatcher
 and this source; every process publishes its own blocks of the weights (`publish_part`), and the others
@@ -104,7 +105,7 @@ class FleetSource(RolloutSource):
                                    resources=dict(fc.worker_resources) or None, max_restarts=fc.max_restarts)
         cfg = run.cfg
         self.sections = dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards,
-                             preset=run.preset, seed=cfg.trainer.seed, data=cfg.data)
+                             preset=run.preset, seed=cfg.trainer.seed, data=cfg.data, fleet=fc)
         self._start_fleet()
 
     def _start_fleet(self) -> None:
@@ -284,6 +285,8 @@ class FleetSource(RolloutSource):
         self._busy_total += res["seconds"]
         w["pull_s"] += res["pull_s"]
         w["results"] += 1
+        w["swaps"] += res["swaps"]
+        w["swap_s"] += res["swap_s"]
 
     def _restart(self, name: str, why: str) -> None:
         """A stuck worker: its leases go back to the queue and Ray restarts it."""
@@ -393,6 +396,9 @@ class FleetSource(RolloutSource):
             "fleet/publish_s": self._publish[0],
             "fleet/publish_mb": self._publish[1] / 2**20,
             "fleet/pull_s": w["pull_s"] / max(w["results"], 1),
+            "fleet/leases": float(w["results"]),  # leases delivered in this step's window
+            "fleet/swaps_mid_lease": float(w["swaps"]),  # fleet.swap=segment: weights taken between segments
+            "fleet/swap_s": w["swap_s"] / max(w["swaps"], 1),
             # since the start: a result's seconds may predate a step's window (workers run ahead)
             "fleet/busy_fraction": self._busy_total / ((now - self._t_start) * max(len(self.workers), 1)),
             "fleet/samples_per_s": w["samples"] / wall,

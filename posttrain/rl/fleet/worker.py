@@ -1,10 +1,17 @@
 """A rollout worker: a Ray actor with its own devices, model, `Sampler` and reward process pool.
 
 Each `rollout` call is one lease: pull the newest weights from the parameter server if they are newer
-than the ones loaded (every trainer process's chunks, assembled for this worker's own model: staged into the sampler's model between calls, never during one), generate the
-leased groups (a group's samples depend only on (seed, uid, weights)), score them with the reward runner
-(time limits, failures counted), and return the scored groups stamped with the weights' version and the
-sampler's per-token log-probs. The actor keeps no state the run needs: Ray restarts a dead one
+than the ones loaded (every trainer process's chunks, assembled for this worker's own model and loaded into
+the sampler's model), generate the leased groups (a group's samples depend only on (seed, uid, weights)),
+score them with the reward runner (time limits, failures counted), and return the scored groups stamped
+with the weights' versions and the sampler's per-token log-probs.
+
+Partial rollouts (`fleet.swap=segment`): between decode segments of a lease the worker also takes newer
+weights (`Sampler.generate(between_segments=...)`, the KV caches in flight kept), so a long completion is not
+generated with the weights its lease started with to its end: each token carries the version that produced
+it. The check costs no wait: one `latest()` call to the parameter server is in flight at a time, issued at
+most every `POLL_S`, and read only once it has answered; only a newer version is fetched (that fetch and
+the copy into the model are the swap's cost, counted in the result's `swaps` and `swap_s`). The actor keeps no state the run needs: Ray restarts a dead one
 (`max_restarts`) and the dispatcher re-queues whatever it held. `heartbeat` answers from a second
 thread while a rollout runs (what the worker is doing, since when, and its busy seconds).
 
@@ -25,7 +32,7 @@ import ray
 
 from posttrain.agent.setup import agent_enabled, build_agent
 from posttrain.models import tokenizer as tok_lib
-from posttrain.rl.config import PromptData, RewardsSection, RolloutConfig
+from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
 from posttrain.rl.fleet.shards import assemble
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rl.rollout import generate_rollouts
@@ -35,21 +42,28 @@ from posttrain.training.run import build_model
 
 __all__ = ["RolloutWorker"]
 
+POLL_S = 0.05  # fleet.swap=segment: at most one `latest()` call to the parameter server this often
+
 
 class RolloutWorker:
     """One rollout worker (module docstring). Built in Ray from plain, picklable config sections: the run's
     `model` and `lora` (the trainer's structure, so published weights load as they are), `rollout`, `rewards`,
     the resolved algorithm `preset` (a mapping: DAPO's overlong penalty), the run's `seed`, and its `data`
-    section (multi-turn rollouts: the system prompt and prompt field of the worker's `Agent`)."""
+    section (multi-turn rollouts: the system prompt and prompt field of the worker's `Agent`), and the `fleet`
+    section (`swap`, `segment_steps`)."""
 
     def __init__(self, name: str, param_server, *, model: ModelSection, lora: LoraConfig, rollout: RolloutConfig,
-                 rewards: RewardsSection, preset: Mapping, seed: int, data: PromptData | None = None):
+                 rewards: RewardsSection, preset: Mapping, seed: int, data: PromptData | None = None,
+                 fleet: FleetConfig | None = None):
         self.name, self.ps = name, param_server
+        fleet = fleet or FleetConfig()
+        self.segment_swaps = fleet.swap == "segment"
         self._state, self._since, self.busy_s = "starting", time.time(), 0.0
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
         slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
         tok = tok_lib.load(folder)
-        self.sampler = Sampler(net, tok, max_slots=slots)
+        self.sampler = Sampler(net, tok, max_slots=slots,
+                               **({"segment_steps": fleet.segment_steps} if fleet.segment_steps else {}))
         self.agent = None
         if agent_enabled(rollout):
             data = data or PromptData()
@@ -57,6 +71,8 @@ class RolloutWorker:
         self.runner = reward_runner(rewards, rollout, preset)
         self.params = rollout_sampling_params(rollout, seed)
         self.version = -1
+        self._poll, self._polled = None, 0.0  # segment swaps: the `latest()` call in flight, when it was sent
+        self._swaps, self._swap_s = 0, 0.0  # this lease's
         self._set("idle")
 
     def _set(self, state: str) -> None:
@@ -79,18 +95,41 @@ class RolloutWorker:
             return time.perf_counter() - t0
         return 0.0
 
+    def _newer(self):
+        """Between decode segments (fleet.swap=segment): `(weights, version)` when the parameter server has
+        answered with a version newer than the loaded one, else None (module docstring: never a wait)."""
+        if self._poll is None:
+            if time.monotonic() - self._polled >= POLL_S:
+                self._poll, self._polled = self.ps.latest.remote(), time.monotonic()
+            return None
+        if not ray.wait([self._poll], timeout=0)[0]:
+            return None
+        version, refs = ray.get(self._poll)
+        self._poll = None
+        if version <= self.version:
+            return None
+        t0 = time.perf_counter()
+        self._set("pulling")
+        weights = assemble(ray.get(refs))
+        self._set("generating")
+        self.version = version
+        self._swaps += 1
+        self._swap_s += time.perf_counter() - t0  # the fetch; the copy into the model follows in the sampler
+        return weights, version
+
     def rollout(self, lease_id: int, uids: list[int], records: dict, record_indices: list[int],
                 prompt_ids: list[list[int]]) -> dict:
         t0 = time.perf_counter()
         pull_s = self._pull()
         self._set("generating")
+        self._swaps, self._swap_s = 0, 0.0
         ro = generate_rollouts(self.sampler, records, record_indices, prompt_ids, self.params, self.runner, uids=uids,
-                               agent=self.agent)
+                               agent=self.agent, between_segments=self._newer if self.segment_swaps else None)
         self._set("idle")
         seconds = time.perf_counter() - t0
         self.busy_s += seconds
         return {"lease": lease_id, "rollouts": ro, "worker": self.name, "pull_s": pull_s, "seconds": seconds,
-                "tokens": int(ro.completion_lengths().sum())}
+                "tokens": int(ro.completion_lengths().sum()), "swaps": self._swaps, "swap_s": self._swap_s}
 
     def close(self) -> None:
         """Shuts the agent's tool threads and processes (multi-turn rollouts); the actor is killed after."""
