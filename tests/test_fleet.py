@@ -419,14 +419,16 @@ def test_two_node_cluster_on_loopback_grows_and_shrinks_with_its_nodes(toy):
     events = lambda: [json.loads(x) for x in joins.read_text().splitlines()] if joins.exists() else []  # noqa: E731
     try:
         nodes.append(_ray_node(["--head", f"--port={port}", "--include-dashboard=false"], env))
+        hold.touch()  # no step ends (its rewards wait) until both nodes serve: under load the run could end first
         proc = _start(toy("elastic", "trainer.max_steps=7", "fleet.workers=1..2", f"fleet.ray_address=127.0.0.1:{port}",
                           "fleet.worker_cpus=0", "fleet.worker_resources={rollout: 1}", "fleet.max_staleness=0",
                           "fleet.lease_groups=1", "fleet.transfer_dtype=bfloat16",
                           f"rewards.functions=[{{name: '{toy.dir / 'reward.py'}:held_count_a'}}]"), RAY_TMPDIR=ray_tmp)
         nodes.append(_ray_node([f"--address=127.0.0.1:{port}"], env))
-        ups = _wait_for(lambda: _steps_done(out) >= 2 and len({e["node"] for e in events() if e["event"] == "up"}) == 2
-                        and events(), 240, "a worker up on each node and two steps", proc)
-        hold.touch()  # a step in progress waits (its rewards): both workers hold a lease when the node stops
+        ups = _wait_for(lambda: len({e["node"] for e in events() if e["event"] == "up"}) == 2 and events(), 240,
+                        "a worker up on each node", proc)
+        _wait_for(lambda: _ray_pids("ray::RolloutWorker.rollout", True, nodes[1:]), 120,
+                  "a lease on the second node's worker", proc)  # the node stops mid-lease
         second = next(e for e in ups if e["event"] == "up" and e["pid"] in _session(nodes[1]))
         _stop_node(nodes[1])
         _wait_for(lambda: any(e["event"] == "dropped" and e["name"] == second["name"] for e in events()), 30,
