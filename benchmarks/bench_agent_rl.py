@@ -11,7 +11,8 @@ trajectory, accuracy with and without a call, wall time per stage, seconds per R
 training), the share of groups with a learning signal, load average (1 min) at the start and end.
 
 The base model's accuracy is the same for every seed (same weights, same held-out set): evaluated once and
-reused (`--base-accuracy` skips it). Overrides go to one stage: `sft.optim.lr=1e-3`, `rl.rollout.temperature=1.0`;
+reused (`--base-accuracy` skips it); `--sft-model DIR` starts RL from an SFT export made before. Each stage
+runs in its own process (memory given back) and prints a JSON line when done. Overrides go to one stage: `sft.optim.lr=1e-3`, `rl.rollout.temperature=1.0`;
 `--tool-fraction` sets the SFT mix.
 
     python benchmarks/bench_agent_rl.py --seeds 0 1 2 [--sft-steps N] [--rl-steps N] [--eval-n N] [sft.KEY=V rl.KEY=V ...]
@@ -28,6 +29,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # also in the spawned stage processes
 RECIPE = REPO / "configs/agent_chain_sum_calculator.yaml"
 TASK = "reasoning_gym:chain_sum?size={n}&seed={seed}&min_terms=3&max_terms=4&min_digits=3&max_digits=3"
 HELDOUT_SEED = 1000
@@ -131,43 +133,96 @@ def rl_summary(res) -> dict:
             "train_reward_first_last": ends("reward/mean"), "train_tool_calls_first_last": ends("agent/tool_calls_mean")}
 
 
-def timed(fn, *args):
-    """`fn(*args)`, its wall seconds and this process's CPU seconds (all threads: on a shared machine the CPU
-    seconds, over ~1.3 busy cores, estimate a quiet machine's wall time)."""
-    t, c = time.perf_counter(), time.process_time()
-    out = fn(*args)
-    return out, round(time.perf_counter() - t, 1), round(time.process_time() - c, 1)
+def _child(fn, args, conn) -> None:
+    """Runs in the stage's process: sends (result, CPU seconds) or the traceback, then exits at once (the tool
+    and reward pools' threads would keep the interpreter from exiting; every file is written by then)."""
+    import traceback
+
+    c = time.process_time()
+    try:
+        conn.send(("ok", fn(*args), round(time.process_time() - c, 1)))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        conn.send(("error", traceback.format_exc(), 0.0))
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def in_fresh_process(fn, *args):
+    """`fn(*args)` in a fresh (spawned) process, so that each stage's memory is given back (one process for all
+    of them grew past 13 GB, beyond this 24 GB machine's share); the result, wall seconds and the child's CPU
+    seconds (all threads: on a shared machine they estimate a quiet machine's wall time, over ~1.3 busy cores)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    t = time.perf_counter()
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(fn, args, child))
+    proc.start()
+    child.close()
+    try:
+        status, out, cpu = parent.recv()
+    except EOFError:
+        status, out, cpu = "error", f"the stage's process died (exit code {proc.join() or proc.exitcode})", 0.0
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"stage {fn.__name__} failed:\n{out}")
+    return out, round(time.perf_counter() - t, 1), cpu
+
+
+def evaluate_stage(path: str, seed: int, args, heldout: Path) -> dict:
+    from posttrain.rl.loop import load_rl_config
+
+    return evaluate_model(path, load_rl_config(RECIPE, rl_overrides(Path(args.out) / f"seed{seed}", seed, args)), heldout)
+
+
+def sft_stage(yaml_path: Path, overrides: list[str]) -> str:
+    from posttrain.training.sft import load_sft_config, run_sft
+
+    return str(run_sft(load_sft_config(yaml_path, overrides)).hf_dir)
+
+
+def rl_stage(overrides: list[str]) -> dict:
+    from posttrain.rl.loop import load_rl_config, run_rl
+
+    res = run_rl(load_rl_config(RECIPE, overrides))
+    return {**rl_summary(res), "hf_dir": str(res.hf_dir)}
 
 
 def run_seed(seed: int, args, base: dict | None) -> dict:
     import yaml
 
-    from posttrain.rl.loop import load_rl_config, run_rl
-    from posttrain.training.sft import load_sft_config, run_sft
+    from posttrain.rl.loop import load_rl_config
 
     out = Path(args.out) / f"seed{seed}"
-    load_start, t0, c0 = os.getloadavg()[0], time.perf_counter(), time.process_time()
-    cfg = load_rl_config(RECIPE, rl_overrides(out, seed, args))
-    row: dict = {"seed": seed, **write_data(out, seed, args, cfg.data.system_prompt)}
+    load_start, t0 = os.getloadavg()[0], time.perf_counter()
+    system_prompt = load_rl_config(RECIPE, rl_overrides(out, seed, args)).data.system_prompt
+    row: dict = {"seed": seed, **write_data(out, seed, args, system_prompt)}
     heldout = out / "data" / "heldout.jsonl"
     wall, cpu = {}, {}
 
     def stage(name, fn, *a):
-        res, wall[name], cpu[name] = timed(fn, *a)
+        res, wall[name], cpu[name] = in_fresh_process(fn, *a)
+        shown = {k: v for k, v in res.items() if k != "example"} if isinstance(res, dict) else res
+        print(json.dumps({"seed": seed, "stage": name, "wall_s": wall[name], "cpu_s": cpu[name], "result": shown}),
+              flush=True)
         return res
 
     if base is None:
-        base = stage("eval_base", evaluate_model, "pypi:smollm2-135m-instruct", cfg, heldout)
+        base = stage("eval_base", evaluate_stage, "pypi:smollm2-135m-instruct", seed, args, heldout)
     row["base"] = base
-    (out / "sft.yaml").write_text(yaml.safe_dump(sft_config(out, seed, args), sort_keys=False))
-    sft = stage("sft", run_sft, load_sft_config(out / "sft.yaml", stage_overrides(args.overrides, "sft")))
-    row["sft"] = stage("eval_sft", evaluate_model, sft.hf_dir, cfg, heldout)
-    res = stage("rl", run_rl, load_rl_config(RECIPE, rl_overrides(out, seed, args, model=str(sft.hf_dir))))
-    row.update(rl_summary(res))
-    row["rl"] = stage("eval_rl", evaluate_model, res.hf_dir, cfg, heldout)
+    sft_dir = args.sft_model
+    if not sft_dir:
+        (out / "sft.yaml").write_text(yaml.safe_dump(sft_config(out, seed, args), sort_keys=False))
+        sft_dir = stage("sft", sft_stage, out / "sft.yaml", stage_overrides(args.overrides, "sft"))
+    row["sft"] = stage("eval_sft", evaluate_stage, sft_dir, seed, args, heldout)
+    rl = stage("rl", rl_stage, rl_overrides(out, seed, args, model=sft_dir))
+    row.update({k: v for k, v in rl.items() if k != "hf_dir"})
+    row["rl"] = stage("eval_rl", evaluate_stage, rl["hf_dir"], seed, args, heldout)
     row["gain_points_rl_over_sft"] = round(100 * (row["rl"]["accuracy"] - row["sft"]["accuracy"]), 1)
     row["wall_s"] = wall | {"total": round(time.perf_counter() - t0, 1)}
-    row["cpu_s"] = cpu | {"total": round(time.process_time() - c0, 1)}
+    row["cpu_s"] = cpu | {"total": round(sum(cpu.values()), 1)}
     row["load_avg_1min_start_end"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]
     return row
 
@@ -179,7 +234,7 @@ def table(rows: list[dict]) -> str:
         w = r["wall_s"]
         lines.append(f"{r['seed']:>4}  {r['base']['accuracy']:.3f}  {r['sft']['accuracy']:.3f}  {r['rl']['accuracy']:.3f}"
                      f"  {r['gain_points_rl_over_sft']:+5.1f}  {r['sft']['tool_calls']:.2f} -> {r['rl']['tool_calls']:.2f}"
-                     f"   {w['sft']:5.0f}  {w['rl']:4.0f}  {r['generation_s_per_step']:.1f}+{r['training_s_per_step']:.1f}"
+                     f"   {w.get('sft', 0):5.0f}  {w['rl']:4.0f}  {r['generation_s_per_step']:.1f}+{r['training_s_per_step']:.1f}"
                      f"  {w['total'] / 60:9.1f} ({r['cpu_s']['total'] / 60:.1f})  {r['load_avg_1min_start_end']}")
     return "\n".join(lines)
 
@@ -187,7 +242,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--sft-steps", type=int, default=30)
+    p.add_argument("--sft-steps", type=int, default=16)
     p.add_argument("--sft-batch", type=int, default=6, help="conversations per SFT step")
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--sft-examples", type=int, default=600, help="SFT conversations generated (cycled if fewer are needed)")
@@ -197,6 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-n", type=int, default=100, help="held-out problems")
     p.add_argument("--base-accuracy", type=float, default=None, help="the base model's held-out accuracy measured "
                    "before (skips evaluating it)")
+    p.add_argument("--sft-model", default=None, help="an SFT export to start RL from (skips the SFT stage)")
     p.add_argument("--out", default="/tmp/bench_agent_rl")
     p.add_argument("overrides", nargs="*", metavar="sft.KEY=V|rl.KEY=V")
     args = p.parse_args(argv)
@@ -221,5 +277,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())
