@@ -12,8 +12,8 @@ training), the share of groups with a learning signal, load average (1 min) at t
 
 The base model's accuracy is the same for every seed (same weights, same held-out set): evaluated once and
 reused (`--base-accuracy` skips it); `--sft-model DIR` starts RL from an SFT export made before. Each stage
-runs in its own process (memory given back) and prints a JSON line when done. Overrides go to one stage: `sft.optim.lr=1e-3`, `rl.rollout.temperature=1.0`;
-`--tool-fraction` sets the SFT mix.
+runs in its own process (memory given back) and prints a JSON line when done. Overrides go to one stage:
+`sft.optim.lr=1e-3`, `rl.rollout.temperature=1.0`; `--tool-fraction` sets the SFT mix.
 
     python benchmarks/bench_agent_rl.py --seeds 0 1 2 [--sft-steps N] [--rl-steps N] [--eval-n N] [sft.KEY=V rl.KEY=V ...]
 """
