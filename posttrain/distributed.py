@@ -593,7 +593,8 @@ class Watchdog:
     def _fail(self, what: str) -> None:
         if self._stop.is_set():
             return
-        print(peer_lost_message(what, self.me), file=sys.stderr, flush=True)
+        sys.stderr.flush()  # then the line in one write: the runtime's own log lines cannot land inside it
+        os.write(2, (peer_lost_message(what, self.me) + "\n").encode(errors="replace"))
         os._exit(1)
 
     def stop(self) -> None:

@@ -181,6 +181,14 @@ def test_supervisor_turns_jax_abort_into_one_line_naming_the_dead_process():
     for code in (1, -signal.SIGABRT):
         relay, out = _relay(JAX_ABORT[:300] + "\n" + ours + JAX_ABORT[300:])
         assert outcome(code, relay, settings) == 1 and out.getvalue().decode() == ours
+    # seen in a full-suite run: the runtime's warning written onto the end of our line, then its message's other
+    # lines (no log header of their own); the line is cut where the runtime's starts, and nothing after it passes
+    mine = ours.rstrip("\n")
+    glued = (f"{mine}W1126 17:59:30.870812   21324 preemption_sync_manager.cc:147] Failed: UNAVAILABLE: reset\n"
+             "Additional GRPC error information from remote target coordination_service while calling ...:\n"
+             ":UNKNOWN:Error received from peer  {grpc_status:14}. This is only expected if one of the tasks is\n")
+    relay, out = _relay(glued)
+    assert outcome(1, relay, settings) == 1 and out.getvalue().decode() == ours
     # a child that ends normally after runtime warnings: nothing is lost
     relay, out = _relay("W1125 14:40:32.492722   10245 preemption_sync_manager.cc:147] Failed to retrieve\nafter\n")
     assert out.getvalue() == b"" and outcome(0, relay, settings) == 0

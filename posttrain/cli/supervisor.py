@@ -31,6 +31,7 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # absl log lines ("E1125 14:39:46.596427  8838 file.cc:289] ...") from JAX's distributed runtime
 _RUNTIME_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ (coordination\S*|client\.(h|cc)|preemption\S*|service\.cc|"
                            r"distributed\S*|grpc\S*):\d+\]")
+_LOG_HEADER = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]")  # any absl line's start
 _ADOPTED = {"child": False}
 
 
@@ -74,10 +75,16 @@ class StderrRelay:
 
     def take(self, line: bytes) -> None:
         text = line.decode(errors="replace")
-        ours = text.startswith(("error: ", "posttrain: "))
-        self.verdict = self.verdict or (ours and text.startswith("error: multi-host run:"))
-        if not ours and (_RUNTIME_LINE.match(text) or "Terminating process because" in text):
+        ours = text.startswith(("error: ", "posttrain: ")) and not self.verdict
+        if ours and (glued := _LOG_HEADER.search(text, 7)):  # the runtime's log line written onto the end of ours
+            self.take(text[: glued.start()].encode() + b"\n")
             self.holding = True
+            self.held.append(text[glued.start():].encode())
+            return
+        # after our verdict line the process is ending: whatever the runtime still writes is held back
+        if self.verdict or (not ours and (_RUNTIME_LINE.match(text) or "Terminating process because" in text)):
+            self.holding = True
+        self.verdict = self.verdict or (ours and text.startswith("error: multi-host run:"))
         if self.debug or ours or not self.holding:
             self.write(line)
         else:
