@@ -225,6 +225,7 @@ def main(argv=None) -> int:
         return 0
     repeats = args.repeats
 
+    import jax
     from rich.console import Console
     from rich.table import Table
 
@@ -284,7 +285,8 @@ def main(argv=None) -> int:
                               steps_cont=s2.last_stats["decode_steps"], steps_static=steps_static,
                               prefills=s2.last_stats["prefill_calls"]))
 
-    t1 = Table(title=f"Case 1: 16 prompts x {PROMPT_LEN} tokens, {NEW} new tokens, greedy, no stop (CPU)")
+    t1 = Table(title=f"Case 1: 16 prompts x {PROMPT_LEN} tokens, {NEW} new tokens, greedy, no stop (ours on "
+              f"{jax.default_backend()}, transformers on CPU)")
     for col in ("engine", "seconds", "tokens/s", "ratio"):
         t1.add_column(col, justify="right")
     hf_name = f"transformers generate (torch, {hf_threads} thread{'s' if hf_threads > 1 else ''})"

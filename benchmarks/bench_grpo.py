@@ -387,7 +387,8 @@ def main(argv=None) -> int:
                               f"{r['loadavg'][1]:.1f})")
 
     med = statistics.median
-    table = Table(title=f"GRPO step, CPU float32: Llama-shaped vocab {VOCAB}, hidden {HIDDEN}, mlp {INTER}, "
+    platform = os.environ.get("JAX_PLATFORMS") or "cpu"
+    table = Table(title=f"GRPO step, {platform} float32: Llama-shaped vocab {VOCAB}, hidden {HIDDEN}, mlp {INTER}, "
                         f"{LAYERS} layers, {HEADS}/{KV} heads x {HEAD_DIM}; {N_PROMPTS} prompts x {GROUP} "
                         f"completions <= {MAX_NEW} new tokens; beta 0; 1 update/step. Medians of {args.steps} "
                         f"steps after {args.warmup} warm-up" + (f", x {args.rounds} rounds" if args.rounds > 1 else ""))

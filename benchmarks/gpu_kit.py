@@ -17,7 +17,9 @@ travels must stay under 64 MiB). Ray is left out (its wheel alone is ~70 MB; the
            transformers, the generic kernel set) and cuDNN flash attention against XLA's attention;
   accel    benchmarks/bench_accel.py (SFT MFU, decode vs the bandwidth roofline, the same work in PyTorch);
   generate benchmarks/bench_generate.py (ours vs transformers' generate);
-  grpo     benchmarks/bench_grpo.py --no-trl (GRPO step seconds, rollout vs train).
+  grpo     benchmarks/bench_grpo.py --no-trl (GRPO step seconds, rollout vs train);
+  continuation  benchmarks/bench_agent_continuation.py (a 4-turn rollout vs one 4x-longer generation).
+Every step runs with JAX_PLATFORMS=--platform (cuda): the benchmarks default to cpu otherwise.
 Each step's exit code, seconds and parsed figures go into gpu_figures.json, so a partial run still reports.
 """
 
@@ -39,6 +41,7 @@ LIMIT_MIB = 64
 KIT = [
     "flax==0.12.12", "grain==0.2.18", "array-record==0.8.6", "portpicker==1.6.0", "qwix==0.1.8",
     "math-verify==0.9.0", "latex2sympy2_extended==1.11.0", "antlr4-python3-runtime==4.13.2", "gguf==0.19.0",
+    "pebble==5.2.3",
     "tensorboardX==2.6.5",
 ]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -138,17 +141,20 @@ def run(args) -> int:
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels], check=True)
-    env = dict(os.environ, PYTHONPATH=f"{SITE}:{ROOT}", PYTHONUNBUFFERED="1", POSTTRAIN_COMPILE_CACHE="0")
-    env.pop("JAX_PLATFORMS", None)
+    # every step on the accelerator: the benchmarks default JAX_PLATFORMS to cpu (for this 2-core machine), so
+    # leaving it unset there measured the GPU machine's CPU (the generate and grpo figures of 2026-11-25)
+    env = dict(os.environ, PYTHONPATH=f"{SITE}:{ROOT}", PYTHONUNBUFFERED="1", POSTTRAIN_COMPILE_CACHE="0",
+               JAX_PLATFORMS=args.platform)
     py = sys.executable
     steps = {
         "env": ([py, "-c", ENV_SNIPPET], 120),
         "checks": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_model_parity.py",
                     "tests/test_layers.py", "-k", "bfloat16 or logits_match or packed"], 900),
         "cudnn": ([py, "-c", CUDNN_SNIPPET], 300),
-        "accel": ([py, "benchmarks/bench_accel.py", "--json", str(out / "accel.json")], 1200),
         "generate": ([py, "benchmarks/bench_generate.py", "--repeats", "3"], 900),
         "grpo": ([py, "benchmarks/bench_grpo.py", "--no-trl", "--no-peak", "--steps", "5"], 900),
+        "continuation": ([py, "benchmarks/bench_agent_continuation.py", "--repeats", "3"], 600),
+        "accel": ([py, "benchmarks/bench_accel.py", "--json", str(out / "accel.json")], 1200),
     }
     only = set(args.only or steps)
     figures = {}
@@ -156,11 +162,7 @@ def run(args) -> int:
         for name, (cmd, limit) in steps.items():
             if name not in only:
                 continue
-            if name == "checks":  # the tests' conftest pins CPU unless told otherwise
-                env_step = dict(env, JAX_PLATFORMS="cuda")
-            else:
-                env_step = env
-            figures[name] = _step(name, cmd, env_step, log, limit)
+            figures[name] = _step(name, cmd, env, log, min(limit, args.step_limit))
             (out / "gpu_figures.json").write_text(json.dumps(figures, indent=1))
     if (out / "accel.json").exists():
         figures["accel"]["result"] = json.loads((out / "accel.json").read_text())
@@ -174,7 +176,9 @@ def main(argv=None) -> int:
     sub.add_parser("build", help="download the kit's wheels into .whl/ and check the size")
     r = sub.add_parser("run", help="on the GPU machine: install the kit, run checks and benchmarks")
     r.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
-    r.add_argument("--only", nargs="+", choices=["env", "checks", "cudnn", "accel", "generate", "grpo"])
+    r.add_argument("--only", nargs="+", choices=["env", "checks", "cudnn", "accel", "generate", "grpo", "continuation"])
+    r.add_argument("--platform", default="cuda", help="JAX_PLATFORMS for every step (cuda, tpu)")
+    r.add_argument("--step-limit", type=int, default=1200, help="seconds at most for any one step")
     args = ap.parse_args(argv)
     return build(args) if args.cmd == "build" else run(args)
 
