@@ -99,8 +99,24 @@ def _result(**kw) -> None:
     print("RESULT " + json.dumps(kw), flush=True)
 
 
-def generate_worker_ours(path: Path) -> None:
-    """posttrain: load, then two identical generate calls; the persistent cache of $POSTTRAIN_COMPILE_CACHE."""
+def _timed_calls(call, n: int) -> list[float]:
+    """Seconds of each of `n` (>= 1) successive calls of `call`."""
+    times = []
+    for _ in range(max(1, n)):
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _steady_field(times: list[float]) -> dict:
+    """{"steady": times} when more than one steady-state call was asked for (the default result is unchanged)."""
+    return {"steady": times} if len(times) > 1 else {}
+
+
+def generate_worker_ours(path: Path, steady: int = 1) -> None:
+    """posttrain: load, then two identical generate calls; the persistent cache of $POSTTRAIN_COMPILE_CACHE.
+    `steady` > 1: that many calls after the first (`second` is the first of them, `steady` all their seconds)."""
     t0 = time.perf_counter()
     import jax  # noqa: F401
 
@@ -120,10 +136,9 @@ def generate_worker_ours(path: Path) -> None:
     out = sampler.generate(prompts, params)
     t3 = time.perf_counter()
     log.phase = "second"
-    sampler.generate(prompts, params)
-    t4 = time.perf_counter()
-    _result(imports=t1 - t0, load=t2 - t1, first=t3 - t2, second=t4 - t3, compiles=log.rows,
-            tokens=[list(map(int, c.token_ids)) for c in out])
+    times = _timed_calls(lambda: sampler.generate(prompts, params), steady)
+    _result(imports=t1 - t0, load=t2 - t1, first=t3 - t2, second=times[0], compiles=log.rows,
+            tokens=[list(map(int, c.token_ids)) for c in out], **_steady_field(times))
 
 
 class IdTokenizer:
@@ -180,8 +195,9 @@ def _jax_cache_off() -> None:
     jax.config.update("jax_enable_compilation_cache", False)
 
 
-def generate_worker_tunix(path: Path, keep_rope: bool) -> None:
-    """Tunix: load the same checkpoint, then two identical sampler calls; JAX's persistent cache off."""
+def generate_worker_tunix(path: Path, keep_rope: bool, steady: int = 1) -> None:
+    """Tunix: load the same checkpoint, then two identical sampler calls; JAX's persistent cache off.
+    `steady` > 1: that many calls after the first, as in `generate_worker_ours`."""
     t0 = time.perf_counter()
     import jax  # noqa: F401
     from tunix.generate import sampler as tsampler
@@ -207,10 +223,9 @@ def generate_worker_tunix(path: Path, keep_rope: bool) -> None:
     out = call()
     t3 = time.perf_counter()
     log.phase = "second"
-    call()
-    t4 = time.perf_counter()
-    _result(imports=t1 - t0, load=t2 - t1, first=t3 - t2, second=t4 - t3, compiles=log.rows,
-            tokens=[list(map(int, t)) for t in out.tokens])
+    times = _timed_calls(call, steady)
+    _result(imports=t1 - t0, load=t2 - t1, first=t3 - t2, second=times[0], compiles=log.rows,
+            tokens=[list(map(int, t)) for t in out.tokens], **_steady_field(times))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,6 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write every run's raw measurements (and compile events) here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--path", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--steady", type=int, default=1, help=argparse.SUPPRESS)  # steady-state calls/steps (workers)
     args = ap.parse_args(argv)
     if args.worker:
         WORKERS[args.worker](args)
@@ -378,11 +394,12 @@ def grpo_prepare(folder: Path) -> Path:
     return folder
 
 
-def grpo_worker_ours(folder: Path) -> None:
+def grpo_worker_ours(folder: Path, steady: int = 1) -> None:
     """posttrain: `bench_grpo.run_ours` (run_rl, 2 steps: 8 prompts x 4, <= 64 new tokens, temperature 1,
     beta 0, one AdamW update per step), persistent cache of $POSTTRAIN_COMPILE_CACHE. first = step 1's
     rollout + train seconds (the loop's own clocks); load = run_rl's set-up before step 1 (model load,
-    optimizer, rollout source); second = step 2, wall-clock between step ends."""
+    optimizer, rollout source); second = step 2, wall-clock between step ends. `steady` > 1: that many steps
+    after step 1 (`steady` = their wall-clock seconds)."""
     t0 = time.perf_counter()
     import jax  # noqa: F401
 
@@ -401,10 +418,10 @@ def grpo_worker_ours(folder: Path) -> None:
 
     metrics_lib.MetricsLogger.advance = advance
     t1 = time.perf_counter()
-    r = bench_grpo.run_ours(folder, folder / "prompts.jsonl", warmup=1, steps=1)
+    r = bench_grpo.run_ours(folder, folder / "prompts.jsonl", warmup=1, steps=max(1, steady))
     first = r["warmup"][0]
     _result(imports=t1 - t0, load=ends[0] - t1 - first, first=first, second=r["step"][0], compiles=log.rows,
-            completion_length=r["length_mean"], loss=r["loss"])
+            completion_length=r["length_mean"], loss=r["loss"], **_steady_field(r["step"]))
 
 
 class WordTokenizer:
@@ -432,10 +449,11 @@ class WordTokenizer:
         return self.hf.pad_token_id
 
 
-def grpo_worker_tunix(folder: Path, keep_rope: bool) -> None:
+def grpo_worker_tunix(folder: Path, keep_rope: bool, steady: int = 1) -> None:
     """Tunix: `GRPOLearner` on an `RLCluster` (vanilla rollout, actor = rollout on one 1x1 mesh, no reference
     model as beta is 0), 2 steps of the same work; JAX's persistent cache off. load = model from safetensors
-    + RLCluster + GRPOLearner; first / second = `learner.train` start -> end of global step 1 -> step 2."""
+    + RLCluster + GRPOLearner; first / second = `learner.train` start -> end of global step 1 -> step 2.
+    `steady` > 1: that many global steps after step 1 (`steady` = seconds between their ends)."""
     t0 = time.perf_counter()
     import jax
     import optax
@@ -456,7 +474,7 @@ def grpo_worker_tunix(folder: Path, keep_rope: bool) -> None:
     prompt_len = max(len(tok.encode(p)) for p in prompts)
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     model = tparams.create_model_from_safe_tensors(str(folder), tunix_llama_config(folder), mesh=mesh)
-    steps = 2
+    steps = 1 + max(1, steady)
     train_cfg = rlc.RLTrainingConfig(
         actor_optimizer=optax.chain(optax.clip_by_global_norm(1.0),
                                     optax.adamw(bench_grpo.LR, weight_decay=0.0)),
@@ -496,14 +514,15 @@ def grpo_worker_tunix(folder: Path, keep_rope: bool) -> None:
         raise RuntimeError(f"Tunix ran {len(ends)} global steps, {cluster.actor_trainer.train_steps} updates; "
                            f"expected {steps}")
     _result(imports=t1 - t0, load=t2 - t1, first=ends[0] - t2, second=ends[1] - ends[0], compiles=log.rows,
-            completion_length=float(np.mean(lengths)), prompt_len=prompt_len)
+            completion_length=float(np.mean(lengths)), prompt_len=prompt_len,
+            **_steady_field([b - a for a, b in zip(ends, ends[1:])]))
 
 
 WORKERS = {
-    "generate-ours": lambda a: generate_worker_ours(a.path),
-    "generate-tunix": lambda a: generate_worker_tunix(a.path, a.tunix_rope_1e6),
-    "grpo-ours": lambda a: grpo_worker_ours(a.path),
-    "grpo-tunix": lambda a: grpo_worker_tunix(a.path, a.tunix_rope_1e6),
+    "generate-ours": lambda a: generate_worker_ours(a.path, a.steady),
+    "generate-tunix": lambda a: generate_worker_tunix(a.path, a.tunix_rope_1e6, a.steady),
+    "grpo-ours": lambda a: grpo_worker_ours(a.path, a.steady),
+    "grpo-tunix": lambda a: grpo_worker_tunix(a.path, a.tunix_rope_1e6, a.steady),
 }
 
 
