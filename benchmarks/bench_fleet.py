@@ -171,6 +171,8 @@ def random_weights(shapes: dict[str, tuple], part: int = 0, parts: int = 1) -> d
 
 
 def _chunks(part: dict, chunk_bytes: int):
+    from posttrain.rl.fleet.shards import to_wire
+
     """Chunks of `part`'s blocks, taken out of `part` as they go (the caller keeps only the current chunk)."""
     chunk, size = [], 0
     for path in list(part):
@@ -178,7 +180,7 @@ def _chunks(part: dict, chunk_bytes: int):
         if chunk and size + block.nbytes > chunk_bytes:
             yield chunk
             chunk, size = [], 0
-        chunk.append((path, shape, index, block))
+        chunk.append((path, shape, index, *to_wire(block)))  # bfloat16 as uint16: read in place, never copied
         size += block.nbytes
     if chunk:
         yield chunk
@@ -246,7 +248,7 @@ def transfer_costs(models=tuple(QWEN25), workers=(1, 4), parts: int = 2) -> list
             t0 = time.perf_counter()
             try:
                 pulls = ray.get([pl.pull.remote(ps) for pl in pullers[:w]])
-            except ray.exceptions.RayActorError as e:  # e.g. the OOM killer on a machine short of memory
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:  # a machine short of memory
                 print(f"{name}, {w} workers: a worker died while pulling ({type(e).__name__}); skipped", flush=True)
                 break
             out.append({"model": name, "params_b": params / 1e9, "workers": w, "trainer_parts": parts,

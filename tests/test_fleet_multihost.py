@@ -63,6 +63,32 @@ print("ok")
 """
 
 
+def test_bfloat16_blocks_travel_out_of_band_and_arrive_as_views():
+    """Ray serves a numpy block in place from the node's object store only when pickle protocol 5 sends it out
+    of band; numpy pickles ml_dtypes arrays in-band, so a bfloat16 block would be copied into every worker."""
+    import pickle
+
+    import ml_dtypes
+    import numpy as np
+
+    from posttrain.rl.fleet.shards import assemble, local_chunks
+
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    flat = {"a": w, "b": np.ones(5, np.int32)}
+    chunks = list(local_chunks(flat, dtype=ml_dtypes.bfloat16))
+    buffers = []
+    data = pickle.dumps(chunks, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 2  # every block out of band
+    back = pickle.loads(data, buffers=[memoryview(b).toreadonly() for b in buffers])  # as Ray's store hands them
+    out = assemble(back)
+    assert out["a"].dtype == ml_dtypes.bfloat16 and not out["a"].flags.writeable  # a view of the store's bytes
+    np.testing.assert_array_equal(out["a"].astype(np.float32), w)
+    assert out["b"].dtype == np.int32
+    plain = []
+    pickle.dumps(w.astype(ml_dtypes.bfloat16), protocol=5, buffer_callback=plain.append)
+    assert plain == []  # why: numpy keeps an ml_dtypes array in-band
+
+
 @pytest.mark.slow  # a JAX process of 8 CPU devices
 def test_blocks_are_published_once_and_assemble_to_the_whole_weights():
     import subprocess

@@ -11,8 +11,11 @@ publishes again at once). A worker gets every chunk of a version (numpy blocks r
 object store, which every worker on the node shares) and `assemble`s the full arrays for its own model and
 mesh, which need not be the trainer's.
 
-A chunk is a list of entries `(path, shape, index, block)`: `index` is `((start, stop), ...)` per axis of the
-weight's full `shape`.
+A chunk is a list of entries `(path, shape, index, block, dtype)`: `index` is `((start, stop), ...)` per axis of
+the weight's full `shape`. A block travels in one of numpy's own dtypes: numpy pickles an array of an ml_dtypes
+type (bfloat16, float8) in-band, so Ray would hand every reader its own copy of it; such a block is sent as
+unsigned ints of its width with the dtype's name in `dtype` (else `""`) and viewed back, still in place, on
+arrival.
 """
 
 from __future__ import annotations
@@ -23,26 +26,43 @@ import numpy as np
 
 from posttrain.models.weights import flat_weights
 
-__all__ = ["CHUNK_BYTES", "local_chunks", "put_chunks", "assembled", "assemble"]
+__all__ = ["CHUNK_BYTES", "local_chunks", "put_chunks", "assembled", "assemble", "to_wire", "from_wire"]
 
 CHUNK_BYTES = 256 * 2**20  # one object in the store: large enough to stream well, small enough to pipeline
 
 
+def to_wire(block: np.ndarray) -> tuple[np.ndarray, str]:
+    """`(block, "")` for numpy's own dtypes; an ml_dtypes block viewed as unsigned ints of its width, with its
+    dtype's name (numpy pickles those out of band, so the object store serves them in place)."""
+    if block.dtype.kind != "V":
+        return block, ""
+    return np.ascontiguousarray(block).view(np.dtype(f"u{block.dtype.itemsize}")), block.dtype.name
+
+
+def from_wire(block: np.ndarray, dtype: str) -> np.ndarray:
+    """The block `to_wire` sent, in its own dtype again (a view: no copy)."""
+    if not dtype:
+        return block
+    import ml_dtypes
+
+    return block.view(getattr(ml_dtypes, dtype))
+
+
 def _blocks(path: str, x, dtype):
-    """(path, shape, index, block) of every block of `x` this process publishes."""
+    """(path, shape, index, block, dtype) of every block of `x` this process publishes (see `to_wire`)."""
     def cast(a):
         a = np.asarray(a)
-        return a.astype(dtype) if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating) else a
+        return to_wire(a.astype(dtype) if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating) else a)
 
     shape = tuple(int(s) for s in np.shape(x))
     if not isinstance(x, jax.Array):
-        yield path, shape, tuple((0, s) for s in shape), cast(x)
+        yield path, shape, tuple((0, s) for s in shape), *cast(x)
         return
     for sh in x.addressable_shards:
         if sh.replica_id != 0:
             continue
         index = tuple(sl.indices(s)[:2] for sl, s in zip(sh.index, shape))
-        yield path, shape, index, cast(jax.device_get(sh.data))
+        yield path, shape, index, *cast(jax.device_get(sh.data))
 
 
 def local_chunks(params, dtype=None, chunk_bytes: int = CHUNK_BYTES):
@@ -78,8 +98,8 @@ def assembled(chunks):
     array. Blocks missing are an error (a version is recorded complete only with every process's chunks)."""
     parts: dict[str, list[tuple]] = {}
     for chunk in chunks:
-        for path, shape, index, block in chunk:
-            parts.setdefault(path, []).append((tuple(shape), tuple(tuple(i) for i in index), block))
+        for path, shape, index, block, dtype in chunk:
+            parts.setdefault(path, []).append((tuple(shape), tuple(tuple(i) for i in index), from_wire(block, dtype)))
     for path, blocks in parts.items():
         shape = blocks[0][0]
         if len(blocks) == 1 and all(i == (0, s) for i, s in zip(blocks[0][1], shape)):
