@@ -18,8 +18,9 @@ Where one parameter server stops scaling, and what then. The parameter server mo
 references, one `latest()` call per lease (the calls per second it answers are measured here: at ~10^3
 per second, 512 workers may each lease every half second; with `fleet.swap: segment` each worker also asks
 between segments, at most every 50 ms, which at 512 workers is up to 10^4 calls a second: beyond one server,
-so at that size the check interval has to grow with the fleet, not built). The bytes go from each trainer host's object store to each worker
-node once (workers on a node share the node's copy), so a trainer host sends nodes x bytes / T per version
+so at that size the check interval has to grow with the fleet, not built). The bytes go from each trainer
+host's object store to each worker node once (workers on a node share the node's copy), so a trainer host
+sends nodes x bytes / T per version
 (T trainer hosts, each publishing its own blocks) and a node receives the whole version. At 512 workers
 (64 nodes of 8) and 1.5 B parameters in bf16 (3.1 GB) over 100 Gb/s NICs that is 16 s per version from a
 single trainer host, 2 s from 8; a node's own ingress is 0.25 s. One store per trainer host therefore stops

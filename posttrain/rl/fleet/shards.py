@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from posttrain.models.weights import flat_weights
@@ -33,7 +34,7 @@ CHUNK_BYTES = 256 * 2**20  # one object in the store: large enough to stream wel
 
 def to_wire(block: np.ndarray) -> tuple[np.ndarray, str]:
     """`(block, "")` for numpy's own dtypes; an ml_dtypes block viewed as unsigned ints of its width, with its
-    dtype's name (numpy pickles those out of band, so the object store serves them in place)."""
+    dtype's name (numpy pickles unsigned ints out of band, so the object store serves them in place)."""
     if block.dtype.kind != "V":
         return block, ""
     return np.ascontiguousarray(block).view(np.dtype(f"u{block.dtype.itemsize}")), block.dtype.name
@@ -41,11 +42,7 @@ def to_wire(block: np.ndarray) -> tuple[np.ndarray, str]:
 
 def from_wire(block: np.ndarray, dtype: str) -> np.ndarray:
     """The block `to_wire` sent, in its own dtype again (a view: no copy)."""
-    if not dtype:
-        return block
-    import ml_dtypes
-
-    return block.view(getattr(ml_dtypes, dtype))
+    return block.view(getattr(ml_dtypes, dtype)) if dtype else block
 
 
 def _blocks(path: str, x, dtype):
