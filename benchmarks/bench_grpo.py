@@ -97,6 +97,18 @@ def write_prompts(path: Path, prompts: list[str]) -> Path:
     return path
 
 
+def train_flops(completion_len: int = MAX_NEW) -> float:
+    """Model FLOPs of one update (forward + backward = 3x forward) on the padded batch: every sequence is the prompt
+    plus `completion_len` positions. Layers: 2 x their weights per position; attention: 4 x heads x head_dim x
+    sequence length per position (q.k and p.v over the whole row); the LM head: 2 x its weights at the completion
+    positions only (where the loss reads log-probs)."""
+    seqs, length = N_PROMPTS * GROUP, PROMPT_WORDS + completion_len
+    layer_weights = HIDDEN * (HEADS + 2 * KV) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * INTER
+    forward = seqs * length * (2 * LAYERS * layer_weights + 4 * LAYERS * HEADS * HEAD_DIM * length)
+    forward += seqs * completion_len * 2 * HIDDEN * VOCAB
+    return 3 * forward
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # workers (each in its own process)
 # ---------------------------------------------------------------------------------------------------------------
@@ -418,6 +430,12 @@ def main(argv=None) -> int:
                      f"(generate) = model.generate alone (wrapped on the model instance); train = step - rollout. "
                      f"torch threads {r['torch_threads']}; activation checkpointing "
                      f"{'on' if r['checkpointing'] else 'off'}; last loss {r['loss']:.3g}.")
+    if peak and "ours" in res:
+        flops, tr = train_flops(), med(res["ours"]["train"])
+        notes.append(f"ours, the update: {flops / 1e9:.1f} GFLOP (forward + backward on {N_PROMPTS * GROUP} x "
+                     f"{PROMPT_WORDS + MAX_NEW} positions, the LM head on the completions' only) in {tr:.2f} s = "
+                     f"{flops / tr / 1e9:.0f} GFLOP/s, {flops / tr / peak['jax']:.0%} of jax's 2048^3 matmul rate; "
+                     f"at 100% of it the update would take {flops / peak['jax']:.2f} s.")
     if peak:
         notes.append(f"float32 2048^3 matmul: jax.jit {peak['jax'] / 1e9:.0f} GFLOP/s, torch "
                      f"{peak['torch'] / 1e9:.0f} GFLOP/s ({peak['torch_threads']} threads); {os.cpu_count()} CPU "
