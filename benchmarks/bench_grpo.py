@@ -35,8 +35,10 @@ an empty persistent compilation cache (cold) and then with the cache the first f
 
 `--pack` runs ours twice per round, `learner.pack=false` then `true` (each in a fresh process), and prints the
 padding the packed update saved (real tokens / cells computed, packed vs padded) and the packed/padded ratios.
+`--share-prompts` does the same with `learner.share_prompts=true` in place of `learner.pack=true` (rows may hold
+one prompt and several of its completions: each group's prompt goes through the layers once a row).
 
-    python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--rounds 1] [--torch-threads N] [--pack]
+    python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--rounds 1] [--torch-threads N] [--pack | --share-prompts]
                                     [--trl-checkpointing] [--no-trl] [--no-ours] [--no-peak] [--first-call]
 """
 
@@ -142,7 +144,7 @@ def run_peak(threads: int, n: int = 2048, reps: int = 5) -> dict:
     return {"jax": jax_rate, "torch": 2 * n**3 / best, "torch_threads": torch.get_num_threads()}
 
 
-def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int, pack: bool | None = None) -> dict:
+def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int, pack: bool | str | None = None) -> dict:
     from posttrain.rl.loop import load_rl_config, run_rl
     from posttrain.training import metrics as metrics_lib
 
@@ -168,7 +170,8 @@ def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int, pack: bo
             f"optim.lr={LR}", "optim.decay=constant", "optim.weight_decay=0.0", "optim.clip_norm=1.0",
             f"trainer.max_steps={total}", "trainer.save_every=0", "trainer.progress=false", "eval.at_start=false",
             "export_hf=false", "data.chat=false",
-        ] + ([] if pack is None else [f"learner.pack={str(pack).lower()}"]))
+        ] + ([] if pack is None else ["learner.share_prompts=true"] if pack == "shared"
+             else [f"learner.pack={str(pack).lower()}"]))
         t_start = time.perf_counter()
         result = run_rl(cfg)
         t_total = time.perf_counter() - t_start
@@ -295,7 +298,7 @@ def worker(kind: str, folder: Path, warmup: int, steps: int, threads: int, check
     if kind == "peak":
         out = run_peak(threads)
     elif kind.startswith("ours"):  # ours, ours-packed (learner.pack=true), ours-padded (learner.pack=false)
-        pack = {"ours": None, "ours-packed": True, "ours-padded": False}[kind]
+        pack = {"ours": None, "ours-packed": True, "ours-padded": False, "ours-shared": "shared"}[kind]
         out = run_ours(folder, folder / "prompts.jsonl", warmup, steps, pack)
     else:
         prompts = [json.loads(line)["prompt"] for line in (folder / "prompts.jsonl").read_text().splitlines()]
@@ -354,7 +357,10 @@ def main(argv=None) -> int:
     p.add_argument("--pack", action="store_true",
                    help="run ours twice per round, learner.pack=false then true (interleaved), and report both "
                         "with the padding the packed update saved")
-    p.add_argument("--worker", choices=["ours", "ours-packed", "ours-padded", "trl", "peak"], help=argparse.SUPPRESS)
+    p.add_argument("--share-prompts", action="store_true",
+                   help="as --pack, with learner.share_prompts=true (shared-prompt rows) in place of learner.pack=true")
+    p.add_argument("--worker", choices=["ours", "ours-packed", "ours-padded", "ours-shared", "trl", "peak"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.worker and (args.steps < 1 or args.warmup < 1 or args.rounds < 1):
@@ -385,7 +391,8 @@ def main(argv=None) -> int:
                     console.print(f"first GRPO step (rollout + train), fresh process, {kind} compilation cache: "
                                   f"{first[kind][0]:.2f} s (second step {first[kind][1]:.2f} s; whole run_rl "
                                   f"{first[kind][2]:.1f} s)")
-        ours = ["ours-padded", "ours-packed"] if args.pack else ["ours"]
+        ours = (["ours-padded", "ours-shared"] if args.share_prompts else ["ours-padded", "ours-packed"] if args.pack
+                else ["ours"])
         kinds = [k for k, skip in ((o, args.no_ours) for o in ours) if not skip] + ([] if args.no_trl else ["trl"])
         for rnd in range(args.rounds):
             for kind in kinds:
@@ -408,7 +415,8 @@ def main(argv=None) -> int:
                 "compl. len", "truncated", "reward", "warm-up s", "load avg"):
         table.add_column(col, justify="left" if col == "system" else "right")
     names = {"ours": "posttrain run_rl (JAX)", "ours-padded": "posttrain, padded batch",
-             "ours-packed": "posttrain, packed batch", "trl": "TRL GRPOTrainer (torch)"}
+             "ours-packed": "posttrain, packed batch", "ours-shared": "posttrain, shared-prompt rows",
+             "trl": "TRL GRPOTrainer (torch)"}
     for kind, r in res.items():
         s, ro, tr = med(r["step"]), med(r["rollout"]), med(r["train"])
         gen = f"{med(r['generate']):.2f}" if "generate" in r else "-"
@@ -451,19 +459,19 @@ def main(argv=None) -> int:
     notes.append(f"total benchmark time {time.perf_counter() - t0:.0f} s.")
     for kind, (f0, f1, total) in first.items():
         notes.append(f"ours, first step in a fresh process, {kind} compilation cache: {f0:.2f} s (then {f1:.2f} s)")
-    if "ours-packed" in res:
-        k = res["ours-packed"]
+    for kp in [k for k in ("ours-packed", "ours-shared") if k in res]:
+        k = res[kp]
         saved = 1 - k["packed_cells"] / k["padded_cells"]
-        notes.append(f"packed update: {k['tokens']} real tokens in {k['packed_cells']} cells packed vs "
+        notes.append(f"{kp}: {k['tokens']} tokens computed in {k['packed_cells']} cells packed vs "
                      f"{k['padded_cells']} padded ({saved:.0%} of the padded forward's cells saved; fill "
                      f"{k['tokens'] / k['packed_cells']:.0%} packed, {k['tokens'] / k['padded_cells']:.0%} padded)")
         if "ours-padded" in res:
-            p_, k_ = res["ours-padded"], res["ours-packed"]
-            notes.append(f"packed / padded, same run (medians): train s {med(k_['train']) / med(p_['train']):.2f}, "
+            p_, k_ = res["ours-padded"], res[kp]
+            notes.append(f"{kp} / ours-padded, same run (medians): train s {med(k_['train']) / med(p_['train']):.2f}, "
                          f"step s {med(k_['step']) / med(p_['step']):.2f}")
     for n in notes:
         console.print(n)
-    for o in [k for k in ("ours", "ours-padded", "ours-packed") if k in res]:
+    for o in [k for k in ("ours", "ours-padded", "ours-packed", "ours-shared") if k in res]:
         if "trl" in res:
             ratio = med(res["trl"]["step"]) / med(res[o]["step"])
             print(f"ratio (TRL s/step / {o} s/step): {ratio:.2f} (target >= 2)")

@@ -174,3 +174,137 @@ def test_learner_packed_update_equals_padded():
         assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
     for a, b in zip(p0, p1):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- shared-prompt rows
+GROUP_PROMPTS = (7, 12)  # two groups of three completions, each group sharing its prompt
+
+
+def _group_batch(seed=0, comps=(6, 2, 11, 4, 1, 9)):
+    """`_batch`'s fields for two groups of three sequences with one prompt per group (GRPO's layout)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in GROUP_PROMPTS]
+    completions = [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in comps]
+    ro = Rollouts(group_size=3, record_index=[0, 0, 0, 1, 1, 1], prompt_ids=[prompts[i // 3] for i in range(6)],
+                  completion_ids=completions, logprobs=[(-rng.uniform(0.5, 4.0, size=n)).tolist() for n in comps],
+                  finish_reasons=["stop"] * 6, texts=[""] * 6, prompts_text=[""] * 6,
+                  rewards=np.zeros(6, np.float32), per_reward={}, reward_stats={})
+    b = build_rl_batch(ro, np.array([0.9, -0.4, -0.5, 1.2, 0.3, -1.5], np.float32), multiple=8)
+    mask = b.loss_mask.copy()
+    mask[0, 2:4] = 0.0  # appended tool tokens inside a completion: not projected, not learned
+    mask[3, 0] = 0.0  # a completion whose first token is not learned
+    ref = (b.behaviour_logp + rng.uniform(-0.3, 0.3, size=mask.shape)).astype(np.float32)
+    old = (b.behaviour_logp + rng.uniform(-0.2, 0.2, size=mask.shape)).astype(np.float32)
+    return b.replace(loss_mask=mask, ref_logp=ref * (mask > 0), old_logp=old * (mask > 0))
+
+
+def test_shared_prompt_rows_hold_each_prompt_once_and_carry_the_fields():
+    from posttrain.rl.packing import pack_shared_prompts, prompt_groups
+
+    batch = _group_batch()
+    order = np.array([4, 0, 3, 1, 5, 2])  # a minibatch split shuffles sequences: groups are found by prompt
+    batch = batch.rows(order)
+    assert sorted(map(sorted, prompt_groups(batch))) == [[0, 2, 4], [1, 3, 5]]
+    packed, layout = pack_shared_prompts(batch, per_row=2, row_multiple=2)
+    assert len(packed) == 4 and layout.slots == 2  # each group: a row of 2 completions and a row of 1
+    for name in ("loss_mask", "behaviour_logp", "old_logp", "ref_logp"):
+        np.testing.assert_array_equal(layout.unpack(getattr(packed, name)), getattr(batch, name), err_msg=name)
+    np.testing.assert_array_equal(packed.advantages[layout.row, layout.slot], batch.advantages)
+    ids, am = np.asarray(batch.input_ids), np.asarray(batch.attention_mask)
+    t, c = ids.shape[1], batch.completion_len
+    for i in range(len(batch)):
+        r, s = layout.row[i], layout.slot[i]
+        prompt = ids[i, : t - c][am[i, : t - c] > 0]
+        comp = ids[i, t - c:][am[i, t - c:] > 0]
+        np.testing.assert_array_equal(packed.input_ids[r][packed.segment_ids[r] == -1], prompt)  # once, first
+        assert (packed.segment_ids[r][: len(prompt)] == -1).all()
+        seg = packed.segment_ids[r] == s + 1
+        np.testing.assert_array_equal(packed.input_ids[r][seg], comp)
+        np.testing.assert_array_equal(packed.positions[r][seg], len(prompt) + np.arange(len(comp)))
+        # what each projected token predicts, and from where: token 0 from the prompt's last column
+        mine = (packed.token_dst[r] >= s * c) & (packed.token_dst[r] < (s + 1) * c)
+        j = packed.token_dst[r][mine] - s * c
+        np.testing.assert_array_equal(packed.token_tgt[r][mine], comp[j])
+        cols = np.flatnonzero(seg)
+        np.testing.assert_array_equal(packed.token_src[r][mine], np.where(j == 0, len(prompt) - 1, cols[0] + j - 1))
+
+
+@pytest.mark.parametrize("preset", ["grpo", pytest.param("gspo", marks=pytest.mark.slow),
+                                    pytest.param("dr_grpo", marks=pytest.mark.slow)])
+def test_shared_prompt_gradients_equal_padded(model, preset):
+    from posttrain.rl.packing import pack_shared_prompts
+
+    batch = _group_batch()
+    packed, layout = pack_shared_prompts(batch, per_row=3)
+    assert len(packed) == 2 and layout.packed_cells < layout.padded_cells
+    kw = _kwargs(preset)
+    loss_p, w_p, m_p, g_p = _loss_and_grads(model, batch, kw)
+    loss_k, w_k, m_k, g_k = _loss_and_grads(model, packed, kw)
+    assert w_k == w_p and loss_k == pytest.approx(loss_p, rel=1e-5, abs=1e-6)
+    for k in m_p:
+        assert m_k[k] == pytest.approx(m_p[k], rel=1e-5, abs=1e-6), k
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_p), jax.tree.leaves(g_k)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5, err_msg=str(path))
+    assert max(float(np.abs(np.asarray(a)).max()) for a in jax.tree.leaves(g_p)) > 1e-3  # a real gradient
+
+
+def test_shared_prompt_log_probs_equal_padded_with_a_sliding_window():
+    """Sliding-window layers measure the window in positions: in a shared-prompt row a completion's tokens sit
+    far from its prompt in columns, not in positions. Log-probs equal the padded batch's."""
+    from posttrain.rl.loss import padded_logprobs
+    from posttrain.rl.packing import pack_shared_prompts
+
+    cfg = dataclasses.replace(CFG, sliding_window=5, layer_types=("sliding_attention", "full_attention"))
+    m = init_model(cfg, seed=0)
+    batch = _group_batch(comps=(9, 6, 11, 8, 7, 10))
+    packed, layout = pack_shared_prompts(batch, per_row=3)
+    padded = np.asarray(padded_logprobs(m, batch)[0])
+    shared = layout.unpack(np.asarray(packed_logprobs(m, packed)[0]))
+    mask = batch.loss_mask > 0
+    np.testing.assert_allclose(shared * mask, padded * mask, rtol=1e-5, atol=1e-5)
+    # and the window is in force: without it (all layers full) the log-probs differ
+    full = np.asarray(padded_logprobs(init_model(dataclasses.replace(cfg, sliding_window=None), seed=0), batch)[0])
+    assert np.abs((full - padded) * mask).max() > 1e-4
+
+
+def test_pack_cheapest_shares_long_prompts_and_not_long_completions():
+    from posttrain.rl.packing import pack_cheapest
+
+    batch = _group_batch(comps=(2, 1, 3, 2, 1, 2))  # completions short against the 7/12-token prompts
+    packed, layout = pack_cheapest(batch, attn_span=1e4)
+    _, by_sequence = pack_rl_batch(batch)
+    assert (packed.segment_ids == -1).any() and layout.packed_cells < by_sequence.packed_cells
+    batch = _group_batch(comps=(30,) * 6)  # long completions and costly attention: one sequence a row
+    packed, layout = pack_cheapest(batch, attn_span=1.0)
+    assert not (packed.segment_ids == -1).any()
+
+
+@pytest.mark.slow
+def test_learner_shared_prompt_update_equals_padded():
+    """The learner with `learner.share_prompts` (recomputed old log-probs, a frozen reference, 2 minibatches x
+    grad_accum 2): the same weights as the padded update, and prompts were shared."""
+    from posttrain.training.config import OptimConfig
+    from posttrain.rl.learner import FrozenScorer, Learner
+    from posttrain.rl.loss import make_rl_loss
+    from posttrain.rl.packing import attention_span
+    from posttrain.training.optim import make_optimizer
+    from posttrain.training.trainer import Trainer
+
+    batch = _group_batch(seed=1).replace(old_logp=None, ref_logp=None)
+    batch = batch.rows(np.concatenate([np.arange(6)] * 2))  # 4 sequences a prompt
+    out = {}
+    for share in (False, True):
+        tx = make_optimizer(OptimConfig(name="sgd", lr=0.5, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
+        trainer = Trainer(init_model(CFG, seed=0), tx, grad_accum=2, donate=False)
+        learner = Learner(trainer, make_rl_loss(_kwargs("grpo")), ppo_epochs=2, minibatches=2, seed=0,
+                          recompute_old=True, correct_off_policy=True, pack=share,
+                          attn_span=attention_span(CFG) if share else None,
+                          ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer))
+        metrics = learner.update(batch, step=1, policy_moved=True)
+        out[share] = metrics, jax.tree.leaves(nnx.state(trainer.model(), nnx.Param))
+    (m0, p0), (m1, p1) = out[False], out[True]
+    assert m1["pack/packed_cells"] < m1["pack/padded_cells"] and m1["pack/tokens"] < 2 * int(batch.attention_mask.sum())
+    for k in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
+    for a, b in zip(p0, p1):  # after 4 updates at lr 0.5 (one step's gradient: equal to 1e-5, above)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)

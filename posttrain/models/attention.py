@@ -2,8 +2,9 @@
 
 Two modes share one module:
 - no cache (training, scoring): keys are the call's own tokens; a key is visible to a query when it is
-  not after it, is a real token (`attention_mask`), lies in the same packed segment (`segment_ids`)
-  and, on sliding-window layers, is less than `sliding_window` positions back.
+  not after it, is a real token (`attention_mask`), lies in the same packed segment (`segment_ids`; a negative
+  id marks a shared prefix that every segment of its row sees) and, on sliding-window layers, is less than
+  `sliding_window` positions back.
 - with a `KVCache` (sampling): the cache is slot-indexed, one pair of arrays per layer, laid out as the
   model's kernel set wants (`posttrain.models.kernels`: [slots, max_len, kv_heads, head_dim] for the
   generic path, keys transposed for the CPU path); a token at position p of slot b writes its key/value at

@@ -219,7 +219,7 @@ class Transformer(nnx.Module):
                                               (ks[i], vs[i], cache.valid))
             return self.norm(x), KVCache(tuple(ks), tuple(vs), cache.valid)
 
-        mask_info = _mask_info(input_ids.shape[1], attention_mask, segment_ids, blocks)
+        mask_info = _mask_info(input_ids.shape[1], attention_mask, segment_ids, blocks, positions)
 
         def body(h, xs):
             state_l, sliding_l = xs
@@ -266,18 +266,23 @@ class Transformer(nnx.Module):
         return logits if cache is None else (logits, new_cache)
 
 
-def _mask_info(t: int, attention_mask, segment_ids, blocks) -> dict:
+def _mask_info(t: int, attention_mask, segment_ids, blocks, positions) -> dict:
     """What uncached attention needs for its mask: causal, real keys, same packed segment, bidirectional within
-    each image (`blocks`, when images are given); the sliding window is applied per layer."""
+    each image (`blocks`, when images are given); the sliding window is applied per layer, over positions.
+
+    A negative segment id marks a row's shared prefix (`posttrain.rl.packing`'s shared-prompt rows: one prompt, then
+    several completions of it): its keys are visible to every later query of the row, while the other segments stay
+    apart. The window's distance is taken between positions, not columns (the same in contiguous segments; in a
+    shared-prompt row a completion's tokens are near its prompt in positions, not in columns)."""
     idx = jnp.arange(t)
     qi, ki = idx[None, :, None], idx[None, None, :]
     base = (qi >= ki) & (attention_mask[:, None, :] > 0)
-    if segment_ids is not None:
-        base = base & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if segment_ids is not None:  # same packed segment, or a key in the row's shared prefix
+        base = base & ((segment_ids[:, :, None] == segment_ids[:, None, :]) | (segment_ids[:, None, :] < 0))
     if blocks is not None:  # bidirectional within each image
         base = base | multimodal.same_image(blocks, blocks)
     base = base | (qi == ki)  # a padding query attends to itself only: no empty softmax rows
-    return {"base": base, "q_index": qi, "k_index": ki}
+    return {"base": base, "q_index": positions[:, :, None], "k_index": positions[:, None, :]}
 
 
 def _unstack(layer_state: nnx.State, n: int) -> list[nnx.State]:

@@ -103,6 +103,10 @@ class LearnerConfig:
     pack: pack each minibatch's prompt+completion sequences into rows (segment ids, positions per sequence;
       attention never crosses sequences) instead of padding every sequence to the longest, for the update and
       the old/reference log-probs alike (`posttrain.rl.packing`); the loss and its gradient are the same.
+    share_prompts: pack (as `pack`), and let a row hold one prompt and several of its completions, so that the
+      group's shared prompt goes through the layers once a row instead of once a sequence; per batch, the packer
+      takes whichever layout computes least (`posttrain.rl.packing.pack_cheapest`: a longer row pays more
+      attention). The loss and its gradient are the padded batch's.
     """
 
     ppo_epochs: int = 1
@@ -112,6 +116,7 @@ class LearnerConfig:
     is_cap: float = 2.0
     max_resample_rounds: int = 3
     pack: bool = False
+    share_prompts: bool = False
 
     def __post_init__(self):
         at_least("learner.ppo_epochs", self.ppo_epochs, 1)

@@ -9,7 +9,8 @@ the initial weights held without optimizer state.
 With `pack` (`learner.pack`) the learner packs each minibatch's sequences into rows (`posttrain.rl.packing`)
 before its update, and scores old/reference log-probs on the whole batch packed the same way: the loss
 and the log-probs equal the padded batch's, the forward computes only the rows that hold tokens. Minibatches
-still split the batch by sequences, as without packing.
+still split the batch by sequences, as without packing. With `learner.share_prompts` a row may hold one prompt
+and several of its completions (the prompt computed once a row), whenever that layout computes less.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from posttrain import distributed
 from posttrain.algorithms.sft import token_logprobs
 from posttrain.rl.batch import RLBatch
 from posttrain.rl.loss import packed_logprobs
-from posttrain.rl.packing import PackedRLBatch, pack_rl_batch
+from posttrain.rl.packing import PackedRLBatch, pack_cheapest, pack_rl_batch
 
 __all__ = ["Learner", "FrozenScorer", "TrainerScorer"]
 
@@ -88,15 +89,17 @@ class Learner:
     """Applies one RL step's updates to a `Trainer` (see the module docstring)."""
 
     def __init__(self, trainer, loss_fn, *, ppo_epochs: int, minibatches: int, seed: int, recompute_old: bool,
-                 correct_off_policy: bool, ref_fn: Callable[..., np.ndarray] | None = None, pack: bool = False):
+                 correct_off_policy: bool, ref_fn: Callable[..., np.ndarray] | None = None, pack: bool = False,
+                 attn_span: float | None = None):
         """`ref_fn(model_inputs, last=C)`: the reference's log-probs (None: no KL term; with `pack`, a scorer with
         a `packed(batch)` method: `FrozenScorer`, `TrainerScorer`); `correct_off_policy`: the loss weights by
         pi_old / mu (`ISLevel.corrects`), so pi_old is recomputed once the policy moved; `pack`: train and score
-        packed batches (`posttrain.rl.packing`)."""
+        packed batches (`posttrain.rl.packing`); `attn_span` (with `pack`): rows may also share a prompt, the
+        cheaper layout chosen per batch by `posttrain.rl.packing.pack_cheapest` with this attention span."""
         self.trainer, self.loss_fn = trainer, loss_fn
         self.ppo_epochs, self.minibatches, self.seed = ppo_epochs, minibatches, seed
         self.recompute_old, self.correct_off_policy, self.ref_fn = recompute_old, correct_off_policy, ref_fn
-        self.pack = pack
+        self.pack, self.attn_span = pack, attn_span
         self.policy = TrainerScorer(trainer)
         self._cells: dict[str, int] = {}  # this update's token counts (packing only)
         self._sizes = {"train": (0, 0, 0), "score": (0, 0, 0)}  # packed sizes so far: they only grow
@@ -108,8 +111,11 @@ class Learner:
         ways = 1
         if self.trainer.mesh is not None:
             ways = int(self.trainer.mesh.shape.get("data", 1) * self.trainer.mesh.shape.get("fsdp", 1))
-        packed, layout = pack_rl_batch(batch, row_multiple=math.lcm(self.trainer.grad_accum, ways),
-                                       at_least=self._sizes[use])
+        kw = dict(row_multiple=math.lcm(self.trainer.grad_accum, ways), at_least=self._sizes[use])
+        if self.attn_span is None:
+            packed, layout = pack_rl_batch(batch, **kw)
+        else:
+            packed, layout = pack_cheapest(batch, self.attn_span, **kw)
         self._sizes[use] = layout.sizes
         return packed, layout
 

@@ -55,13 +55,13 @@ def padded_logprobs(model, batch: RLBatch, chunk_size: int | None = None):
 
 def packed_logprobs(model, batch: PackedRLBatch, chunk_size: int | None = None):
     """(log-probs, entropies) [R*S, C] of a packed batch's slots (`posttrain.rl.packing`): one forward over the
-    rows (segments kept apart), the vocabulary projected at the [R, M] compact tokens only, placed in their
-    slots (0 where nothing was projected)."""
+    rows (segments kept apart; a shared prompt seen by its row's completions), the vocabulary projected at the
+    [R, M] compact tokens only, placed in their slots (0 where nothing was projected)."""
     ids, src = batch.input_ids, batch.token_src
     h, _ = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions,
                                segment_ids=batch.segment_ids)
     hs = jnp.take_along_axis(h, src[..., None], axis=1)  # [R, M, D]: the states that predict the tokens
-    logp, ent = _logp_and_entropy(model, hs, jnp.take_along_axis(ids, src + 1, axis=1), chunk_size)
+    logp, ent = _logp_and_entropy(model, hs, batch.token_tgt, chunk_size)
     r, s, c = batch.loss_mask.shape
     rows = jnp.arange(r)[:, None]
 

@@ -17,6 +17,13 @@ at the tokens with loss mask > 0 (`token_src`: the column that predicts compact 
 per row; `token_dst`: its place s*C + j in the row's slots; S*C for an unused entry), so the packed forward
 never projects prompts or padding. Every leaf has the row count R first, so the trainer moves, shards and
 splits a packed batch into micro-batches by rows, and no sequence straddles two.
+
+Shared-prompt rows (`pack_shared_prompts`, `learner.share_prompts`): a row holds one prompt (segment id -1, which
+the model lets every segment of the row attend to) and then up to `per_row` completions of it (segments 1, 2, ...;
+positions continuing from the prompt's), so a group's prompt goes through the layers once a row. Completion token 0
+of every member is predicted from the prompt's last column, so each projected entry carries its target token
+(`token_tgt`). `pack_cheapest` picks, per batch, the layout (sequence rows or shared rows of some `per_row`) that
+computes least by `row_cost`.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import numpy as np
 from posttrain.data.packing import first_fit_decreasing
 from posttrain.rl.batch import RLBatch, bucket_length
 
-__all__ = ["PackedRLBatch", "PackLayout", "pack_rl_batch", "bucket_rows"]
+__all__ = ["PackedRLBatch", "PackLayout", "pack_rl_batch", "pack_shared_prompts", "pack_cheapest", "prompt_groups",
+           "row_cost", "attention_span", "bucket_rows"]
 
 
 @jax.tree_util.register_dataclass
@@ -39,8 +47,10 @@ class PackedRLBatch:
     """One packed (micro-)batch (see the module docstring): R rows of L tokens, S sequence slots of C tokens per
     row, M projected tokens per row.
 
-    input_ids, attention_mask, positions, segment_ids [R, L]: the model's inputs.
-    token_src, token_dst [R, M] int32: where each projected token is predicted from / goes in the slots.
+    input_ids, attention_mask, positions, segment_ids [R, L]: the model's inputs (a negative segment id: a shared
+      prompt, seen by every completion of its row).
+    token_src, token_dst [R, M] int32: where each projected token is predicted from / goes in the slots;
+    token_tgt [R, M] int32: the token predicted there.
     loss_mask, behaviour_logp, old_logp, ref_logp [R, S, C]; advantages [R, S] or [R, S, C].
     seq_valid [R, S] float: 1 where a slot holds a sequence.
     """
@@ -51,6 +61,7 @@ class PackedRLBatch:
     segment_ids: np.ndarray
     token_src: np.ndarray
     token_dst: np.ndarray
+    token_tgt: np.ndarray
     loss_mask: np.ndarray
     advantages: np.ndarray
     behaviour_logp: np.ndarray
@@ -79,7 +90,7 @@ class PackLayout:
     slots: int           # S, sequence slots per row
     row_len: int         # L
     proj: int            # M, projected tokens per row
-    tokens: int          # real tokens (prompt + completion)
+    tokens: int          # real tokens in the rows (prompt + completion; a shared prompt once a row)
     packed_cells: int    # R * L: what the packed forward computes
     padded_cells: int    # N * (P + C): what the padded forward computes
 
@@ -143,15 +154,95 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
     return out.build(), layout
 
 
+def prompt_groups(batch: RLBatch) -> list[list[int]]:
+    """The sequences of `batch` grouped by identical prompt tokens (in order of first appearance)."""
+    ids = np.asarray(batch.input_ids)
+    p = ids.shape[1] - batch.completion_len
+    start, _ = _spans(batch.attention_mask)
+    groups: dict[bytes, list[int]] = {}
+    for i in range(len(ids)):
+        groups.setdefault(ids[i, start[i]:p].tobytes(), []).append(i)
+    return list(groups.values())
+
+
+def attention_span(cfg) -> float:
+    """`row_cost`'s attention span of a model config: a layer's weights / (2 x heads x head_dim) (attention's two
+    products cost 4 x heads x head_dim x L per token against 2 x the weights)."""
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    weights = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * f
+    return weights / (2.0 * cfg.num_heads * h)
+
+
+def row_cost(rows: int, row_len: int, attn_span: float) -> float:
+    """What a forward over `rows` x `row_len` computes, in units of one token through the layers' weights: each
+    row costs L (1 + L / attn_span), attention over the row (computed whole, masked) adding L^2 / attn_span
+    (`attn_span` = the layer weights / (2 x heads x head_dim): the row length where attention costs as much)."""
+    return rows * row_len * (1.0 + row_len / attn_span)
+
+
+def pack_shared_prompts(batch: RLBatch, per_row: int, *, groups: list[list[int]] | None = None, row_multiple: int = 1,
+                        multiple: int = 16, at_least: tuple[int, int, int] = (0, 0, 0)
+                        ) -> tuple[PackedRLBatch, PackLayout]:
+    """Packs `batch` into shared-prompt rows: each row holds one prompt (segment -1) and then up to `per_row` of
+    its completions (segments 1, 2, ...), each completion's positions continuing from the prompt's, so a prompt's
+    layers are computed once a row instead of once a sequence (attention keeps the completions apart; the mask
+    rule is in `posttrain.models.transformer`). Completion token 0 of every member is predicted from the
+    prompt's last column. Same per-slot fields, sizes and layout as `pack_rl_batch` (same arguments)."""
+    n, t = np.shape(batch.input_ids)
+    c, p = batch.completion_len, t - batch.completion_len
+    start, end = _spans(batch.attention_mask)
+    groups = prompt_groups(batch) if groups is None else groups
+    rows = [g[k: k + per_row] for g in groups for k in range(0, len(g), per_row)]
+    lengths = [p - start[r[0]] + sum(int(end[i]) - p for i in r) for r in rows]
+    row_len = max(bucket_length(max(lengths), multiple), at_least[0])
+    mask = np.asarray(batch.loss_mask, np.float32)
+    proj = [np.flatnonzero(m > 0) for m in mask]
+    r = bucket_rows(len(rows), row_multiple)
+    s = max(1 << max(0, (max(len(x) for x in rows) - 1).bit_length()), at_least[1])
+    m = max(bucket_length(max(sum(len(proj[i]) for i in x) for x in rows), multiple), at_least[2])
+    out = _Rows(r, row_len, s, c, m, batch)
+    row, slot = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    for ri, members in enumerate(rows):
+        plen = p - start[members[0]]
+        out.place(ri, 0, 0, members[0], start[members[0]], p, 0, None, None, seg=-1)  # the shared prompt
+        col, k = plen, 0
+        for si, i in enumerate(members):
+            row[i], slot[i] = ri, si
+            src = np.where(proj[i] == 0, plen - 1, col + proj[i] - 1)
+            out.place(ri, si, col, i, p, end[i], k, src, si * c + proj[i], pos0=plen)
+            col, k = col + int(end[i]) - p, k + len(proj[i])
+    layout = PackLayout(row=row, slot=slot, slots=s, row_len=row_len, proj=m, tokens=int(sum(lengths)),
+                        packed_cells=r * row_len, padded_cells=n * t)
+    return out.build(), layout
+
+
+def pack_cheapest(batch: RLBatch, attn_span: float, *, row_multiple: int = 1, multiple: int = 16,
+                  at_least: tuple[int, int, int] = (0, 0, 0)) -> tuple[PackedRLBatch, PackLayout]:
+    """The cheapest packing of `batch` by `row_cost`: sequence rows (`pack_rl_batch`), or shared-prompt rows
+    (`pack_shared_prompts`) with the number of completions a row that computes least (sharing a prompt saves
+    its layers once per extra completion; a longer row pays more attention)."""
+    kw = dict(row_multiple=row_multiple, multiple=multiple, at_least=at_least)
+    best = pack_rl_batch(batch, **kw)
+    groups = prompt_groups(batch)
+    cost = row_cost(len(best[0]), best[1].row_len, attn_span)
+    for per_row in range(2, max(len(g) for g in groups) + 1):
+        cand = pack_shared_prompts(batch, per_row, groups=groups, **kw)
+        c = row_cost(len(cand[0]), cand[1].row_len, attn_span)
+        if c < cost:
+            best, cost = cand, c
+    return best
+
+
 class _Rows:
     """The host arrays of a packed batch being filled (`pack_rl_batch`)."""
 
     def __init__(self, r: int, row_len: int, s: int, c: int, m: int, batch: RLBatch):
-        self.batch = batch
+        self.batch, self.c, self.t = batch, c, np.shape(batch.input_ids)[1]
         self.ids = np.zeros((r, row_len), np.int32)
         self.seg = np.zeros((r, row_len), np.int32)
         self.pos = np.zeros((r, row_len), np.int32)
         self.src = np.zeros((r, m), np.int32)
+        self.tgt = np.zeros((r, m), np.int32)
         self.dst = np.full((r, m), s * c, np.int32)
         self.valid = np.zeros((r, s), np.float32)
         adv = np.asarray(batch.advantages, np.float32)
@@ -159,15 +250,20 @@ class _Rows:
         self.tok = {k: np.zeros((r, s, c), np.float32) for k in names if getattr(batch, k) is not None}
         self.adv = np.zeros((r, s, *adv.shape[1:]), np.float32)
 
-    def place(self, ri, si, col, i, a, b, k, src, dst):
-        """Sequence i (columns a:b of its padded row) at column `col` of row ri, slot si; its projected tokens
-        are entries k.. of the row's compact list."""
+    def place(self, ri, si, col, i, a, b, k, src, dst, seg=None, pos0=0):
+        """Columns a:b of sequence i's padded row at column `col` of row ri (segment `seg`, default slot si + 1;
+        positions from `pos0`). Projected tokens (when `src` is given): entries k.. of the row's compact list,
+        predicted from columns `src`, going to slot places `dst`; sequence i's fields fill slot si."""
         n = b - a
-        self.ids[ri, col: col + n] = np.asarray(self.batch.input_ids)[i, a:b]
-        self.seg[ri, col: col + n] = si + 1
-        self.pos[ri, col: col + n] = np.arange(n)
+        ids = np.asarray(self.batch.input_ids)
+        self.ids[ri, col: col + n] = ids[i, a:b]
+        self.seg[ri, col: col + n] = si + 1 if seg is None else seg
+        self.pos[ri, col: col + n] = pos0 + np.arange(n)
+        if src is None:
+            return
         self.src[ri, k: k + len(src)] = src
         self.dst[ri, k: k + len(dst)] = dst
+        self.tgt[ri, k: k + len(dst)] = ids[i, (self.t - self.c) + dst - si * self.c]  # completion token j of i
         self.valid[ri, si] = 1.0
         for name, arr in self.tok.items():
             arr[ri, si] = np.asarray(getattr(self.batch, name))[i]
@@ -175,7 +271,8 @@ class _Rows:
 
     def build(self) -> PackedRLBatch:
         return PackedRLBatch(
-            input_ids=self.ids, attention_mask=(self.seg > 0).astype(np.int32), positions=self.pos,
-            segment_ids=self.seg, token_src=self.src, token_dst=self.dst, loss_mask=self.tok["loss_mask"],
+            input_ids=self.ids, attention_mask=(self.seg != 0).astype(np.int32), positions=self.pos,
+            segment_ids=self.seg, token_src=self.src, token_dst=self.dst, token_tgt=self.tgt,
+            loss_mask=self.tok["loss_mask"],
             advantages=self.adv, behaviour_logp=self.tok["behaviour_logp"], seq_valid=self.valid,
             old_logp=self.tok.get("old_logp"), ref_logp=self.tok.get("ref_logp"))

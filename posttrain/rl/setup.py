@@ -40,6 +40,7 @@ from posttrain.rl.dispatcher import Dispatcher
 from posttrain.rl.ledger import ROW_FILES, Ledger
 from posttrain.rl.learner import FrozenScorer, Learner, TrainerScorer
 from posttrain.rl.loss import make_rl_loss
+from posttrain.rl.packing import attention_span
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rl.rollout import Rollouts, encode_prompt
 from posttrain.sampling import Sampler
@@ -91,7 +92,7 @@ def _check_image_prompts(cfg: RLConfig, records, eval_records) -> bool:
     if not any(has_images(r, ("prompt",)) for recs in (records, eval_records or []) for r in recs):
         return False
     for on, key in ((cfg.fleet.enabled, "fleet.workers"), (cfg.learner.pack, "learner.pack"),
-                    (agent_enabled(cfg.rollout), "rollout.tools")):
+                    (cfg.learner.share_prompts, "learner.share_prompts"), (agent_enabled(cfg.rollout), "rollout.tools")):
         if on:
             raise ConfigError(f"{key}: not supported with image prompts ({cfg.data.train} has images); "
                               "image prompts train in-process on padded batches, single-turn")
@@ -203,7 +204,9 @@ class RLRun:
         self.learner = Learner(trainer, make_rl_loss(kw, chunk_size=chunk), ppo_epochs=lc.ppo_epochs,
                                minibatches=lc.minibatches, seed=cfg.trainer.seed,
                                recompute_old=lc.old_logprobs == "recompute",
-                               correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn, pack=lc.pack)
+                               correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn,
+                               pack=lc.pack or lc.share_prompts,
+                               attn_span=attention_span(trainer.model().cfg) if lc.share_prompts else None)
 
     def _build_dispatcher(self, cfg: RLConfig) -> None:
         """The dispatcher of prompt groups: the data stream, staleness bound, leases and curation."""
