@@ -144,30 +144,36 @@ def test_bucket_rows_few_shapes():
     assert len({bucket_rows(r) for r in range(1, 257)}) <= 4 * 8 + 8
 
 
+def _learner_updates(batch, variants: list[dict]):
+    """(metrics, weights) of one learner update per variant (Learner keyword arguments: pack, attn_span) from the
+    same start: recomputed old log-probs, a frozen reference, 2 epochs x 2 minibatches x grad_accum 2, SGD."""
+    from posttrain.rl.learner import FrozenScorer, Learner
+    from posttrain.rl.loss import make_rl_loss
+    from posttrain.training.config import OptimConfig
+    from posttrain.training.optim import make_optimizer
+    from posttrain.training.trainer import Trainer
+
+    out = []
+    for kw in variants:
+        tx = make_optimizer(OptimConfig(name="sgd", lr=0.5, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
+        trainer = Trainer(init_model(CFG, seed=0), tx, grad_accum=2, donate=False)
+        learner = Learner(trainer, make_rl_loss(_kwargs("grpo")), ppo_epochs=2, minibatches=2, seed=0,
+                          recompute_old=True, correct_off_policy=True,
+                          ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer), **kw)
+        metrics = learner.update(batch, step=1, policy_moved=True)
+        out.append((metrics, jax.tree.leaves(nnx.state(trainer.model(), nnx.Param))))
+    return out
+
+
 @pytest.mark.slow
 def test_learner_packed_update_equals_padded():
     """The whole learner path (recomputed old log-probs, a frozen reference, 2 minibatches x grad_accum 2):
     packed and padded updates give the same weights."""
-    from posttrain.training.config import OptimConfig
-    from posttrain.rl.learner import FrozenScorer, Learner
-    from posttrain.rl.loss import make_rl_loss
-    from posttrain.training.optim import make_optimizer
-    from posttrain.training.trainer import Trainer
-
     batch = _batch(seed=1, comps=(6, 2, 11, 4, 3, 9)).replace(old_logp=None, ref_logp=None)
     batch = dataclasses.replace(batch, input_ids=np.concatenate([batch.input_ids] * 2),
                                 **{k: np.concatenate([getattr(batch, k)] * 2) for k in
                                    ("attention_mask", "positions", "loss_mask", "advantages", "behaviour_logp")})
-    out = {}
-    for pack in (False, True):
-        tx = make_optimizer(OptimConfig(name="sgd", lr=0.5, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
-        trainer = Trainer(init_model(CFG, seed=0), tx, grad_accum=2, donate=False)
-        learner = Learner(trainer, make_rl_loss(_kwargs("grpo")), ppo_epochs=2, minibatches=2, seed=0,
-                          recompute_old=True, correct_off_policy=True, pack=pack,
-                          ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer))
-        metrics = learner.update(batch, step=1, policy_moved=True)
-        out[pack] = metrics, jax.tree.leaves(nnx.state(trainer.model(), nnx.Param))
-    (m0, p0), (m1, p1) = out[False], out[True]
+    (m0, p0), (m1, p1) = _learner_updates(batch, [dict(pack=False), dict(pack=True)])
     # (kl and the clip fractions are token means weighted per micro-batch: they depend on which sequences share
     # a micro-batch, which packing changes; the loss, its gradient and the token-weighted entropy do not)
     for k in ("loss", "pg_loss", "entropy", "grad_norm"):
@@ -283,26 +289,11 @@ def test_pack_cheapest_shares_long_prompts_and_not_long_completions():
 def test_learner_shared_prompt_update_equals_padded():
     """The learner with `learner.share_prompts` (recomputed old log-probs, a frozen reference, 2 minibatches x
     grad_accum 2): the same weights as the padded update, and prompts were shared."""
-    from posttrain.training.config import OptimConfig
-    from posttrain.rl.learner import FrozenScorer, Learner
-    from posttrain.rl.loss import make_rl_loss
     from posttrain.rl.packing import attention_span
-    from posttrain.training.optim import make_optimizer
-    from posttrain.training.trainer import Trainer
 
     batch = _group_batch(seed=1).replace(old_logp=None, ref_logp=None)
     batch = batch.rows(np.concatenate([np.arange(6)] * 2))  # 4 sequences a prompt
-    out = {}
-    for share in (False, True):
-        tx = make_optimizer(OptimConfig(name="sgd", lr=0.5, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
-        trainer = Trainer(init_model(CFG, seed=0), tx, grad_accum=2, donate=False)
-        learner = Learner(trainer, make_rl_loss(_kwargs("grpo")), ppo_epochs=2, minibatches=2, seed=0,
-                          recompute_old=True, correct_off_policy=True, pack=share,
-                          attn_span=attention_span(CFG) if share else None,
-                          ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer))
-        metrics = learner.update(batch, step=1, policy_moved=True)
-        out[share] = metrics, jax.tree.leaves(nnx.state(trainer.model(), nnx.Param))
-    (m0, p0), (m1, p1) = out[False], out[True]
+    (m0, p0), (m1, p1) = _learner_updates(batch, [dict(pack=False), dict(pack=True, attn_span=attention_span(CFG))])
     assert m1["pack/packed_cells"] < m1["pack/padded_cells"] and m1["pack/tokens"] < 2 * int(batch.attention_mask.sum())
     for k in ("loss", "pg_loss", "entropy", "grad_norm"):
         assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k

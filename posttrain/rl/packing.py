@@ -135,12 +135,8 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
     lengths = end - start
     row_len = max(bucket_length(int(lengths.max(initial=1)), multiple), at_least[0])
     bins = first_fit_decreasing(lengths.tolist(), row_len)
-    mask = np.asarray(batch.loss_mask, np.float32)
-    proj = [np.flatnonzero(m > 0) for m in mask]  # completion tokens that are projected (loss mask > 0)
-    r = bucket_rows(len(bins), row_multiple)
-    s = max(1 << max(0, (max(len(b) for b in bins) - 1).bit_length()), at_least[1])
-    m = max(bucket_length(max(sum(len(proj[i]) for i in b) for b in bins), multiple), at_least[2])
-    out = _Rows(r, row_len, s, c, m, batch)
+    proj, s, m, out = _allocate(batch, bins, row_len, row_multiple, multiple, at_least)
+    r = len(out.ids)
     row, slot = np.zeros(n, np.int32), np.zeros(n, np.int32)
     for ri, members in enumerate(bins):
         col, k = 0, 0
@@ -152,6 +148,18 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
     layout = PackLayout(row=row, slot=slot, slots=s, row_len=row_len, proj=m, tokens=int(lengths.sum()),
                         packed_cells=r * row_len, padded_cells=n * t)
     return out.build(), layout
+
+
+def _allocate(batch: RLBatch, rows: list[list[int]], row_len: int, row_multiple: int, multiple: int,
+              at_least: tuple[int, int, int]):
+    """The projected completion tokens of each sequence (loss mask > 0), the slots S and projected tokens M a row
+    for `rows` (lists of sequence indices; at least `at_least`'s), and the empty `_Rows` to fill (its row count
+    rounded by `bucket_rows`)."""
+    proj = [np.flatnonzero(m > 0) for m in np.asarray(batch.loss_mask, np.float32)]
+    s = max(1 << max(0, (max(len(x) for x in rows) - 1).bit_length()), at_least[1])
+    m = max(bucket_length(max(sum(len(proj[i]) for i in x) for x in rows), multiple), at_least[2])
+    out = _Rows(bucket_rows(len(rows), row_multiple), row_len, s, batch.completion_len, m, batch)
+    return proj, s, m, out
 
 
 def prompt_groups(batch: RLBatch) -> list[list[int]]:
@@ -195,12 +203,8 @@ def pack_shared_prompts(batch: RLBatch, per_row: int, *, groups: list[list[int]]
     rows = [g[k: k + per_row] for g in groups for k in range(0, len(g), per_row)]
     lengths = [p - start[r[0]] + sum(int(end[i]) - p for i in r) for r in rows]
     row_len = max(bucket_length(max(lengths), multiple), at_least[0])
-    mask = np.asarray(batch.loss_mask, np.float32)
-    proj = [np.flatnonzero(m > 0) for m in mask]
-    r = bucket_rows(len(rows), row_multiple)
-    s = max(1 << max(0, (max(len(x) for x in rows) - 1).bit_length()), at_least[1])
-    m = max(bucket_length(max(sum(len(proj[i]) for i in x) for x in rows), multiple), at_least[2])
-    out = _Rows(r, row_len, s, c, m, batch)
+    proj, s, m, out = _allocate(batch, rows, row_len, row_multiple, multiple, at_least)
+    r = len(out.ids)
     row, slot = np.zeros(n, np.int32), np.zeros(n, np.int32)
     for ri, members in enumerate(rows):
         plen = p - start[members[0]]
