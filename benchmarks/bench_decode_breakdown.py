@@ -157,10 +157,8 @@ def measure(path: Path, rounds: int) -> dict[str, list[float]]:
 
 def step_bytes(cfg) -> dict[str, float]:
     """MB a decode step reads: weights multiplied, and the KV cache rows attended over (whole; live mean)."""
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * f
-    weights = (cfg.num_layers * per_layer + d * cfg.vocab_size) * 4
-    cache = 2 * cfg.num_layers * PROMPTS * cfg.num_kv_heads * h * MAX_LEN * 4
+    weights = (cfg.num_layers * cfg.layer_matmul_params() + cfg.hidden_size * cfg.vocab_size) * 4
+    cache = 2 * cfg.num_layers * PROMPTS * cfg.num_kv_heads * cfg.head_dim * MAX_LEN * 4
     live = cache * (PROMPT_LEN + NEW / 2) / MAX_LEN
     return {"weights": weights / 1e6, "cache": cache / 1e6, "cache_live": live / 1e6}
 

@@ -104,8 +104,11 @@ def train_flops(completion_len: int = MAX_NEW) -> float:
     plus `completion_len` positions. Layers: 2 x their weights per position; attention: 4 x heads x head_dim x
     sequence length per position (q.k and p.v over the whole row); the LM head: 2 x its weights at the completion
     positions only (where the loss reads log-probs)."""
+    from posttrain.models.config import llama_like
+
     seqs, length = N_PROMPTS * GROUP, PROMPT_WORDS + completion_len
-    layer_weights = HIDDEN * (HEADS + 2 * KV) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * INTER
+    layer_weights = llama_like(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_layers=LAYERS,
+                               num_heads=HEADS, num_kv_heads=KV, head_dim=HEAD_DIM).layer_matmul_params()
     forward = seqs * length * (2 * LAYERS * layer_weights + 4 * LAYERS * HEADS * HEAD_DIM * length)
     forward += seqs * completion_len * 2 * HIDDEN * VOCAB
     return 3 * forward

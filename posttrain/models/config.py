@@ -162,10 +162,16 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    def num_params(self) -> int:
-        d, f, l = self.hidden_size, self.intermediate_size, self.num_layers
+    def layer_matmul_params(self) -> int:
+        """The weights of one decoder layer's linear maps (q, k, v, o, gate, up, down): what a token multiplies."""
+        d, f = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
+        return d * q + 2 * d * kv + q * d + 3 * d * f
+
+    def num_params(self) -> int:
+        d, l = self.hidden_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = self.layer_matmul_params() + 2 * d
         if self.qkv_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:

@@ -176,9 +176,7 @@ def prompt_groups(batch: RLBatch) -> list[list[int]]:
 def attention_span(cfg) -> float:
     """`row_cost`'s attention span of a model config: a layer's weights / (2 x heads x head_dim) (attention's two
     products cost 4 x heads x head_dim x L per token against 2 x the weights)."""
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    weights = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * d + 3 * d * f
-    return weights / (2.0 * cfg.num_heads * h)
+    return cfg.layer_matmul_params() / (2.0 * cfg.num_heads * cfg.head_dim)
 
 
 def row_cost(rows: int, row_len: int, attn_span: float) -> float:
@@ -199,9 +197,7 @@ def pack_shared_prompts(batch: RLBatch, per_row: int, *, groups: list[list[int]]
     n, t = np.shape(batch.input_ids)
     c, p = batch.completion_len, t - batch.completion_len
     start, end = _spans(batch.attention_mask)
-    groups = prompt_groups(batch) if groups is None else groups
-    rows = [g[k: k + per_row] for g in groups for k in range(0, len(g), per_row)]
-    lengths = [p - start[r[0]] + sum(int(end[i]) - p for i in r) for r in rows]
+    rows, lengths = _shared_rows(batch, prompt_groups(batch) if groups is None else groups, per_row)
     row_len = max(bucket_length(max(lengths), multiple), at_least[0])
     proj, s, m, out = _allocate(batch, rows, row_len, row_multiple, multiple, at_least)
     r = len(out.ids)
@@ -220,21 +216,30 @@ def pack_shared_prompts(batch: RLBatch, per_row: int, *, groups: list[list[int]]
     return out.build(), layout
 
 
+def _shared_rows(batch: RLBatch, groups: list[list[int]], per_row: int) -> tuple[list[list[int]], list[int]]:
+    """The sequences of each shared-prompt row (each group cut into rows of `per_row`) and each row's tokens."""
+    p = np.shape(batch.input_ids)[1] - batch.completion_len
+    start, end = _spans(batch.attention_mask)
+    rows = [g[k: k + per_row] for g in groups for k in range(0, len(g), per_row)]
+    return rows, [p - int(start[r[0]]) + sum(int(end[i]) - p for i in r) for r in rows]
+
+
 def pack_cheapest(batch: RLBatch, attn_span: float, *, row_multiple: int = 1, multiple: int = 16,
                   at_least: tuple[int, int, int] = (0, 0, 0)) -> tuple[PackedRLBatch, PackLayout]:
     """The cheapest packing of `batch` by `row_cost`: sequence rows (`pack_rl_batch`), or shared-prompt rows
     (`pack_shared_prompts`) with the number of completions a row that computes least (sharing a prompt saves
-    its layers once per extra completion; a longer row pays more attention)."""
+    its layers once per extra completion; a longer row pays more attention). Only the chosen layout is built."""
     kw = dict(row_multiple=row_multiple, multiple=multiple, at_least=at_least)
     best = pack_rl_batch(batch, **kw)
+    cost, per_row_best = row_cost(len(best[0]), best[1].row_len, attn_span), None
     groups = prompt_groups(batch)
-    cost = row_cost(len(best[0]), best[1].row_len, attn_span)
     for per_row in range(2, max(len(g) for g in groups) + 1):
-        cand = pack_shared_prompts(batch, per_row, groups=groups, **kw)
-        c = row_cost(len(cand[0]), cand[1].row_len, attn_span)
+        rows, lengths = _shared_rows(batch, groups, per_row)
+        c = row_cost(bucket_rows(len(rows), row_multiple),
+                     max(bucket_length(max(lengths), multiple), at_least[0]), attn_span)
         if c < cost:
-            best, cost = cand, c
-    return best
+            cost, per_row_best = c, per_row
+    return best if per_row_best is None else pack_shared_prompts(batch, per_row_best, groups=groups, **kw)
 
 
 class _Rows:

@@ -77,10 +77,7 @@ def flops_per_token(cfg, seq_len: int) -> float:
     the embedding lookup or the norms), L layers, H query heads of size Q, T the sequence length (the
     attention score and value products, forward and backward).
     """
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = d * q + 2 * d * kv + q * d + 3 * d * f
-    n = cfg.num_layers * per_layer + cfg.vocab_size * d
+    n = cfg.num_layers * cfg.layer_matmul_params() + cfg.vocab_size * cfg.hidden_size
     return 6.0 * n + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
 
 
