@@ -10,10 +10,13 @@ for the packed side the real tokens and the cells (rows x columns) the update's 
 padded. The 1-minute load average at the start and end of each run is printed: on a shared machine compare
 within one run only.
 
-`--micro REPS` times the update alone instead (`micro`): one process, padded and packed alternating.
+`--micro REPS` times the update alone instead (`micro`): one process, the padded, packed and shared-prompt layouts
+alternating, on synthetic groups; `--size 0.5b --prompt-len P --comp LOW HIGH` sets the model and the workload
+(`benchmarks/gpu_kit.py` runs it so on a GPU).
 
     python benchmarks/bench_rl_pack.py [--sft-steps 150] [--warmup 2] [--steps 6] [--rounds 2] [--beta 0.0]
-    python benchmarks/bench_rl_pack.py --micro 5
+    python benchmarks/bench_rl_pack.py --micro 5 [--size small|0.5b] [--prompts 8 --group 4]
+                                       [--prompt-len 256 --comp 32 512] [--json F]
 """
 
 from __future__ import annotations
@@ -89,53 +92,88 @@ def worker(out: Path, model: Path, pack: bool, steps: int, beta: float) -> dict:
             "loadavg": [load0, os.getloadavg()[0]], "shapes": sorted(map(str, shapes))}
 
 
-def micro(reps: int, seed: int = 0) -> None:
-    """The update alone, in one process, padded and packed alternating (A/B/A/B: robust to a drifting load),
-    on the GRPO benchmark's model (vocab 8192, hidden 256, 4 layers) and 32 synthetic sequences: prompts of
-    32 tokens and completions of 64 (the GRPO benchmark: nothing to save) or of 4..64 (varied)."""
+MICRO_WORKLOADS = {  # name: (prompt length, completion lengths low..high)
+    "equal": (32, (64, 64)),  # bench_grpo's shapes: nothing to pack away, a prompt to share
+    "varied": (32, (4, 64)),
+}
+
+
+def micro(reps: int, *, size: str = "small", prompts: int = 8, group: int = 4, prompt_len: int | None = None,
+          comp: tuple[int, int] | None = None, seed: int = 0, json_path: Path | None = None) -> dict:
+    """The update alone, in one process, the three layouts alternating (A/B/C/A/B/C: robust to a drifting load):
+    `padded` (`learner.pack: false`), `packed` (sequence rows) and `shared` (`learner.share_prompts`: the cheaper
+    of sequence rows and shared-prompt rows). Model: `bench_accel`'s `--size` shapes (small: the GRPO benchmark's
+    vocab 8192, hidden 256, 4 layers; 0.5b: 0.45B parameters), float32 weights, bfloat16 compute off the CPU.
+    Batch: `prompts` x `group` synthetic sequences with prompts of `prompt_len` tokens and completions drawn
+    uniformly from `comp` = (low, high); without them, the two `MICRO_WORKLOADS`. GRPO loss, one minibatch, old
+    log-probs taken from the batch (no recompute), no reference."""
     import time
 
+    import jax
     import numpy as np
 
+    from bench_accel import SHAPES
     from posttrain.models import init_model
     from posttrain.models.config import llama_like
     from posttrain.rl.batch import build_rl_batch
     from posttrain.rl.learner import Learner
     from posttrain.rl.loss import make_rl_loss
+    from posttrain.rl.packing import attention_span
     from posttrain.rl.rollout import Rollouts
     from posttrain.training.config import OptimConfig
     from posttrain.training.optim import make_optimizer
     from posttrain.training.trainer import Trainer
 
-    cfg = llama_like(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
-                     num_kv_heads=2, head_dim=64)
+    compute = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    workloads = MICRO_WORKLOADS if prompt_len is None else {"custom": (prompt_len, tuple(comp or (64, 64)))}
+    cfg = llama_like(**SHAPES[size], param_dtype="float32", compute_dtype=compute,
+                     max_position_embeddings=max(p + c[1] for p, c in workloads.values()) + 16)
     rng = np.random.default_rng(seed)
-    kw = {"epsilon_low": 0.2, "epsilon_high": 0.2, "aggregation": "seq_mean_token_mean", "max_tokens": 64}
-    for name, comp_len in (("equal lengths (bench_grpo)", lambda: 64), ("varied lengths", lambda: rng.integers(4, 65))):
-        comps = [rng.integers(3, 8192, size=int(comp_len())).tolist() for _ in range(32)]
-        prompts = [rng.integers(3, 8192, size=32).tolist() for _ in range(32)]
-        ro = Rollouts(group_size=4, record_index=[i // 4 for i in range(32)], prompt_ids=prompts,
-                      completion_ids=comps, logprobs=[[-1.0] * len(c) for c in comps], finish_reasons=["stop"] * 32,
-                      texts=[""] * 32, prompts_text=[""] * 32, rewards=np.zeros(32, np.float32), per_reward={},
-                      reward_stats={})
-        batch = build_rl_batch(ro, rng.normal(size=32).astype(np.float32))
+    n = prompts * group
+    kw = {"epsilon_low": 0.2, "epsilon_high": 0.2, "aggregation": "seq_mean_token_mean",
+          "max_tokens": max(c[1] for _, c in workloads.values())}
+    report = {"size": size, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+              "compute_dtype": compute, "sequences": n, "workloads": {}}
+    for name, (plen, (lo, hi)) in workloads.items():
+        comps = [rng.integers(3, cfg.vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+        group_prompts = [rng.integers(3, cfg.vocab_size, size=plen).tolist() for _ in range(prompts)]
+        ro = Rollouts(group_size=group, record_index=[i // group for i in range(n)],
+                      prompt_ids=[group_prompts[i // group] for i in range(n)], completion_ids=comps,
+                      logprobs=[[-1.0] * len(c) for c in comps], finish_reasons=["stop"] * n, texts=[""] * n,
+                      prompts_text=[""] * n, rewards=np.zeros(n, np.float32), per_reward={}, reward_stats={})
+        batch = build_rl_batch(ro, rng.normal(size=n).astype(np.float32))
+        layouts = {"padded": dict(pack=False), "packed": dict(pack=True),
+                   "shared": dict(pack=True, attn_span=attention_span(cfg))}
         learners = {}
-        for pack in (False, True):
+        for layout, opts in layouts.items():
             tx = make_optimizer(OptimConfig(name="adamw", lr=1e-5, decay="constant"), 1000)[0]
-            learners[pack] = Learner(Trainer(init_model(cfg, seed=0), tx), make_rl_loss(kw), ppo_epochs=1,
-                                     minibatches=1, seed=0, recompute_old=False, correct_off_policy=False, pack=pack)
-        times: dict[bool, list[float]] = {False: [], True: []}
+            learners[layout] = Learner(Trainer(init_model(cfg, seed=0), tx), make_rl_loss(kw), ppo_epochs=1,
+                                       minibatches=1, seed=0, recompute_old=False, correct_off_policy=False, **opts)
+        times: dict[str, list[float]] = {k: [] for k in learners}
+        first: dict[str, float] = {}
+        metrics: dict[str, dict] = {}
         for rep in range(reps + 1):
-            for pack, learner in learners.items():
+            for layout, learner in learners.items():
                 t = time.perf_counter()
-                m = learner.update(batch, rep, policy_moved=False)
-                if rep:  # the first holds the compile
-                    times[pack].append(time.perf_counter() - t)
-        med = statistics.median
-        print(f"{name}: update median padded {med(times[False]):.3f} s, packed {med(times[True]):.3f} s "
-              f"(packed / padded {med(times[True]) / med(times[False]):.2f}); cells packed "
-              f"{m['pack/packed_cells']:.0f} vs padded {m['pack/padded_cells']:.0f}, real tokens "
-              f"{m['pack/tokens']:.0f}; load avg {os.getloadavg()[0]:.1f}", flush=True)
+                metrics[layout] = learner.update(batch, rep, policy_moved=False)
+                if rep:
+                    times[layout].append(time.perf_counter() - t)
+                else:  # the first call holds the compile
+                    first[layout] = time.perf_counter() - t
+        med = {k: statistics.median(v) for k, v in times.items()}
+        cells = {k: int(metrics[k].get("pack/packed_cells", metrics["packed"]["pack/padded_cells"])) for k in learners}
+        tokens = int(metrics["packed"]["pack/tokens"])
+        report["workloads"][name] = {"prompt_len": plen, "completion_lengths": [lo, hi], "tokens": tokens,
+                                     "median_s": med, "first_s": first, "cells": cells,
+                                     "loss": {k: float(metrics[k]["loss"]) for k in learners}}
+        print(f"{name} (prompt {plen}, completions {lo}..{hi}, {n} sequences, {size}, {compute} on "
+              f"{report['device']}): update median " + ", ".join(
+                  f"{k} {med[k]:.3f} s ({med[k] / med['padded']:.2f}x padded; {cells[k]} cells)" for k in learners)
+              + f"; {tokens} real tokens; first call (compile) " + ", ".join(f"{k} {v:.1f} s" for k, v in first.items())
+              + f"; load avg {os.getloadavg()[0]:.1f}", flush=True)
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=1))
+    return report
 
 
 def main(argv=None) -> int:
@@ -145,6 +183,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference pass)")
+    p.add_argument("--size", choices=["small", "0.5b"], default="small", help="--micro: the model's shape")
+    p.add_argument("--prompts", type=int, default=8, help="--micro: prompts (groups) in the batch")
+    p.add_argument("--group", type=int, default=4, help="--micro: completions per prompt")
+    p.add_argument("--prompt-len", type=int, help="--micro: prompt tokens (with --comp: one custom workload)")
+    p.add_argument("--comp", type=int, nargs=2, metavar=("LOW", "HIGH"), help="--micro: completion lengths")
+    p.add_argument("--json", type=Path, help="--micro: also write the figures to this file")
     p.add_argument("--micro", type=int, metavar="REPS", default=0,
                    help="instead: time the update alone, padded and packed alternating, REPS times each")
     p.add_argument("--worker", choices=["packed", "padded"], help=argparse.SUPPRESS)
@@ -152,7 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.micro:
-        micro(a.micro)
+        micro(a.micro, size=a.size, prompts=a.prompts, group=a.group, prompt_len=a.prompt_len,
+              comp=tuple(a.comp) if a.comp else None, json_path=a.json)
         return 0
     if a.worker:
         r = worker(a.dir, a.model, a.worker == "packed", a.warmup + a.steps, a.beta)

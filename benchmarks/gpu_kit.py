@@ -14,11 +14,14 @@ travels must stay under 64 MiB). Ray is left out (its wheel alone is ~70 MB; the
 `run` executes, each in its own process with a time limit, its output kept in the log:
   env      versions of python, jax, flax, transformers, torch and the devices JAX sees;
   checks   the parity tests on the accelerator (JAX_PLATFORMS unset: bf16 compute vs float32, logits vs
-           transformers, the generic kernel set) and cuDNN flash attention against XLA's attention;
+           transformers, the generic kernel set, packed and shared-prompt RL batches against padded ones) and
+           cuDNN flash attention against XLA's attention;
   accel    benchmarks/bench_accel.py (SFT MFU, decode vs the bandwidth roofline, the same work in PyTorch);
   generate benchmarks/bench_generate.py (ours vs transformers' generate);
   grpo     benchmarks/bench_grpo.py --no-trl (GRPO step seconds, rollout vs train);
-  continuation  benchmarks/bench_agent_continuation.py (a 4-turn rollout vs one 4x-longer generation).
+  continuation  benchmarks/bench_agent_continuation.py (a 4-turn rollout vs one 4x-longer generation);
+  rlupdate benchmarks/bench_rl_pack.py --micro on the 0.45B shape: the RL update padded, packed and with shared
+           prompts (4 prompts x 8 completions, 256-token prompts, completions of 32..512 tokens).
 Every step runs with JAX_PLATFORMS=--platform (cuda): the benchmarks default to cpu otherwise.
 Each step's exit code, seconds and parsed figures go into gpu_figures.json, so a partial run still reports.
 """
@@ -112,6 +115,10 @@ print("RESULT " + json.dumps(out))
 """
 
 
+#: the steps of `run`, in order
+STEPS = ["env", "checks", "cudnn", "generate", "grpo", "continuation", "accel", "rlupdate"]
+
+
 def _step(name: str, cmd: list[str], env: dict, log, limit: int) -> dict:
     """Run one step, append its output to the log, return exit code, seconds and its RESULT json if any."""
     t = time.time()
@@ -149,13 +156,18 @@ def run(args) -> int:
     steps = {
         "env": ([py, "-c", ENV_SNIPPET], 120),
         "checks": ([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_model_parity.py",
-                    "tests/test_layers.py", "-k", "bfloat16 or logits_match or packed"], 900),
+                    "tests/test_layers.py", "tests/test_rl_packing.py", "-k",
+                    "bfloat16 or logits_match or packed or shared"], 900),
         "cudnn": ([py, "-c", CUDNN_SNIPPET], 300),
         "generate": ([py, "benchmarks/bench_generate.py", "--repeats", "3"], 900),
         "grpo": ([py, "benchmarks/bench_grpo.py", "--no-trl", "--no-peak", "--steps", "5"], 900),
         "continuation": ([py, "benchmarks/bench_agent_continuation.py", "--repeats", "3"], 600),
         "accel": ([py, "benchmarks/bench_accel.py", "--json", str(out / "accel.json")], 1200),
+        "rlupdate": ([py, "benchmarks/bench_rl_pack.py", "--micro", "3", "--size", "0.5b", "--prompts", "4",
+                      "--group", "8", "--prompt-len", "256", "--comp", "32", "512", "--json",
+                      str(out / "rlupdate.json")], 900),
     }
+    assert set(steps) == set(STEPS)
     only = set(args.only or steps)
     figures = {}
     with open(out / "gpu_log.txt", "a") as log:
@@ -164,9 +176,10 @@ def run(args) -> int:
                 continue
             figures[name] = _step(name, cmd, env, log, min(limit, args.step_limit))
             (out / "gpu_figures.json").write_text(json.dumps(figures, indent=1))
-    if (out / "accel.json").exists():
-        figures["accel"]["result"] = json.loads((out / "accel.json").read_text())
-        (out / "gpu_figures.json").write_text(json.dumps(figures, indent=1))
+    for name in ("accel", "rlupdate"):
+        if name in figures and (out / f"{name}.json").exists():
+            figures[name]["result"] = json.loads((out / f"{name}.json").read_text())
+    (out / "gpu_figures.json").write_text(json.dumps(figures, indent=1))
     return 0
 
 
@@ -176,7 +189,7 @@ def main(argv=None) -> int:
     sub.add_parser("build", help="download the kit's wheels into .whl/ and check the size")
     r = sub.add_parser("run", help="on the GPU machine: install the kit, run checks and benchmarks")
     r.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
-    r.add_argument("--only", nargs="+", choices=["env", "checks", "cudnn", "accel", "generate", "grpo", "continuation"])
+    r.add_argument("--only", nargs="+", choices=STEPS)
     r.add_argument("--platform", default="cuda", help="JAX_PLATFORMS for every step (cuda, tpu)")
     r.add_argument("--step-limit", type=int, default=1200, help="seconds at most for any one step")
     args = ap.parse_args(argv)
