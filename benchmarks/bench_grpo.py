@@ -33,9 +33,10 @@ First step: the "warm-up s" column holds each warm-up step's seconds (ours: roll
 included), beside the steady state. `--first-call` also runs ours in two fresh processes (1 step each) with
 an empty persistent compilation cache (cold) and then with the cache the first filled (warm).
 
-`--pack` runs ours twice per round, `learner.pack=false` then `true` (each in a fresh process), and prints the
+Ours runs with its defaults (`learner.share_prompts` on: shared-prompt rows). `--pack` runs ours twice per round,
+`learner.pack=false` then `true`, both with `learner.share_prompts=false` (each in a fresh process), and prints the
 padding the packed update saved (real tokens / cells computed, packed vs padded) and the packed/padded ratios.
-`--share-prompts` does the same with `learner.share_prompts=true` in place of `learner.pack=true` (rows may hold
+`--share-prompts` compares the padded batch with `learner.share_prompts=true` in the same way (rows may hold
 one prompt and several of its completions: each group's prompt goes through the layers once a row).
 
     python benchmarks/bench_grpo.py [--warmup 2] [--steps 5] [--rounds 1] [--torch-threads N] [--pack | --share-prompts]
@@ -174,7 +175,7 @@ def run_ours(folder: Path, prompts_file: Path, warmup: int, steps: int, pack: bo
             f"trainer.max_steps={total}", "trainer.save_every=0", "trainer.progress=false", "eval.at_start=false",
             "export_hf=false", "data.chat=false",
         ] + ([] if pack is None else ["learner.share_prompts=true"] if pack == "shared"
-             else [f"learner.pack={str(pack).lower()}"]))
+             else [f"learner.pack={str(pack).lower()}", "learner.share_prompts=false"]))
         t_start = time.perf_counter()
         result = run_rl(cfg)
         t_total = time.perf_counter() - t_start
@@ -300,7 +301,8 @@ def worker(kind: str, folder: Path, warmup: int, steps: int, threads: int, check
     load0 = os.getloadavg()[0]
     if kind == "peak":
         out = run_peak(threads)
-    elif kind.startswith("ours"):  # ours, ours-packed (learner.pack=true), ours-padded (learner.pack=false)
+    elif kind.startswith("ours"):  # ours (defaults), ours-packed / ours-padded (learner.pack=true / false, no
+        # shared prompts), ours-shared (learner.share_prompts=true)
         pack = {"ours": None, "ours-packed": True, "ours-padded": False, "ours-shared": "shared"}[kind]
         out = run_ours(folder, folder / "prompts.jsonl", warmup, steps, pack)
     else:

@@ -80,7 +80,7 @@ def worker(out: Path, model: Path, pack: bool, steps: int, beta: float) -> dict:
         cfg["data"].pop("eval")
         cfg["eval"] = {"every": 0, "at_start": False}
         cfg["algorithm"]["beta"] = beta
-        cfg["learner"] = {"pack": pack}
+        cfg["learner"] = {"pack": pack, "share_prompts": False}
         cfg["trainer"].update(progress=False, save_every=0)
         cfg["export_hf"] = False
         (Path(tmp) / "rl.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -101,7 +101,7 @@ MICRO_WORKLOADS = {  # name: (prompt length, completion lengths low..high)
 def micro(reps: int, *, size: str = "small", prompts: int = 8, group: int = 4, prompt_len: int | None = None,
           comp: tuple[int, int] | None = None, seed: int = 0, json_path: Path | None = None) -> dict:
     """The update alone, in one process, the three layouts alternating (A/B/C/A/B/C: robust to a drifting load):
-    `padded` (`learner.pack: false`), `packed` (sequence rows) and `shared` (`learner.share_prompts`: the cheaper
+    `padded` (`learner.pack: false, share_prompts: false`), `packed` (sequence rows) and `shared` (`learner.share_prompts`: the cheaper
     of sequence rows and shared-prompt rows). Model: `bench_accel`'s `--size` shapes (small: the GRPO benchmark's
     vocab 8192, hidden 256, 4 layers; 0.5b: 0.45B parameters), float32 weights, bfloat16 compute off the CPU.
     Batch: `prompts` x `group` synthetic sequences with prompts of `prompt_len` tokens and completions drawn

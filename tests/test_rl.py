@@ -71,6 +71,8 @@ def test_resume_gives_identical_losses(toy):
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
     np.testing.assert_allclose([h["reward/mean"] for h in second.history],
                                [h["reward/mean"] for h in full.history[3:]], atol=0)
+    # the default layout (learner.share_prompts unset): packed, a group's prompt computed once a row
+    assert all(h["pack/packed_cells"] < h["pack/padded_cells"] for h in full.history)
 
 
 @pytest.mark.slow

@@ -39,7 +39,8 @@ def test_image_batch_holds_each_rows_images_padded_with_blanks():
     assert stack_images([[], [a]]).shape == (2, 1, 3, 2, 2)
 
 
-@pytest.mark.parametrize("override,key", [("learner.pack=true", "learner.pack"), ("fleet.workers=1", "fleet.workers")])
+@pytest.mark.parametrize("override,key", [("learner.pack=true", "learner.pack"), ("fleet.workers=1", "fleet.workers"),
+                                          ("learner.share_prompts=true", "learner.share_prompts")])
 def test_image_prompts_refuse_packing_and_fleet_before_the_model_loads(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key) as e:
         RLRun(_cfg(tmp_path / "no-model-here", tmp_path / "out", override))

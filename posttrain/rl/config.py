@@ -106,7 +106,8 @@ class LearnerConfig:
     share_prompts: pack (as `pack`), and let a row hold one prompt and several of its completions, so that the
       group's shared prompt goes through the layers once a row instead of once a sequence; per batch, the packer
       takes whichever layout computes least (`posttrain.rl.packing.pack_cheapest`: a longer row pays more
-      attention). The loss and its gradient are the padded batch's.
+      attention). The loss and its gradient are the padded batch's. None (the default): on, unless the prompts
+      carry images (those train on padded batches); `false` with `pack: false` gives padded batches.
     """
 
     ppo_epochs: int = 1
@@ -116,7 +117,7 @@ class LearnerConfig:
     is_cap: float = 2.0
     max_resample_rounds: int = 3
     pack: bool = False
-    share_prompts: bool = False
+    share_prompts: bool | None = None
 
     def __post_init__(self):
         at_least("learner.ppo_epochs", self.ppo_epochs, 1)

@@ -92,7 +92,8 @@ def _check_image_prompts(cfg: RLConfig, records, eval_records) -> bool:
     if not any(has_images(r, ("prompt",)) for recs in (records, eval_records or []) for r in recs):
         return False
     for on, key in ((cfg.fleet.enabled, "fleet.workers"), (cfg.learner.pack, "learner.pack"),
-                    (cfg.learner.share_prompts, "learner.share_prompts"), (agent_enabled(cfg.rollout), "rollout.tools")):
+                    (cfg.learner.share_prompts is True, "learner.share_prompts"),
+                    (agent_enabled(cfg.rollout), "rollout.tools")):
         if on:
             raise ConfigError(f"{key}: not supported with image prompts ({cfg.data.train} has images); "
                               "image prompts train in-process on padded batches, single-turn")
@@ -194,6 +195,7 @@ class RLRun:
     def _build_learner(self, cfg: RLConfig) -> None:
         """The learner: the policy loss, its epochs and minibatches, and the reference scorer when beta > 0."""
         lc, kw, trainer = cfg.learner, self.loss_kwargs, self.trainer
+        share = lc.share_prompts if lc.share_prompts is not None else not self.image_prompts
         chunk = cfg.trainer.loss_chunk_size or None
         ref_fn = None
         if kw["beta"] > 0:
@@ -205,8 +207,7 @@ class RLRun:
                                minibatches=lc.minibatches, seed=cfg.trainer.seed,
                                recompute_old=lc.old_logprobs == "recompute",
                                correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn,
-                               pack=lc.pack or lc.share_prompts,
-                               attn_span=attention_span(trainer.model().cfg) if lc.share_prompts else None)
+                               pack=lc.pack or share, attn_span=attention_span(trainer.model().cfg) if share else None)
 
     def _build_dispatcher(self, cfg: RLConfig) -> None:
         """The dispatcher of prompt groups: the data stream, staleness bound, leases and curation."""
