@@ -9,8 +9,9 @@ the initial weights held without optimizer state.
 With `pack` (`learner.pack`) the learner packs each minibatch's sequences into rows (`posttrain.rl.packing`)
 before its update, and scores old/reference log-probs on the whole batch packed the same way: the loss
 and the log-probs equal the padded batch's, the forward computes only the rows that hold tokens. Minibatches
-still split the batch by sequences, as without packing. With `learner.share_prompts` a row may hold one prompt
-and several of its completions (the prompt computed once a row), whenever that layout computes less.
+still split the batch by sequences, as without packing. With `learner.share_prompts` (the RL default for text
+prompts) a row may hold one prompt and several of its completions (the prompt computed once a row), whenever
+that layout computes less.
 """
 
 from __future__ import annotations
