@@ -101,9 +101,10 @@ MICRO_WORKLOADS = {  # name: (prompt length, completion lengths low..high)
 def micro(reps: int, *, size: str = "small", prompts: int = 8, group: int = 4, prompt_len: int | None = None,
           comp: tuple[int, int] | None = None, seed: int = 0, json_path: Path | None = None) -> dict:
     """The update alone, in one process, the three layouts alternating (A/B/C/A/B/C: robust to a drifting load):
-    `padded` (`learner.pack: false, share_prompts: false`), `packed` (sequence rows) and `shared` (`learner.share_prompts`: the cheaper
-    of sequence rows and shared-prompt rows). Model: `bench_accel`'s `--size` shapes (small: the GRPO benchmark's
-    vocab 8192, hidden 256, 4 layers; 0.5b: 0.45B parameters), float32 weights, bfloat16 compute off the CPU.
+    `padded` (`learner.pack: false, share_prompts: false`), `packed` (sequence rows) and `shared`
+    (`learner.share_prompts`: the cheaper of sequence rows and shared-prompt rows). Model: `bench_accel`'s `--size`
+    shapes (small: the GRPO benchmark's vocab 8192, hidden 256, 4 layers; 0.5b: 0.45B parameters), float32
+    weights, bfloat16 compute off the CPU.
     Batch: `prompts` x `group` synthetic sequences with prompts of `prompt_len` tokens and completions drawn
     uniformly from `comp` = (low, high); without them, the two `MICRO_WORKLOADS`. GRPO loss, one minibatch, old
     log-probs taken from the batch (no recompute), no reference."""
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--comp", type=int, nargs=2, metavar=("LOW", "HIGH"), help="--micro: completion lengths")
     p.add_argument("--json", type=Path, help="--micro: also write the figures to this file")
     p.add_argument("--micro", type=int, metavar="REPS", default=0,
-                   help="instead: time the update alone, padded and packed alternating, REPS times each")
+                   help="instead: time the update alone, the padded, packed and shared-prompt layouts "
+                        "alternating, REPS times each")
     p.add_argument("--worker", choices=["packed", "padded"], help=argparse.SUPPRESS)
     p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
