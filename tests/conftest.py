@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CLI turns JAX's persistent compilation cache on in ~/.cache; tests that run the CLI leave the user's alone.
 os.environ.setdefault("POSTTRAIN_COMPILE_CACHE", "0")
+#: Tests compile with JAX's `jax_disable_most_optimizations` (XLA's backend and LLVM optimization passes off): most of
+#: a test's time on this CPU is compiling tiny programs, and the suite took 22 min this way against 29 (2026-11-27).
+#: Set before JAX is imported, so the processes tests start (CLI runs, other "hosts", Ray workers) inherit it. Tests
+#: marked `full_optimization` (numbers compared with a reference: transformers, TRL, a hand computation, the padded
+#: batch) compile as a user's run does. POSTTRAIN_TEST_FULL_OPTIMIZATION=1 runs every test that way.
+FULL_OPTIMIZATION = os.environ.get("POSTTRAIN_TEST_FULL_OPTIMIZATION", "0") == "1"
+os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if FULL_OPTIMIZATION else "1"
 
 import logging  # noqa: E402
 import sys  # noqa: E402
@@ -19,6 +27,13 @@ import pytest  # noqa: E402
 #: import torch at the top are not collected (their tests compare against transformers in torch).
 TORCH_MODULES = ("test_model_parity.py", "test_sampling.py", "test_sft.py")
 collect_ignore = list(TORCH_MODULES) if os.environ.get("POSTTRAIN_NO_TORCH") == "1" else []
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a process a test starts with `devices` CPU devices: the suite's own XLA_FLAGS (whatever the
+    pytest process runs with) and the device count, which replaces any count those flags held."""
+    rest = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+    return " ".join([*rest, f"--xla_force_host_platform_device_count={devices}"])
+
 
 #: GSM8K's JSONL splits, outside the repository: `../shared/data/gsm8k` from its root.
 GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
@@ -65,6 +80,29 @@ def pytest_runtest_teardown(item, nextitem):
         if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
             handler.__dict__.pop("flush", None)  # transformers pins `flush` to the old stream's
             handler.stream = _CurrentStderr()
+
+
+def _optimize_fully(on: bool) -> None:
+    """Compiles from now on with XLA's full optimization (on) or most of it off; programs compiled the other way
+    are dropped from JAX's in-memory caches (the persistent cache keys the two apart itself)."""
+    import jax
+
+    if os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == ("0" if on else "1"):
+        return
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if on else "1"  # for the processes the test starts
+    jax.config.update("jax_disable_most_optimizations", not on)
+    jax.clear_caches()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full_optimization: compiled with XLA's full optimization, as users' runs are "
+                            "(numbers compared with a reference; see FULL_OPTIMIZATION in tests/conftest.py)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of the test is set up: its compilation mode (see FULL_OPTIMIZATION)."""
+    _optimize_fully(FULL_OPTIMIZATION or item.get_closest_marker("full_optimization") is not None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -23,6 +23,10 @@ def count_a(prompts, completions, **fields):
     """1/8 per letter 'a' among the first 8 characters."""
     return [sum(c == "a" for c in text[:8]) / 8 for text in completions]
 
+def distinct(prompts, completions, **fields):
+    """1/8 per distinct character among the first 8: nearly every group of samples has a learning signal."""
+    return [len(set(text[:8])) / 8 for text in completions]
+
 def slow_count_a(prompts, completions, **fields):
     """count_a, slowly: generation + scoring outlasts a trainer step, so workers are busy when killed."""
     time.sleep(0.3)

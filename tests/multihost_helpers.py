@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 def env(devices: int, **extra) -> dict[str, str]:
     """The environment of one process with `devices` CPU devices (and `extra` variables), no POSTTRAIN_* of ours."""
-    out = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    out = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), POSTTRAIN_COMPILE_CACHE="0")
     for k in ("POSTTRAIN_COORDINATOR", "POSTTRAIN_NUM_PROCESSES", "POSTTRAIN_PROCESS_ID"):
         out.pop(k, None)

@@ -13,6 +13,8 @@ import pytest
 from posttrain.algorithms.distill import (DIVERGENCES, distill_token_loss, make_token_loss, teacher_topk,
                                           token_divergence, topk_token_divergence)
 
+pytestmark = pytest.mark.full_optimization  # numbers against a reference: compiled as users' runs are (tests/conftest.py)
+
 LN = math.log
 P = [0.5, 0.25, 0.25]  # teacher
 Q = [0.25, 0.5, 0.25]  # student

@@ -13,6 +13,8 @@ from posttrain.models import from_pretrained
 from posttrain.models.config import UnsupportedModelError
 from posttrain.models.gguf_io import GGUFError
 
+pytestmark = pytest.mark.full_optimization  # numbers against a reference: compiled as users' runs are (tests/conftest.py)
+
 # ---------------------------------------------------------------------------------------------- small files
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from posttrain.models import kernels
 
+pytestmark = pytest.mark.full_optimization  # numbers against a reference: compiled as users' runs are (tests/conftest.py)
+
 
 @pytest.fixture(params=["cpu", "generic"])
 def contract(request):

@@ -9,6 +9,8 @@ from hf_models import FAMILIES
 
 from posttrain.models import from_pretrained, save_pretrained
 
+pytestmark = pytest.mark.full_optimization  # numbers against a reference: compiled as users' runs are (tests/conftest.py)
+
 TOL = 1e-4
 
 

@@ -154,7 +154,9 @@ def test_fleet_trains_one_version_stale_groups_against_recomputed_old_logprobs(t
     from test_fleet import ledger, metric_rows
 
     res = run_rl(load_rl_config(None, toy("stale", "trainer.max_steps=2", "fleet.workers=1", "fleet.max_staleness=1",
-                                          "fleet.publish_every=2", "optim.lr=3e-2")))
+                                          "fleet.publish_every=2", "optim.lr=3e-2",
+                                          # step 1 moves the weights whatever it samples ('a' can be missing)
+                                          f"rewards.functions=[{{name: '{toy.dir / 'reward.py'}:distinct'}}]")))
     assert res.steps == 2
     assert [r["staleness_max"] for r in ledger(toy.dir / "stale")] == [0, 1]
     rows = metric_rows(toy.dir / "stale")

@@ -12,6 +12,8 @@ from posttrain.algorithms import registry
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.policy import aggregate, entropy_from_logits, policy_loss
 
+pytestmark = pytest.mark.full_optimization  # numbers against a reference: compiled as users' runs are (tests/conftest.py)
+
 # ----------------------------------------------------------------------------- KL estimators
 
 

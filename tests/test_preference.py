@@ -310,6 +310,7 @@ def _compare_grads(ours, torch_model, tol=1e-5):
 
 
 @pytest.mark.slow
+@pytest.mark.full_optimization
 def test_dpo_loss_logprobs_and_grads_equal_trl(trl_setup, tok, tmp_path):
     """DPOTrainer.compute_loss (sigmoid, β=0.5) on the same tiny model, reference and 4 pairs: TRL's own
     tokenisation equals ours, and loss, reward metrics and every parameter's gradient agree to 1e-5."""
@@ -358,6 +359,7 @@ def test_dpo_loss_logprobs_and_grads_equal_trl(trl_setup, tok, tmp_path):
     _compare_grads(grads, model)
 
 
+@pytest.mark.full_optimization
 def test_orpo_loss_and_grads_equal_trl(trl_setup, tok):
     """ORPO (λ = β = 0.25, NLL over prompt + response as TRL computes it) against TRL's ORPOTrainer code:
     its `get_batch_logps` (mean response log-probs), `odds_ratio_loss` and NLL, on the same model and batch."""

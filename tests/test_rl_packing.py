@@ -20,6 +20,8 @@ from posttrain.rl.packing import bucket_rows, pack_rl_batch
 from posttrain.rl.rollout import Rollouts
 from posttrain.rl.setup import policy_loss_kwargs
 
+pytestmark = pytest.mark.full_optimization  # numbers against a reference: compiled as users' runs are (tests/conftest.py)
+
 CFG = llama_like(vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1)
 PROMPTS = (5, 3, 7, 4, 2, 6)
 COMPLETIONS = (6, 2, 11, 4, 1, 9)

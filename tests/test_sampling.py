@@ -42,6 +42,7 @@ def llama(hf_checkpoint):
     return from_pretrained(hf_checkpoint("llama"))
 
 
+@pytest.mark.full_optimization
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])  # gemma: sliding windows, soft-caps
 def test_greedy_matches_transformers(family, hf_checkpoint):
     import transformers

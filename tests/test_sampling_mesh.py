@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -66,7 +67,7 @@ def test_generate_on_a_mesh(hf_checkpoint, tmp_path):
     path = hf_checkpoint("llama")
     script = tmp_path / "mesh_run.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4),
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True, text=True,
                           timeout=300)

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from posttrain.models import init_model
 from posttrain.models.config import llama_like
@@ -243,7 +244,7 @@ def test_multi_process_turns_follow_process_0(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4),
                PYTHONPATH=str(root), POSTTRAIN_COMPILE_CACHE="0", POSTTRAIN_COORDINATOR=f"127.0.0.1:{port}",
                POSTTRAIN_NUM_PROCESSES="2")
     ps = [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS, str(i)], env={**env, "POSTTRAIN_PROCESS_ID": str(i)},

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import xla_flags
 
 SCRIPT = textwrap.dedent(
     """
@@ -43,7 +44,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_fsdp_tensor_mesh_matches_unsharded(family, hf_checkpoint):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(hf_checkpoint(family))], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,6 +16,8 @@ from posttrain.models.config import llama_like
 from posttrain.models.transformer import init_model
 from posttrain.training.trainer import Trainer, reduce_metrics
 
+pytestmark = pytest.mark.full_optimization  # numbers against a reference: compiled as users' runs are (tests/conftest.py)
+
 LN2, LN3, LN4 = math.log(2), math.log(3), math.log(4)
 
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from conftest import xla_flags
 
 from posttrain.models import Transformer
 from posttrain.models.config import ModelConfig
@@ -71,7 +72,7 @@ SHARD_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_vision_weights_sharded_on_fsdp_tensor_mesh(tiny_vlm):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SHARD_SCRIPT, tiny_vlm], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from conftest import xla_flags
 
 from posttrain.algorithms.sft import images_in_order
 from posttrain.models import lora as lora_lib
@@ -163,7 +164,7 @@ def test_vlm_qlora_sft_on_a_fsdp_tensor_mesh(tiny_vlm, tmp_path):
     from safetensors.numpy import load_file
 
     out = tmp_path / "qlora"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "posttrain.cli.main", "sft", str(SMOKE), f"model.path={tiny_vlm}", f"output_dir={out}",
            "data.train=shapes:?size=64&seed=1", "data.eval=shapes:?size=16&seed=2", "data.batch_size=8",
            "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=1", "trainer.save_every=3",
