@@ -28,6 +28,7 @@ import pytest  # noqa: E402
 TORCH_MODULES = ("test_model_parity.py", "test_sampling.py", "test_sft.py")
 collect_ignore = list(TORCH_MODULES) if os.environ.get("POSTTRAIN_NO_TORCH") == "1" else []
 
+
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a process a test starts with `devices` CPU devices: the suite's own XLA_FLAGS (whatever the
     pytest process runs with) and the device count, which replaces any count those flags held."""
@@ -133,6 +134,14 @@ def hf_checkpoint(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+#: A toy-task reward with a learning signal in nearly every group (a rare letter leaves whole steps without one).
+DISTINCT_REWARD = '''
+def distinct(prompts, completions, **fields):
+    """1/8 per distinct character among the first 8."""
+    return [len(set(text[:8])) / 8 for text in completions]
+'''
 
 
 def write_toy_task(folder, reward_source: str):

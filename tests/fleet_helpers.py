@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import write_toy_task
+from conftest import DISTINCT_REWARD, write_toy_task
 
 
 REWARD = '''
@@ -22,10 +22,6 @@ from itertools import groupby
 def count_a(prompts, completions, **fields):
     """1/8 per letter 'a' among the first 8 characters."""
     return [sum(c == "a" for c in text[:8]) / 8 for text in completions]
-
-def distinct(prompts, completions, **fields):
-    """1/8 per distinct character among the first 8: nearly every group of samples has a learning signal."""
-    return [len(set(text[:8])) / 8 for text in completions]
 
 def slow_count_a(prompts, completions, **fields):
     """count_a, slowly: generation + scoring outlasts a trainer step, so workers are busy when killed."""
@@ -61,7 +57,7 @@ def toy(tmp_path, compile_cache, monkeypatch):
     restarted trainer or worker loads its programs instead of compiling them again."""
     for k, v in compile_cache.items():
         monkeypatch.setenv(k, v)
-    write_toy_task(tmp_path, REWARD)
+    write_toy_task(tmp_path, REWARD + DISTINCT_REWARD)
 
     def args(name: str, *overrides: str) -> list[str]:
         return [f"output_dir={tmp_path / name}", "model.path=tiny:llama", f"data.train={tmp_path / 'prompts.jsonl'}",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import DISTINCT_REWARD, write_toy_task
 from multihost_helpers import Procs, procs, tiny_llama  # noqa: F401  (fixtures)
 from multihost_helpers import env as _env
 from multihost_helpers import free_port as _free_port
@@ -367,20 +368,11 @@ def test_killing_the_coordinator_ends_the_others_with_one_line(tmp_path, procs, 
     assert waited < 30, waited
 
 
-REWARD = '''
-def distinct(prompts, completions, **fields):
-    return [len(set(text[:8])) / 8 for text in completions]
-'''
-
-
 @pytest.mark.slow
 def test_rl_two_hosts_match_one_host(tmp_path, procs, tiny_llama):
     """A short synchronous GRPO run: the sampler on the global mesh, rewards scored on process 0: rewards and
     losses equal those of one process with the same 8 devices."""
-    (tmp_path / "reward.py").write_text(REWARD)
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": "x" * (1 + i % 4), "answer": "a"}) + "\n")
+    write_toy_task(tmp_path, DISTINCT_REWARD)
     args = _posttrain(
         "rl", f"model.path={tiny_llama}", f"data.train={tmp_path / 'prompts.jsonl'}", "rollout.batch_prompts=4",
         "rollout.group_size=4", "rollout.max_new_tokens=8", f"rewards.functions=[{{name: '{tmp_path / 'reward.py'}:distinct'}}]",
