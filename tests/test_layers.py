@@ -130,3 +130,35 @@ def test_cpu_many_query_cached_attention_matches_generic(softcap):
     got = jax.jit(lambda q, k, v, m: kernels.get("cpu").attend_cached(
         q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), m, cfg))(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,softcap", [(True, None), (True, 30.0), (False, None)])
+def test_cpu_uncached_attention_matches_generic(causal, softcap, monkeypatch):
+    """The cpu set's attention without a cache (its cache layouts; causal self-attention in query chunks that
+    skip the later keys) against the generic set's dense attention: values and gradients of q, k and v, with
+    packed segments, a shared prefix, padding and GQA, over more queries than one chunk holds."""
+    from types import SimpleNamespace
+
+    b, t, n, kvh, h = 2, 100, 4, 2, 8
+    monkeypatch.setattr(kernels, "CAUSAL_MIN_CHUNK", 32)  # chunks of a few dozen queries, one of uneven length
+    assert kernels.causal_chunk_bounds(t) == [0, 32, 64, 100]
+    cfg = SimpleNamespace(attn_logit_softcap=softcap, attn_scale=h ** -0.5, attention_impl="auto")
+    kq, kk, kv, kg, km = jax.random.split(jax.random.key(2), 5)
+    q = jax.random.normal(kq, (b, t, n, h))
+    k = jax.random.normal(kk, (b, t, kvh, h))
+    v = jax.random.normal(kv, (b, t, kvh, h))
+    g = jax.random.normal(kg, (b, t, n, h))
+    seg = jnp.asarray(np.repeat([-1, 0, 1, 2], [20, 30, 41, 9])[None].repeat(b, 0))  # a shared prefix, 3 segments
+    qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    same = (seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] < 0)
+    mask = same & jax.random.bernoulli(km, 0.9, (b, 1, t)) | (qi == ki)
+    mask = (mask & (qi >= ki) if causal else mask)[:, None]  # [B, 1, T, T]
+
+    def grads(kset):
+        f = lambda q, k, v: jnp.sum(kernels.get(kset).attend(q, k, v, mask, cfg, causal=causal) * g)  # noqa: E731
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
+
+    (want, want_g), (got, got_g) = grads("generic"), grads("cpu")
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for a, b_ in zip(got_g, want_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-4, atol=1e-5)

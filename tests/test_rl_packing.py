@@ -180,8 +180,9 @@ def test_learner_packed_update_equals_padded():
     # a micro-batch, which packing changes; the loss, its gradient and the token-weighted entropy do not)
     for k in ("loss", "pg_loss", "entropy", "grad_norm"):
         assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
-    for a, b in zip(p0, p1):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    for a, b in zip(p0, p1):  # to 1e-5 of each tensor's scale: near-zero entries carry float32 rounding only
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()))
 
 
 # ---------------------------------------------------------------------------------------- shared-prompt rows

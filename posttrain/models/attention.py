@@ -101,7 +101,7 @@ class Attention(nnx.Module):
             mask = mask_info["base"]
             if window:
                 mask = mask & (~sliding | (qi - ki < window))
-            return self.o_proj(ks.attend(q, k, v, mask[:, None], cfg)), None
+            return self.o_proj(ks.attend(q, k, v, mask[:, None], cfg, causal=mask_info["causal"])), None
         # This layer's cache arrays: write the new keys/values at their positions, then attend over the
         # whole row (masked by `valid` and causality).
         k_c, v_c, valid = cache_kv

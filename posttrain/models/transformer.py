@@ -282,7 +282,8 @@ def _mask_info(t: int, attention_mask, segment_ids, blocks, positions) -> dict:
     if blocks is not None:  # bidirectional within each image
         base = base | multimodal.same_image(blocks, blocks)
     base = base | (qi == ki)  # a padding query attends to itself only: no empty softmax rows
-    return {"base": base, "q_index": positions[:, :, None], "k_index": positions[:, None, :]}
+    # causal: no query sees a later column (images' bidirectional blocks break it)
+    return {"base": base, "q_index": positions[:, :, None], "k_index": positions[:, None, :], "causal": blocks is None}
 
 
 def _unstack(layer_state: nnx.State, n: int) -> list[nnx.State]:
