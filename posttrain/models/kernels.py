@@ -29,8 +29,8 @@ ask the kernel set of their config (`get(cfg)`).
   of many tokens (prefill, continuation) stack each kv head's queries into the same two products, so no
   call transposes the cache.
 - Attention without a cache (training, scoring) uses the same layouts as cached calls (`attend_uncached`), and
-  causal self-attention runs in query chunks, each against the keys up to its end only: the masked half of
-  the scores is never computed.
+  causal self-attention of 512 tokens or more runs in query chunks, each against the keys up to its end only:
+  the masked half of the scores is never computed.
 - Cached calls unroll the layers; the decode loop slices the per-layer weights once, outside its
   `while_loop` (on CPU a slice inside the loop is a copy every step).
 - Sampling inverts a two-level CDF at one uniform number per row (Gumbel-max's V random numbers per row
