@@ -375,10 +375,11 @@ def attend_uncached(q, k, v, mask, cfg, causal: bool):
     q [B,T,N,H], k/v [B,S,K,H], mask [B,1,T,S]."""
     k_t, v_t = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     t, s = q.shape[1], k.shape[1]
-    bounds = causal_chunk_bounds(t) if causal and t == s else [0, t]
+    chunked = causal and t == s
+    bounds = causal_chunk_bounds(t) if chunked else [0, t]
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        e = b if causal and t == s else s
+        e = b if chunked else s  # the keys this chunk's queries may see
         outs.append(attend_queries(q[:, a:b], k_t[..., :e], v_t[:, :, :e], mask[:, :, a:b, :e], cfg, out_dtype=None))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
