@@ -8,7 +8,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -92,8 +94,11 @@ def _session(sid: int) -> list[int]:
 
 
 def _ray_node(args: list[str], env: dict) -> int:
-    """`ray start ARGS` in a session of its own, whose id (returned) names that node's processes."""
-    p = subprocess.Popen(["ray", "start", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+    """`ray start ARGS` in a session of its own, whose id (returned) names that node's processes. The `ray` script
+    of this Python's environment (another one on PATH would start a cluster of another Ray version)."""
+    here = Path(sys.executable).parent / "ray"
+    ray = str(here) if here.exists() else "ray"
+    p = subprocess.Popen([ray, "start", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
                           '--resources={"rollout": 1}', *args], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     log = p.communicate(timeout=120)[0]
