@@ -44,7 +44,8 @@ def _image(mode: str, w: int, h: int, seed: int = 0) -> Image.Image:
 
 
 def _on_white(img: Image.Image) -> Image.Image:
-    """`img` composited onto a white background, as RGB."""
+    """`img` composited onto a white background, as RGB (written here, not taken from `posttrain.data.images`: it
+    is the reference the preprocessing under test is held to)."""
     rgba = img.convert("RGBA")
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
