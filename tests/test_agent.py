@@ -15,6 +15,7 @@ from test_chat_templates import FAMILIES, family_tokenizer
 
 from posttrain.agent import (ChatTemplateAppender, TemplateError, TokenBuffer, load_environment, parse_error_messages,
                              parse_tool_calls, trajectory_reward)
+from posttrain.agent.environments import EnvCallError
 from posttrain.loading import LoadError
 from posttrain.tools import ToolCall, ToolPool, load_tools, run_tool_call
 
@@ -315,8 +316,9 @@ def test_environment_load_errors(tmp_path):
     with pytest.raises(LoadError, match="^rollout.environment: environment file 'nonexist.py' not found"):
         load_environment("nonexist.py:Env")
     session = load_environment(f"{path}:Broken").make()
-    with pytest.raises(ValueError, match="Broken.reset must return"):
+    with pytest.raises(EnvCallError, match="Broken.reset must return"):  # one line naming the class
         session.reset({})
+    assert session.failure.kind == "bad_type" and session.failure.method == "reset"
     step = session.step("hello")
     assert step.done and step.error.startswith("Broken.step failed: RuntimeError: game over")
     reward, err = session.final_reward([{"role": "assistant", "content": "x"}])
@@ -337,7 +339,7 @@ def test_gsm8k_python_env():
     assert msg["content"] == "72" and rec.error is None and session.env.code_runs == 1
     msg, rec = run_tool_call(session.tools, ToolCall("python", {"code": "print(open('/etc/passwd').read())"}),
                              timeout=30, max_output_chars=1000)
-    assert msg["content"].startswith("Error:") and "sandbox" in msg["content"]
+    assert msg["content"].startswith("Error:") and "root:" not in msg["content"]  # not in the sandbox's view
     done = messages + [{"role": "assistant", "content": "So the total is \\boxed{72}."}]
     assert session.final_reward(done) == (1.0, None)
     assert session.final_reward(messages + [{"role": "assistant", "content": "\\boxed{71}"}]) == (0.0, None)

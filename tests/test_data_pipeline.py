@@ -131,10 +131,11 @@ def test_no_packing_and_path_input(tok):
 
 
 def test_truncation_and_errors(tok, records):
-    ds = build_sft_dataset(records, tok, seq_len=16, batch_size=2, truncation="right")
-    assert ds.stats["num_truncated"] == 64 and ds.stats["num_loss_tokens"] == 0
-    with pytest.raises(DataError, match="no example survived"):
-        build_sft_dataset(records, tok, seq_len=16, batch_size=2, truncation="drop")
+    ds = build_sft_dataset(records, tok, seq_len=21, batch_size=2, truncation="right")  # the answer's first token
+    assert ds.stats["num_truncated"] == 64 and ds.stats["num_too_long"] == 0 and ds.stats["num_loss_tokens"] == 64
+    for truncation in ("right", "drop"):  # no target within 16 tokens: one error naming data.seq_len
+        with pytest.raises(DataError, match=r"all 64 examples are longer than data.seq_len=16 \(the longest has 23"):
+            build_sft_dataset(records, tok, seq_len=16, batch_size=2, truncation=truncation)
     with pytest.raises(DataError, match="empty"):
         build_sft_dataset([], tok, seq_len=16, batch_size=2)
     with pytest.raises(DataError, match=r"record 2.*'text'|'text'.*record 2"):

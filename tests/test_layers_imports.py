@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "posttrain"
 
 # Low to high. `posttrain/__init__.py` (the package itself) is below everything.
 LAYERS = [
-    {"config", "distributed", "compile_cache", "loading"},
+    {"config", "distributed", "compile_cache", "loading", "workers"},
     {"data", "models", "rewards", "tools"},
     {"algorithms"},
     {"sampling"},

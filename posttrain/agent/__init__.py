@@ -4,11 +4,13 @@ calls at every turn end (`posttrain.agent.rollout`), built from a run's rollout 
 `posttrain.agent.setup`."""
 
 from posttrain.agent.buffer import TokenBuffer
-from posttrain.agent.environments import EnvironmentSpec, EnvSession, StepResult, load_environment, trajectory_reward
+from posttrain.agent.environments import (EnvCallError, EnvFailure, EnvironmentSpec, EnvSession, StepResult,
+                                          load_environment, trajectory_reward)
 from posttrain.agent.rollout import Agent, AgentLimits, AgentRollout, Trajectory
 from posttrain.agent.parsers import FORMATS, ParsedCalls, parse_error_messages, parse_tool_calls
 from posttrain.agent.templates import ChatTemplateAppender, TemplateError, tool_response_text, tools_system_section
 
-__all__ = ["FORMATS", "Agent", "AgentLimits", "AgentRollout", "ChatTemplateAppender", "Trajectory", "EnvSession", "EnvironmentSpec", "ParsedCalls", "StepResult",
+__all__ = ["FORMATS", "Agent", "AgentLimits", "AgentRollout", "ChatTemplateAppender", "Trajectory", "EnvCallError",
+           "EnvFailure", "EnvSession", "EnvironmentSpec", "ParsedCalls", "StepResult",
            "TemplateError", "TokenBuffer", "load_environment", "parse_error_messages", "parse_tool_calls", "tool_response_text",
            "tools_system_section", "trajectory_reward"]

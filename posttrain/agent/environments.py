@@ -13,12 +13,18 @@ trajectory's instance, where the state lives. Optional:
   next user turn (or None), this turn's reward and whether the game is over.
 Per-turn rewards (from `step`) are summed, undiscounted, and the final `reward(...)` is added:
 `trajectory_reward` gives the one number per trajectory that group advantages use.
-Problems in a class are one-line `LoadError`s naming the class and its file; exceptions raised by a
-trajectory's `step` or `reward` are caught and returned as error text, never raised.
+Problems in a class are one-line `LoadError`s naming the class and its file.
+
+A session's calls into the instance (construction and `reset`, `step`, `reward`; its tool methods run through
+`ToolPool`) have the time limit of tool calls (`make(timeout_s)`; None: none). Each runs in a daemon thread
+(`posttrain.tools.in_process`): one past the limit is abandoned, still running, so the instance is lost. A call
+that times out, raises or returns the wrong type is an `EnvFailure` (method, kind, one line of text), the first of
+which the session keeps in `failure`: `reset` raises it as `EnvCallError`, `step` and `reward` return its text.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import inspect
 import math
 import types
@@ -27,8 +33,13 @@ from typing import Any, Sequence
 
 from posttrain.loading import LoadError, load_callable
 from posttrain.tools import Tool, tool_from_callable
+from posttrain.tools.in_process import DeadlineExceeded, call_within, settle_within
 
-__all__ = ["EnvironmentSpec", "EnvSession", "StepResult", "load_environment", "trajectory_reward"]
+__all__ = ["EnvCallError", "EnvFailure", "EnvironmentSpec", "EnvSession", "StepResult", "load_environment",
+           "trajectory_reward"]
+
+#: `EnvFailure.kind` values: the call ran past its time limit, raised, or returned the wrong type.
+FAILURE_KINDS = ("timeout", "exception", "bad_type")
 
 RESERVED = ("reset", "reward", "step")
 
@@ -51,9 +62,9 @@ class EnvironmentSpec:
     has_step: bool
     has_reward: bool
 
-    def make(self) -> "EnvSession":
-        """A fresh instance for one trajectory."""
-        return EnvSession(self)
+    def make(self, timeout_s: float | None = None) -> "EnvSession":
+        """A fresh session for one trajectory, its calls limited to `timeout_s` seconds each (None: no limit)."""
+        return EnvSession(self, timeout_s)
 
 
 def _where(ref: str) -> str:
@@ -101,44 +112,137 @@ class StepResult:
     error: str | None = None
 
 
-class EnvSession:
-    """One trajectory's environment instance, with its tools and the rewards it gave so far."""
+@dataclass(frozen=True)
+class EnvFailure:
+    """A failed call into an environment: the method (`reset`, `step`, `reward`, a tool method's name), how it
+    failed (`FAILURE_KINDS`) and one line of text naming the class."""
+    method: str
+    kind: str
+    text: str
 
-    def __init__(self, spec: EnvironmentSpec):
+    @property
+    def label(self) -> str:
+        """What the run warns about once: the method and the kind, e.g. `step timeout`."""
+        return f"{self.method} {self.kind}"
+
+
+class EnvCallError(RuntimeError):
+    """`reset` failed (see `EnvFailure`); the message is its one line."""
+
+    def __init__(self, failure: EnvFailure):
+        super().__init__(failure.text)
+        self.failure = failure
+
+
+class _BadType(TypeError):
+    """An environment method returned something of the wrong type."""
+
+
+def _check_messages(out: Any, name: str) -> list[dict]:
+    if isinstance(out, str):
+        return [{"role": "user", "content": out}]
+    if isinstance(out, Sequence) and out and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in out):
+        return [dict(m) for m in out]
+    raise _BadType(f"{name}.reset must return a string or a list of {{'role', 'content'}} messages, "
+                   f"got {type(out).__name__}")
+
+
+def _check_step(out: Any, name: str) -> StepResult:
+    if not (isinstance(out, tuple | list) and len(out) == 3):
+        raise _BadType(f"{name}.step must return (observation, reward, done), got {type(out).__name__}")
+    observation, reward, done = out
+    if observation is not None and not isinstance(observation, str):
+        raise _BadType(f"{name}.step: observation must be a string or None, got {type(observation).__name__}")
+    return StepResult(observation, _check_number(reward, f"{name}.step"), bool(done))
+
+
+def _check_number(value: Any, what: str) -> float:
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise _BadType(f"{what}: reward must be a number, got {type(value).__name__}") from None
+    if not math.isfinite(number):
+        raise _BadType(f"{what}: reward {value} is not finite")
+    return number
+
+
+class EnvSession:
+    """One trajectory's environment instance (made by `reset`), its tools, the rewards it gave so far, and its
+    first failure (`failure`; see the module docstring)."""
+
+    def __init__(self, spec: EnvironmentSpec, timeout_s: float | None = None):
         self.spec = spec
-        self.env = spec.cls()
-        self.tools: dict[str, Tool] = {
-            schema["function"]["name"]: Tool(name=schema["function"]["name"], schema=schema,
-                                             fn=getattr(self.env, attr), ref=None)
-            for attr, schema in zip(spec.tool_names, spec.schemas)}
+        self.timeout_s = timeout_s
+        self.env: Any = None
+        self.tools: dict[str, Tool] = {}
         self.turn_rewards: list[float] = []
+        self.failure: EnvFailure | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.cls.__name__
+
+    def fail(self, method: str, kind: str, text: str) -> EnvFailure:
+        """Records a failure (the session keeps the first) and returns it."""
+        failure = EnvFailure(method, kind, _one_line(text))
+        self.failure = self.failure or failure
+        return failure
+
+    def failed(self, method: str, e: BaseException) -> EnvFailure:
+        """Records the failure of a call to `method` that raised `e` (`DeadlineExceeded`: it timed out)."""
+        if isinstance(e, DeadlineExceeded):
+            return self.fail(method, "timeout", f"{self.name}.{method} ran past its {self.timeout_s:g}s time limit "
+                                                "(its thread was abandoned)")
+        if isinstance(e, _BadType):
+            return self.fail(method, "bad_type", str(e))
+        return self.fail(method, "exception", f"{self.name}.{method} failed: {type(e).__name__}: {e}")
+
+    def _make_and_reset(self, record: dict) -> list[dict]:
+        self.env = self.spec.cls()
+        messages = _check_messages(self.env.reset(record), self.name)
+        self.tools = {schema["function"]["name"]: Tool(name=schema["function"]["name"], schema=schema,
+                                                       fn=getattr(self.env, attr), ref=None)
+                      for attr, schema in zip(self.spec.tool_names, self.spec.schemas)}
+        return messages
 
     def reset(self, record: dict) -> list[dict]:
-        """The first messages for `record` (raises ValueError naming the class if `reset` returns junk)."""
-        out = self.env.reset(record)
-        if isinstance(out, str):
-            return [{"role": "user", "content": out}]
-        if isinstance(out, Sequence) and out and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in out):
-            return [dict(m) for m in out]
-        raise ValueError(f"{self.spec.cls.__name__}.reset must return a string or a list of "
-                         f"{{'role', 'content'}} messages, got {type(out).__name__}")
+        """A fresh instance and its first messages for `record`; raises `EnvCallError` (one line naming the class)
+        when construction or `reset` times out, raises or returns junk."""
+        try:
+            return call_within(self._make_and_reset, self.timeout_s, record, name=f"{self.name}.reset")
+        except (Exception, SystemExit) as e:  # the user's code: sys.exit() in it fails the call, not the run
+            raise EnvCallError(self.failed("reset", e)) from None
+
+    def _step_result(self, text: str) -> StepResult:
+        try:
+            res = _check_step(self.env.step(text), self.name)
+        except (Exception, SystemExit) as e:
+            return StepResult(None, 0.0, True, self.failed("step", e).text)
+        if self.failure is None:  # an abandoned step that returns late adds nothing
+            self.turn_rewards.append(res.reward)
+        return res
+
+    def step_future(self, text: str) -> cf.Future:
+        """A Future of the environment's `StepResult` for the model's turn `text` (never blocks; a timed-out,
+        raising or ill-typed `step` gives a result with `error`, done)."""
+        def timed_out() -> StepResult:
+            return StepResult(None, 0.0, True, self.failed("step", DeadlineExceeded()).text)
+
+        return settle_within(cf.Future(), self.timeout_s, lambda: self._step_result(text), timed_out,
+                             name=f"{self.name}.step")
 
     def step(self, text: str) -> StepResult:
-        """The environment's answer to the model's turn `text` (for `step` environments)."""
-        try:
-            out = self.env.step(text)
-            observation, reward, done = out
-            if observation is not None and not isinstance(observation, str):
-                raise TypeError(f"observation must be a string or None, got {type(observation).__name__}")
-            reward = float(reward)
-            if not math.isfinite(reward):
-                raise ValueError(f"reward {reward} is not finite")
-        except Exception as e:
-            return StepResult(None, 0.0, True, f"{self.spec.cls.__name__}.step failed: {type(e).__name__}: {e}")
-        self.turn_rewards.append(reward)
-        return StepResult(observation, reward, bool(done))
+        """`step_future(text)`, waited for."""
+        return self.step_future(text).result()
+
+    def _reward(self, offered: dict) -> float:
+        params = inspect.signature(self.env.reward).parameters
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        value = self.env.reward(**{k: v for k, v in offered.items() if takes_all or k in params})
+        return _check_number(value, f"{self.name}.reward")
 
     def final_reward(self, messages: Sequence[dict], record: dict | None = None) -> tuple[float | None, str | None]:
         """`(reward, error)` from the environment's `reward(...)`: `(None, None)` when it has none."""
@@ -148,14 +252,9 @@ class EnvSession:
         offered = {"messages": list(messages), "completion": completion, "record": record,
                    "turn_rewards": list(self.turn_rewards)}
         try:
-            params = inspect.signature(self.env.reward).parameters
-            takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-            value = float(self.env.reward(**{k: v for k, v in offered.items() if takes_all or k in params}))
-            if not math.isfinite(value):
-                raise ValueError(f"reward {value} is not finite")
-            return value, None
-        except Exception as e:
-            return None, f"{self.spec.cls.__name__}.reward failed: {type(e).__name__}: {e}"
+            return call_within(self._reward, self.timeout_s, offered, name=f"{self.name}.reward"), None
+        except (Exception, SystemExit) as e:
+            return None, self.failed("reward", e).text
 
 
 def trajectory_reward(turn_rewards: Sequence[float], final: float | None) -> float:

@@ -15,7 +15,9 @@ At each turn end the trajectory
    assistant header (loss mask 0). When they do not fit (the sampler's `room`, or `max_total_tokens` after
    the prompt) the trajectory ends cleanly with finish reason `truncated`.
 Finish reasons: `stop` (answered, or the environment ended the game), `length` (the model's turn hit the
-token budget), `truncated` (an append did not fit), `max_turns`.
+token budget), `truncated` (an append did not fit), `max_turns`, `env_error` (the environment's `reset`, `step` or
+a tool method of it timed out, raised or returned the wrong type: `posttrain.agent.environments`; its calls have
+the tool time limit; the error is in the summary's `env_error`, counted in `env_errors`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from posttrain.agent.buffer import TokenBuffer
-from posttrain.agent.environments import EnvironmentSpec, EnvSession, trajectory_reward
+from posttrain.agent.environments import EnvCallError, EnvironmentSpec, EnvSession, trajectory_reward
 from posttrain.agent.parsers import parse_error_messages, parse_tool_calls
 from posttrain.agent.templates import ChatTemplateAppender
 from posttrain.tools import ToolPool, ToolRecord, tool_message
 from posttrain.tools.execution import error_content
+from posttrain.tools.in_process import DeadlineExceeded
 
 __all__ = ["Agent", "AgentLimits", "AgentRollout", "Trajectory"]
 
@@ -65,7 +68,6 @@ class Agent:
         self.stop_ids = set(tokenizer.eos_token_ids if stop_ids is None else stop_ids)
         self.pool = pool or ToolPool(num_workers=4)
         self._own_pool = pool is None
-        self.threads = cf.ThreadPoolExecutor(max_workers=self.pool.num_workers, thread_name_prefix="agent-env")
         self.lock = threading.RLock()  # the tokenizer is used from tool-callback threads too
 
     def env_record(self, record: dict) -> dict:
@@ -77,14 +79,19 @@ class Agent:
 
     def first_messages(self, record: dict, env: EnvSession | None = None) -> list[dict]:
         """The conversation's first messages: the environment's `reset(record)` (on `env`, else on a fresh
-        instance), else the record's prompt (text as a user turn, or messages) with the system prompt added."""
+        instance), else the record's prompt (text as a user turn, or messages) with the system prompt added. A
+        failing `reset` raises `EnvCallError` (one line)."""
         if self.environment is not None:
-            return (env or self.environment.make()).reset(self.env_record(record))
+            return (env or self.make_env()).reset(self.env_record(record))
         prompt = record["prompt"]
         msgs = [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
+
+    def make_env(self) -> EnvSession:
+        """A fresh environment session, its calls limited to the tool time limit."""
+        return self.environment.make(self.limits.tool_timeout_s)
 
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         """The rendered first prompt (tools in the template or its system-prompt section), generation prompt last."""
@@ -111,7 +118,6 @@ class Agent:
             return self.tok.decode(ids[:limit]) + f"\n[... output cut: {len(ids) - limit} more tokens]"
 
     def close(self) -> None:
-        self.threads.shutdown(wait=False, cancel_futures=True)
         if self._own_pool:
             self.pool.close()
 
@@ -145,9 +151,12 @@ class Trajectory:
 
     def __init__(self, agent: Agent, record: dict, prompt_ids: Sequence[int]):
         self.agent, self.record = agent, record
-        self.env: EnvSession | None = agent.environment.make() if agent.environment is not None else None
-        first = agent.first_messages(record, self.env)
-        self.messages: list[dict] = agent.appender.prompt_messages(first)
+        self.env: EnvSession | None = agent.make_env() if agent.environment is not None else None
+        try:  # made at the first turn end: a reset that hangs holds the sampler up to the time limit, once
+            self.first: list[dict] = agent.first_messages(record, self.env)
+        except EnvCallError:  # kept in `self.env.failure`: the trajectory ends at its first turn end
+            self.first = []
+        self.messages: list[dict] = agent.appender.prompt_messages(self.first) if self.first else []
         self.tools = {**agent.tools, **(self.env.tools if self.env is not None else {})}
         self.buffer = TokenBuffer()
         self.buffer.add_prompt(prompt_ids)
@@ -159,7 +168,6 @@ class Trajectory:
         self.tool_errors = 0
         self.tool_seconds = 0.0
         self.finish_reason: str | None = None
-        self.env_error: str | None = None
 
     # ------------------------------------------------------------------ one turn end
     def on_turn(self, ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, room: int):
@@ -168,6 +176,8 @@ class Trajectory:
         self.turns += 1
         text = self.agent.decode(ids)
         self.messages.append({"role": "assistant", "content": text})
+        if self.env_failed:
+            return self._end("env_error")
         if finish_reason != "stop":
             return self._end("length")
         if self.env is not None and self.env.spec.has_step:
@@ -203,9 +213,15 @@ class Trajectory:
             out.append(f)
         return out
 
+    @property
+    def env_failed(self) -> bool:
+        return self.env is not None and self.env.failure is not None
+
     def _append(self, results: list[tuple[dict, ToolRecord]], ids: Sequence[int], room: int):
         new = []
         for msg, rec in results:
+            if rec.error == "timeout" and self.env is not None and rec.name in self.env.tools:
+                self.env.failed(rec.name, DeadlineExceeded())  # the method's thread still runs on the instance
             if rec.error is None:  # error messages are ours, short, and must stay JSON
                 msg = dict(msg, content=self.agent.cut_output(msg["content"]))
             new.append(msg)
@@ -213,18 +229,18 @@ class Trajectory:
             self.tool_seconds += rec.seconds
             self.tool_results.append({"turn": self.turns, "name": rec.name, "content": msg["content"],
                                       "error": rec.error, "seconds": round(rec.seconds, 4)})
+        if self.env_failed:  # the instance is lost to an abandoned thread
+            return self._end("env_error")
         return self._append_messages(new, ids, room)
 
     def _step(self, text: str, ids: Sequence[int], room: int):
-        """The environment's `step` runs in the agent's threads (a slow game or simulated user parks only this
-        slot); then its observation is appended, or the trajectory ends."""
-        return _when_all([self.agent.threads.submit(self.env.step, text)],
-                         lambda results: self._after_step(results[0], ids, room))
+        """The environment's `step` runs in a thread of its own, within the tool time limit (a slow game or
+        simulated user parks only this slot); then its observation is appended, or the trajectory ends."""
+        return _when_all([self.env.step_future(text)], lambda results: self._after_step(results[0], ids, room))
 
     def _after_step(self, res, ids: Sequence[int], room: int):
         if res.error is not None:
-            self.env_error = res.error
-            self.tool_errors += 1
+            return self._end("env_error")
         if res.done or res.observation is None:
             return self._end("stop")
         if self.turns >= self.agent.limits.max_turns:
@@ -268,18 +284,20 @@ class Trajectory:
         """The environment's reward (per-turn rewards summed plus its `reward(...)`), or None without one."""
         if self.env is None or not (self.env.spec.has_step or self.env.spec.has_reward):
             return None
-        final, error = self.env.final_reward(self.messages, self.agent.env_record(self.record))
-        if error is not None:
-            self.env_error = error
-            self.tool_errors += 1
+        final = None
+        if not self.env_failed:  # a failed session's instance is not asked again
+            final, _ = self.env.final_reward(self.messages, self.agent.env_record(self.record))
         return trajectory_reward(self.env.turn_rewards, final)
 
     def summary(self) -> dict[str, Any]:
-        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, finish reason."""
+        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, finish reason, and the
+        environment's failure (`env_errors` 0 or 1; `env_error` its text, `env_error_kind` e.g. `step timeout`)."""
+        failure = self.env.failure if self.env is not None else None
         return {"messages": self.messages, "tool_calls": self.tool_calls, "tool_results": self.tool_results,
                 "turns": self.turns, "num_tool_calls": self.num_calls, "tool_errors": self.tool_errors,
                 "tool_seconds": self.tool_seconds, "finish_reason": self.finish_reason or "stop",
-                **({"env_error": self.env_error} if self.env_error else {})}
+                "env_errors": int(failure is not None),
+                **({"env_error": failure.text, "env_error_kind": failure.label} if failure is not None else {})}
 
 
 class AgentRollout:

@@ -1,6 +1,6 @@
 """Building a run's `Agent` from its rollout config section (`rollout.tools`, `rollout.environment`,
 `rollout.tool_format`, `rollout.max_turns`, `rollout.max_tool_calls`, `rollout.max_tool_output_tokens`,
-`rollout.tool_timeout_s`, `rollout.tool_workers`), shared by `posttrain rl`, `eval` and `generate`.
+`rollout.tool_timeout_s`, `rollout.tool_workers`, `rollout.sandbox`), shared by `posttrain rl`, `eval` and `generate`.
 Every problem is a one-line `ConfigError` naming the key (or the file) at fault."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from posttrain.agent.rollout import Agent, AgentLimits
 from posttrain.agent.templates import TemplateError
 from posttrain.config import ConfigError
 from posttrain.tools import ToolPool, load_tools
+from posttrain.tools.python_sandbox import SandboxUnavailable, check_sandbox
 
 __all__ = ["agent_enabled", "build_agent", "load_agent_parts", "total_budget"]
 
@@ -32,6 +33,11 @@ def load_agent_parts(rollout) -> tuple[dict, EnvironmentSpec | None]:
         clash = sorted(set(tools) & set(env.tool_names))
         if clash:
             raise ConfigError(f"rollout.tools: {clash} also named as methods of the environment {env.ref!r}")
+    if "python" in set(tools) | set(env.tool_names if env is not None else ()):
+        try:  # model-written code runs only where the chosen sandbox can: never a silent downgrade
+            check_sandbox(rollout.sandbox)
+        except SandboxUnavailable as e:
+            raise ConfigError(f"rollout.sandbox.backend: {e}") from None
     return tools, env
 
 
@@ -46,6 +52,6 @@ def build_agent(rollout, tokenizer, *, system_prompt: str | None = None, prompt_
     try:
         return Agent(tokenizer, tools=tools, environment=env, fmt=rollout.tool_format, limits=limits,
                      stop_ids=rollout.stop_token_ids, system_prompt=system_prompt, prompt_field=prompt_field,
-                     pool=ToolPool(num_workers=rollout.tool_workers))
+                     pool=ToolPool(num_workers=rollout.tool_workers, sandbox=rollout.sandbox))
     except TemplateError as e:
         raise ConfigError(f"{key}: {' '.join(str(e).split())}") from None

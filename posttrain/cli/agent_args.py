@@ -20,19 +20,26 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tool-calls", type=int, default=16, help="tool calls per conversation at most")
     g.add_argument("--max-tool-output-tokens", type=int, default=512, help="a tool result is cut after this")
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds per tool call")
+    g.add_argument("--sandbox", default="namespaces", choices=["namespaces", "remote", "process"],
+                   help="where the python tool runs model-written code: this kernel's namespaces (default), a "
+                        "SandboxFusion service (--sandbox-url), or an unsafe plain process")
+    g.add_argument("--sandbox-url", default=None, help="the SandboxFusion service's address, with --sandbox remote")
 
 
 def rollout_section(args):
     """The rollout config section of the options (validated as `posttrain rl` validates it)."""
     from posttrain.rl.config import RolloutConfig
+    from posttrain.tools.python_sandbox import SandboxConfig
 
     tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else []
     try:
         return RolloutConfig(tools=tools, environment=args.environment, tool_format=args.tool_format,
                              max_turns=args.max_turns, max_tool_calls=args.max_tool_calls,
-                             max_tool_output_tokens=args.max_tool_output_tokens, tool_timeout_s=args.tool_timeout)
+                             max_tool_output_tokens=args.max_tool_output_tokens, tool_timeout_s=args.tool_timeout,
+                             sandbox=SandboxConfig(backend=args.sandbox, url=args.sandbox_url))
     except ValueError as e:
-        raise ConfigError(str(e).replace("rollout.", "--").replace("_", "-")) from None
+        msg = str(e).replace("rollout.sandbox.backend", "--sandbox").replace("rollout.sandbox.url", "--sandbox-url")
+        raise ConfigError(msg.replace("rollout.", "--").replace("_", "-")) from None
 
 
 def check_agent(args):
@@ -46,7 +53,8 @@ def check_agent(args):
     try:
         return section, load_agent_parts(section)
     except ConfigError as e:
-        msg = str(e).replace("rollout.tools", "--tools").replace("rollout.environment", "--environment")
+        msg = (str(e).replace("rollout.tools", "--tools").replace("rollout.environment", "--environment")
+               .replace("rollout.sandbox.backend", "--sandbox").replace("rollout.sandbox.url", "--sandbox-url"))
         raise ConfigError(msg) from None
 
 

@@ -18,8 +18,6 @@ from pathlib import Path
 
 from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
 
-PROMPT_FIELDS = ("prompt", "question", "problem", "messages")  # tried in order when --prompt-field is not given
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
@@ -38,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="render text prompts with the tokenizer's chat template")
     p.add_argument("--system-prompt", default=None, help="system message for chat prompts")
     p.add_argument("--prompt-field", default=None,
-                   help=f"the record field holding the prompt (default: the first of {', '.join(PROMPT_FIELDS)})")
+                   help="the record field holding the prompt (default: the first of prompt, question, problem, "
+                        "messages; with --environment, none is needed)")
     p.add_argument("--limit", type=int, default=0, help="evaluate the first N problems only (0 = all)")
     p.add_argument("--output", default="eval_samples.jsonl", help="per-problem JSONL output")
     p.add_argument("--seed", type=int, default=0)
@@ -92,19 +91,19 @@ def model_folder(spec: str) -> Path:
     return folder
 
 
-def _prompt_field(path: str, given: str | None) -> str:
+def _prompt_field(path: str, given: str | None, environment: bool = False) -> str | None:
+    """`given`, else the first of `PROMPT_FIELDS` the first record has; None (no prompt) with an environment,
+    whose `reset` makes the conversation."""
     if given:
         return given
-    from posttrain.data.sources import read_records
+    from posttrain.data.sources import PROMPT_FIELDS, DataError, pick_prompt_field, read_records
 
     first = read_records(path)[0]
-    for f in PROMPT_FIELDS:
-        if f in first:
-            return f
-    from posttrain.data.sources import DataError
-
-    raise DataError(f"{path}: the first record has none of the prompt fields {list(PROMPT_FIELDS)} "
-                    f"(fields present: {sorted(first)}); name one with --prompt-field")
+    field = pick_prompt_field(first, None, fallback=True, optional=True)
+    if field is None and not environment:
+        raise DataError(f"{path}: the first record has none of the prompt fields {list(PROMPT_FIELDS)} "
+                        f"(fields present: {sorted(first)}); name one with --prompt-field")
+    return field
 
 
 def summary_table(summary: dict, title: str):
@@ -142,7 +141,7 @@ def run(args) -> int:
     from posttrain.sampling import Sampler
 
     console = Console(stderr=True)
-    prompt_field = _prompt_field(args.data, args.prompt_field)
+    prompt_field = _prompt_field(args.data, args.prompt_field, environment=bool(args.environment))
     records = read_prompts(args.data, prompt_field=prompt_field)
     if args.limit:
         records = records[: args.limit]
@@ -156,8 +155,9 @@ def run(args) -> int:
         folder = model_folder(args.model)
         tok = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
-        agent = make_agent(checked, tok, system_prompt=args.system_prompt, prompt_field=prompt_field)
+        agent = make_agent(checked, tok, system_prompt=args.system_prompt, prompt_field=prompt_field or "prompt")
         ids, images = [], []
+        from posttrain.agent.environments import EnvCallError
         from posttrain.data.sources import DataError
         from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
         from posttrain.eval.images import ImagePromptSampler
@@ -165,7 +165,10 @@ def run(args) -> int:
         vision = VisionSpec.from_checkpoint(folder, tok) if Path(folder).is_dir() else None
         for i, r in enumerate(records):
             if agent is not None:
-                x = agent.prompt_ids(agent.first_messages(r))
+                try:
+                    x = agent.prompt_ids(agent.first_messages(r))
+                except EnvCallError as e:  # the environment's reset timed out, raised or returned junk here
+                    raise DataError(f"{records.where(i)}: {e}") from None
                 images.append([])
             elif has_images(r, ("prompt",)):
                 x, px = encode_image_prompt(r["prompt"], tok, vision, records.where(i))  # text-only model: error

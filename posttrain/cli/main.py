@@ -48,6 +48,7 @@ _ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROF
 
 def known_errors() -> tuple[type[BaseException], ...]:
     """Error types that are the user's to fix (bad input or environment); each is reported in one line."""
+    from posttrain.agent.failures import EnvironmentFailedError
     from posttrain.config import ConfigError
     from posttrain.data.sources import DataError
     from posttrain.distributed import DistributedError
@@ -62,7 +63,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
 
     out = [ConfigError, DataError, UnsupportedModelError, CheckpointError, TokenizerError, RewardDataError,
            RewardFailedError, CheckpointSaveError, ResumeError, TrainingDivergedError, RunLockError, FleetError,
-           DistributedError, GGUFError]
+           DistributedError, GGUFError, EnvironmentFailedError]
     generate = sys.modules.get("posttrain.cli.generate")
     if generate is not None:
         out.append(generate.InputError)

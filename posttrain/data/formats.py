@@ -110,8 +110,9 @@ def _field(record: dict, field: str, fmt: str, index: int | None, source: str | 
 
 
 def check_messages(messages: Any, field: str, where: str, *, or_string: bool = False) -> list[dict]:
-    """`messages` when it is a non-empty list of {role, content} objects; else a DataError naming `where`
-    (file and line) and the field. or_string: the field may also be a string (said in the message)."""
+    """`messages` when it is a non-empty list of {role, content} objects whose assistant `tool_calls` are well
+    formed (`posttrain.tools.chat.normalize_tool_calls`); else a DataError naming `where` (file and line) and the
+    field. or_string: the field may also be a string (said in the message)."""
     if not isinstance(messages, list) or not messages:
         found = "an empty list" if isinstance(messages, list) else type(messages).__name__
         raise DataError(f"{where}: field '{field}' must be a non-empty list of messages"
@@ -121,6 +122,11 @@ def check_messages(messages: Any, field: str, where: str, *, or_string: bool = F
         if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
             raise DataError(f"{where}: field '{field}' message {j} must be an object with 'role' and 'content', "
                             f"found {m!r}")
+        if calls:
+            try:
+                normalize_tool_calls(calls, f"{where}: message {j}")
+            except ValueError as e:
+                raise DataError(str(e)) from None
     return messages
 
 

@@ -37,6 +37,8 @@ class PackStats:
     num_packed: int = 0          # examples placed in rows
     num_truncated: int = 0       # examples cut to seq_len (truncation="right")
     num_dropped: int = 0         # examples dropped for being too long (truncation="drop")
+    num_too_long: int = 0        # too long and left out: dropped, or nothing to train on in their first seq_len
+    longest: int = 0             # tokens of the longest example given
     num_rows: int = 0
     num_tokens: int = 0
     num_loss_tokens: int = 0
@@ -153,11 +155,17 @@ def first_fit_decreasing_images(lengths: Sequence[int], counts: Sequence[int], c
 
 
 def _fit(ex: Example, seq_len: int, truncation: str, stats: PackStats) -> Example | None:
-    """`ex` as it goes into a row: as it is, cut to `seq_len` (never before its last image token), or None."""
+    """`ex` as it goes into a row: as it is, cut to `seq_len` (never before its last image token), or None (too
+    long: dropped, or its first `seq_len` tokens hold no target, e.g. a prompt or tools section longer than a row)."""
+    stats.longest = max(stats.longest, len(ex))
     if len(ex) <= seq_len:
         return ex
     if truncation == "drop" or ex.image_end > seq_len:
         stats.num_dropped += 1
+        stats.num_too_long += 1
+        return None
+    if not ex.loss_mask[1:seq_len].any():
+        stats.num_too_long += 1
         return None
     stats.num_truncated += 1
     return Example(ex.input_ids[:seq_len], ex.loss_mask[:seq_len], images=ex.images, image_end=ex.image_end)
@@ -172,7 +180,8 @@ def pack_examples(examples: Sequence[Example], seq_len: int, *, pack: bool = Tru
     pack=False: one example per row, right-padded.
     Over-long examples are cut to their first `seq_len` tokens
     (truncation="right") or skipped (truncation="drop"); both are counted in the
-    stats. Padding gets `pad_token_id`, loss 0, segment 0, position 0, attention 0.
+    stats. A cut that keeps no target token skips the example too (`num_too_long` counts
+    every skip). Padding gets `pad_token_id`, loss 0, segment 0, position 0, attention 0.
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, found {seq_len}")

@@ -30,7 +30,7 @@ from posttrain.data.packing import ROW_KEYS, PackedRows, empty_row, pack_example
 from posttrain.data.sources import DataError, read_records, source_name
 from posttrain.data.vlm import VisionSpec, check_images, pixel_values
 
-__all__ = ["SFTDataset", "build_sft_dataset", "stack_rows"]
+__all__ = ["SFTDataset", "build_sft_dataset", "stack_rows", "too_long_warning"]
 
 
 def stack_rows(rows: Sequence[dict], batch_size: int, pad_row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -76,6 +76,15 @@ class SFTDataset:
         return iter(self.dataset)
 
 
+def too_long_warning(stats: dict, seq_len: int) -> str | None:
+    """One line about the examples left out as longer than `seq_len` (`stats` of an `SFTDataset`), or None."""
+    n = stats.get("num_too_long", 0)
+    if not n:
+        return None
+    return (f"{n} of {stats['num_examples']} examples are longer than data.seq_len={seq_len} with nothing to train "
+            f"on within it and were skipped (the longest has {stats['longest']} tokens)")
+
+
 def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
                       fmt_cfg: DataFormatConfig | None = None, *, seq_len: int, batch_size: int,
                       pack: bool = True, seed: int = 0, shuffle: bool = True,
@@ -114,6 +123,10 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
     examples = encode_records(records, tokenizer, fmt_cfg, source=source, vision=vision)
     check_images([ref for ex in examples for ref in ex.images])
     rows, pstats = pack_examples(examples, seq_len, pack=pack, truncation=truncation, pad_token_id=pad_id)
+    if pstats.num_too_long == len(examples):
+        raise DataError(f"data set '{source or '<records>'}': all {len(examples)} examples are longer than "
+                        f"data.seq_len={seq_len} (the longest has {pstats.longest} tokens) and none has a token to "
+                        "train on within it; raise data.seq_len or shorten the examples (a tools section counts)")
     if len(rows) == 0:
         raise DataError(f"data set '{source or '<records>'}': no example survived packing "
                         f"(all {pstats.num_dropped} longer than seq_len={seq_len})")

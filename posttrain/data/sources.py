@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 from posttrain.data import reasoning_gym, shapes
 from posttrain.data.errors import DataError
 
-__all__ = ["DataError", "read_records", "read_prompts", "source_name"]
+__all__ = ["DataError", "PROMPT_FIELDS", "pick_prompt_field", "read_records", "read_prompts", "source_name"]
 
 
 class RecordList(list):
@@ -31,11 +31,14 @@ class RecordList(list):
         super().__init__(records)
         self.source = source
         self.lines = lines
+        self.prompt_field: str | None = None  # `read_prompts`: the field the prompts came from (None: none)
 
     def __getitem__(self, i):
         got = super().__getitem__(i)
         if isinstance(i, slice):
-            return RecordList(got, self.source, self.lines[i] if self.lines is not None else None)
+            part = RecordList(got, self.source, self.lines[i] if self.lines is not None else None)
+            part.prompt_field = self.prompt_field
+            return part
         return got
 
     def where(self, i: int) -> str:
@@ -202,13 +205,33 @@ def read_records(path_or_name: str | os.PathLike, split: str | None = None) -> l
     return records if isinstance(records, RecordList) else RecordList(records, src)
 
 
-def read_prompts(path_or_name: str | os.PathLike | Sequence[dict], *, prompt_field: str = "prompt",
-                 split: str | None = None, required_fields: Sequence[str] = ()) -> list[dict]:
+#: Fields that hold a prompt, in the order they are tried when the configured one is absent (`posttrain eval`
+#: without --prompt-field; `posttrain rl` with the default `data.prompt_field`).
+PROMPT_FIELDS = ("prompt", "question", "problem", "messages")
+
+
+def pick_prompt_field(first: dict, given: str | None, *, fallback: bool = False, optional: bool = False) -> str | None:
+    """The field holding a data set's prompts, from its `first` record: `given` when it has it; else, with
+    `fallback`, the first of `PROMPT_FIELDS` it has; else None when prompts are `optional` (an environment's
+    `reset` makes the conversation), else `given` (whose absence `read_prompts` then reports)."""
+    if given is not None and given in first:
+        return given
+    if fallback:
+        for field in PROMPT_FIELDS:
+            if field in first:
+                return field
+    return None if optional else given
+
+
+def read_prompts(path_or_name: str | os.PathLike | Sequence[dict], *, prompt_field: str | None = "prompt",
+                 split: str | None = None, required_fields: Sequence[str] = (), fallback: bool = False,
+                 optional: bool = False) -> list[dict]:
     """Records of an RL prompt set, each with its prompt under the key 'prompt'.
 
-    The prompt (a string or a list of chat messages) is read from `prompt_field`;
-    every other field (answers, metadata) is kept as is. `required_fields` are
-    checked to be present too. Accepts a source for `read_records` or a list of dicts.
+    The prompt (a string or a list of chat messages) is read from the field `pick_prompt_field` chooses from
+    `prompt_field`, `fallback` and `optional` (the list's `prompt_field` says which; None: the records have no
+    prompt and are kept as they are); every other field (answers, metadata) is kept as is. `required_fields`
+    are checked to be present too. Accepts a source for `read_records` or a list of dicts.
     """
     if isinstance(path_or_name, (str, os.PathLike)):
         records = read_records(path_or_name, split)
@@ -216,20 +239,23 @@ def read_prompts(path_or_name: str | os.PathLike | Sequence[dict], *, prompt_fie
         records = RecordList(path_or_name)
         if not records:
             raise DataError("prompt set is empty")
+    field = pick_prompt_field(records[0], prompt_field, fallback=fallback, optional=optional)
     out = RecordList((), records.source, records.lines)
+    out.prompt_field = field
     for i, rec in enumerate(records):
-        for field in (prompt_field, *required_fields):
-            if field not in rec:
-                raise DataError(f"{records.where(i)}: the record has no field '{field}' "
+        for name in ((field,) if field is not None else ()) + tuple(required_fields):
+            if name not in rec:
+                raise DataError(f"{records.where(i)}: the record has no field '{name}' "
                                 f"(fields present: {sorted(rec)})")
-        prompt = rec[prompt_field]
-        if not (isinstance(prompt, str) or (isinstance(prompt, list)
-                                           and all(isinstance(m, dict) for m in prompt))):
-            raise DataError(f"{records.where(i)}: field '{prompt_field}' must be a string or a list of "
-                            f"messages, found {type(prompt).__name__}")
         new = dict(rec)
-        if prompt_field != "prompt":
-            new.pop(prompt_field)
-        new["prompt"] = prompt
+        if field is not None:
+            new["prompt"] = _prompt_of(new.pop(field), field, records.where(i))
         out.append(new)
     return out
+
+
+def _prompt_of(prompt: Any, field: str, where: str) -> Any:
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt))):
+        raise DataError(f"{where}: field '{field}' must be a string or a list of messages, "
+                        f"found {type(prompt).__name__}")
+    return prompt

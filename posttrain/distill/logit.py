@@ -27,6 +27,7 @@ from posttrain.algorithms.distill import make_token_loss
 from posttrain.algorithms.protocol import reduce_metrics, uses_frozen
 from posttrain.config import ConfigError
 from posttrain.data import build_sft_dataset
+from posttrain.data.pipeline import too_long_warning
 from posttrain.distill.logit_loss import TopKStore, make_logit_distill_loss, teacher_topk_fn
 from posttrain.distill.teacher import check_same_vocabulary, load_teacher, teacher_folder
 from posttrain.models import tokenizer as tok_lib
@@ -99,6 +100,8 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
                      num_epochs=None, truncation=d.truncation, split=d.train_split)
         rows = run.batch_rows(d.batch_size)  # multi-host: this process's rows of every global batch
         train_ds = build_sft_dataset(d.train, tok, d.format, batch_rows=rows, **ds_kw)
+        if (warning := too_long_warning(train_ds.stats, d.seq_len)) is not None:
+            run.say(f"warning: data.train: {warning}")
         eval_data = eval_batches(d, tc.eval_batches, tok, rows) if d.eval else []
         loss_fn = loss if k else uses_frozen(loss, "teacher")
         trainer = run.build_trainer(loss_fn, process_local_batches=True)

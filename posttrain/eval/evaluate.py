@@ -167,7 +167,7 @@ def per_problem(e: dict[str, Any], records: Sequence[dict[str, Any]], *, correct
     g_ok = correct(g, correctness) if g is not None else None
     s_ok = correct(s, correctness) if s is not None else None
     for i, rec in enumerate(records):
-        row: dict[str, Any] = {"index": i, "prompt": rec["prompt"]}
+        row: dict[str, Any] = {"index": i, "prompt": rec.get("prompt")}  # None: an environment's reset made it
         if answer_field in rec:
             row["answer"] = rec[answer_field]
         if g is not None:

@@ -5,10 +5,9 @@ status (`ok`, `error`, `timeout`, `bad_length`). Inside a worker the call runs u
 (a soft limit that interrupts Python code, so the worker survives). `RewardPool` runs calls in a pebble
 `ProcessPool`, which knows which worker runs which call: a call still running ``hard_timeout_s`` after it
 started (a reward that ignores the soft limit, or hangs in C code) has its worker killed and is reported as
-a timeout, a worker that dies (segfault, ``os._exit``) fails only the call it was running, and the pool
-replaces the worker and goes on. Workers end themselves within about a second once the process that
-created the pool is gone, even after SIGKILL (they are children of the fork server, so nothing else tells
-them; a worker busy in a hanging call would otherwise outlive the run).
+a timeout, a worker that dies (segfault, ``os._exit`` with any status) fails only the call it was running, at
+once (`posttrain.workers.StrictProcessPool`), and the pool replaces the worker and goes on. Workers end
+themselves within about a second once the process that created the pool is gone, even after SIGKILL.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import os
 import pickle
 import signal
 import threading
-import time
 import traceback
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
@@ -31,6 +29,7 @@ import numpy as np
 import pebble
 
 from posttrain.rewards.loading import resolve_reward
+from posttrain.workers import StrictProcessPool, process_start_time, watch_owner
 
 __all__ = ["RewardPool", "run_chunk"]
 
@@ -93,15 +92,22 @@ def run_chunk(ref, kwargs, prompts, completions, fields, timeout_s):
     try:
         fn = _worker_resolve(ref, kwargs)
     except Exception as e:
-        return ("error", None, f"cannot load reward: {type(e).__name__}: {e}")
+        return ("error", None, " ".join(f"cannot load reward: {type(e).__name__}: {e}".split()))
     try:
         with _soft_time_limit(timeout_s):
             out = fn(list(prompts), list(completions), **fields)
     except _SoftTimeout:
         return ("timeout", None, f"call exceeded the {timeout_s}s time limit")
     except BaseException as e:  # noqa: BLE001 - a reward must never take the worker down
-        tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
-        return ("error", None, f"{type(e).__name__}: {e}\n{''.join(tb[-3:])}")
+        # one line: the error and where the reward raised it; POSTTRAIN_DEBUG=1 adds the traceback's end
+        frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        text = " ".join(f"{type(e).__name__}: {e}".split())
+        if frame is not None:
+            text += f" ({os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
+        if os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0"):
+            tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+            text += "\n" + "".join(tb[-3:])
+        return ("error", None, text)
     n = len(completions)
     if isinstance(out, np.ndarray):
         out = out.reshape(-1).tolist() if out.ndim <= 1 else None
@@ -116,38 +122,9 @@ def run_chunk(ref, kwargs, prompts, completions, fields, timeout_s):
     return ("ok", clean, f"{bad} value(s) were NaN/inf or not numbers" if bad else None)
 
 
-# ---------------------------------------------------------------------- worker side: leave with the owner
-def _process_start_time(pid: int) -> str | None:
-    """The kernel's start time of `pid` (tells a live process from a later one given the same pid)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return None
-
-
-def _owner_alive(pid: int, start_time: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return start_time is None or _process_start_time(pid) in (start_time, None)
-
-
-def _watch_owner(pid: int, start_time: str | None, interval_s: float) -> None:
-    """Ends this worker when the process that owns the pool is gone (killed with SIGKILL, say)."""
-    parent = os.getppid()
-    while True:
-        time.sleep(interval_s)
-        if os.getppid() != parent or not _owner_alive(pid, start_time):
-            os._exit(1)
-
-
+# ---------------------------------------------------------------------- worker side
 def _worker_init(owner_pid: int, owner_start: str | None, interval_s: float = 1.0):
-    threading.Thread(target=_watch_owner, args=(owner_pid, owner_start, interval_s), daemon=True,
-                     name="owner-watch").start()
+    watch_owner(owner_pid, owner_start, interval_s)
     with contextlib.suppress(Exception):
         # lazy: pre-imported in each reward worker only, so that its first math_answer call is fast
         import math_verify  # noqa: F401
@@ -167,7 +144,7 @@ class RewardPool:
 
     def __init__(self, num_workers: int, mp_context: str, hard_timeout_s: float | None):
         self.num_workers, self.mp_context, self.hard_timeout_s = num_workers, mp_context, hard_timeout_s
-        self._pool: pebble.ProcessPool | None = None
+        self._pool: StrictProcessPool | None = None
         self._start()
 
     def _start(self) -> None:
@@ -176,8 +153,8 @@ class RewardPool:
             # Takes effect only if this process has not started its fork server yet.
             ctx.set_forkserver_preload(["__main__", "posttrain.rewards.pool", "math_verify"])
         owner = os.getpid()
-        self._pool = pebble.ProcessPool(max_workers=self.num_workers, initializer=_worker_init,
-                                        initargs=(owner, _process_start_time(owner)), context=ctx)
+        self._pool = StrictProcessPool(max_workers=self.num_workers, initializer=_worker_init,
+                                       initargs=(owner, process_start_time(owner)), context=ctx)
         try:
             warm = [self._pool.schedule(_ping) for _ in range(self.num_workers)]
             done, not_done = cf.wait(warm, timeout=120)

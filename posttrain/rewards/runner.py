@@ -94,6 +94,7 @@ class RewardRunner:
         self._fields = [self._resolve(spec) for spec in self.specs]
         self._pool: RewardPool | None = None  # started on the first call that needs it
         self.last_errors: dict[str, list[str]] = {}
+        self._warned: set[tuple[str, str]] = set()  # (reward, kind of failure) already printed
         self.failure_streak = FailureStreak([s.name for s in self.specs], max_failed_calls)
 
     def _resolve(self, spec: RewardSpec) -> tuple[set[str], set[str] | None]:
@@ -151,6 +152,16 @@ class RewardRunner:
             self._pool = RewardPool(self.num_workers, self.mp_context, hard)
         return self._pool.run([job.args for job in jobs])
 
+    def _warn_once(self, name: str, failed: int, errors: list[str], kinds: list[str]) -> None:
+        """One warning line the first time reward `name` fails in each way (an exception type, `timeout`, ...);
+        later failures are counted in `reward/<name>/failures` only."""
+        new = next((k for k in range(len(kinds)) if (name, kinds[k]) not in self._warned), None)
+        if new is None:
+            return
+        self._warned.add((name, kinds[new]))
+        logger.warning("reward %r: %d completion(s) got failure_value %s: %s (counted in reward/%s/failures; "
+                       "this kind is not printed again)", name, failed, self.failure_value, errors[new], name)
+
     def score(self, prompts, completions, fields: dict[str, list] | None = None):
         """Score ``completions`` with every reward.
 
@@ -185,6 +196,7 @@ class RewardRunner:
         failed = np.zeros((len(self.specs), n), dtype=bool)
         timed_out = np.zeros((len(self.specs), n), dtype=bool)
         errors: dict[str, list[str]] = {s.name: [] for s in self.specs}
+        kinds: dict[str, list[str]] = {s.name: [] for s in self.specs}
         for job, (status, vals, msg) in zip(jobs, results):
             sl = slice(job.start, job.stop)
             name = self.specs[job.spec_index].name
@@ -197,6 +209,7 @@ class RewardRunner:
                 timed_out[job.spec_index, sl] = status == "timeout"
             if msg:
                 errors[name].append(f"[{job.start}:{job.stop}] {status}: {msg}")
+                kinds[name].append(status if status != "error" else msg.split(":", 1)[0])
 
         values[failed] = self.failure_value
         per_reward = {s.name: values[i].astype(np.float32) for i, s in enumerate(self.specs)}
@@ -208,11 +221,7 @@ class RewardRunner:
             stats[f"reward/{spec.name}"] = float(values[i].mean()) if n else 0.0
             stats[f"reward/{spec.name}/failures"] = float(failed[i].sum())
             stats[f"reward/{spec.name}/timeouts"] = float(timed_out[i].sum())
-            if errors[spec.name]:
-                logger.warning(
-                    "reward %r: %d completion(s) got failure_value %s; first problem: %s",
-                    spec.name, int(failed[i].sum()), self.failure_value, errors[spec.name][0],
-                )
+            self._warn_once(spec.name, int(failed[i].sum()), errors[spec.name], kinds[spec.name])
         stats["reward/total"] = float(total.mean()) if n else 0.0
         self.last_errors = errors
         self.failure_streak.update(stats, n, errors)

@@ -13,6 +13,7 @@ import re
 from typing import Any, ClassVar, Literal
 
 from posttrain.config import at_least
+from posttrain.tools.python_sandbox import SandboxConfig
 from posttrain.training.config import OptimConfig, RunConfig, TrainerConfig
 
 
@@ -22,6 +23,9 @@ class PromptData:
     `reasoning_gym:TASK?size=N&seed=S`), with field names.
 
     Every other column (e.g. `answer`) is passed to the rewards as a keyword argument.
+    prompt_field: the column holding the prompt; left at `prompt` and absent from the first record, the first of
+      question, problem, messages it has (as `posttrain eval`); with `rollout.environment`, none is needed
+      (the environment's `reset` makes the conversation).
     chat: render prompts with the tokenizer's chat template (a `messages` list always is).
     """
 
@@ -45,9 +49,14 @@ class RolloutConfig:
     class (`my_env.py:Wordle`) whose public typed methods are tools too. `tool_format`: how the model writes
     calls (hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`). Limits per trajectory: `max_turns`
     assistant turns, `max_tool_calls` calls in all, `max_tool_output_tokens` per result (cut with a marker),
-    `tool_timeout_s` per call; `tool_workers` processes run the calls. `max_new_tokens` is then each turn's
+    `tool_timeout_s` per call; `tool_workers` processes run the calls; `sandbox`: where the built-in `python`
+    tool runs model-written code (`posttrain.tools.python_sandbox.SandboxConfig`: the kernel's namespaces by
+    default, a SandboxFusion service, or an explicitly unsafe plain process). `max_new_tokens` is then each turn's
     budget, and `max_total_tokens` the trajectory's after the prompt, sampled and appended tokens together
     (0: max_turns x max_new_tokens); an append past it ends the trajectory as `truncated`.
+    An environment's `reset`, `step`, `reward` and tool methods get `tool_timeout_s` too; one that times out,
+    raises or returns the wrong type ends its trajectory (`agent/env_errors`), and when more than
+    `max_env_error_fraction` of one step's trajectories end so, the run stops with an error (1: never).
     """
 
     batch_prompts: int = 8
@@ -67,6 +76,8 @@ class RolloutConfig:
     tool_timeout_s: float = 10.0
     tool_workers: int = 4
     max_total_tokens: int = 0
+    max_env_error_fraction: float = 0.5
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
 
     @property
     def multi_turn(self) -> bool:
@@ -87,6 +98,9 @@ class RolloutConfig:
         at_least("rollout.max_total_tokens", self.max_total_tokens, 0, "0 = max_turns x max_new_tokens")
         if not self.tool_timeout_s > 0:
             raise ValueError(f"rollout.tool_timeout_s must be > 0, found {self.tool_timeout_s}")
+        if not 0 <= self.max_env_error_fraction <= 1:
+            raise ValueError("rollout.max_env_error_fraction must be between 0 and 1 (1: never stop), found "
+                             f"{self.max_env_error_fraction}")
 
 
 @dataclasses.dataclass

@@ -47,9 +47,12 @@ class Ledger:
         self.samples.flush()
 
     def record_trajectories(self, step: int, kind: str, ro: Rollouts, n: int) -> None:
-        """The first `n` trajectories of multi-turn rollouts (nothing for single-turn ones): the conversation,
-        and the token ids after the prompt with their loss mask and log-probs (None where not sampled)."""
-        for i in range(min(n, len(ro.trajectories))):
+        """The first `n` trajectories of multi-turn rollouts (nothing for single-turn ones), and up to `n` more
+        that the environment failed (`env_error`): the conversation, and the token ids after the prompt with their
+        loss mask and log-probs (None where not sampled)."""
+        first = list(range(min(n, len(ro.trajectories))))
+        failed = [i for i in range(len(first), len(ro.trajectories)) if ro.trajectories[i].get("env_errors")]
+        for i in first + failed[:n]:
             mask = ro.completion_mask[i]
             self.trajectories.write(json.dumps({
                 "step": step, "kind": kind, "uid": ro.uid[i] if ro.uid else None, "reward": float(ro.rewards[i]),

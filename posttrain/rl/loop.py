@@ -62,6 +62,7 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None, run: RLRun | None = 
             t0 = time.perf_counter()
             with profiler.phase("rollout"):
                 rollouts = source.next(step)  # B scored groups, within the staleness bound
+            run.check_environment(step, rollouts)  # warnings; too many failed trajectories stop the run
             t1 = time.perf_counter()
             with profiler.phase("update"):
                 batch = run.prepare(rollouts)  # advantages, masks, behaviour log-probs

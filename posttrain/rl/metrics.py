@@ -51,11 +51,13 @@ def rollout_metrics(ro: Rollouts, correctness: str | None) -> dict[str, float]:
 
 
 def agent_metrics(trajectories: list[dict]) -> dict[str, float]:
-    """Multi-turn rollouts: assistant turns and tool calls per trajectory (means), failed tool calls and tool
-    seconds (sums over the step), and the fraction of trajectories ended because an append did not fit."""
+    """Multi-turn rollouts: assistant turns, tool calls and environment failures per trajectory (means), failed
+    tool calls and tool seconds (sums over the step), and the fraction of trajectories ended because an append
+    did not fit."""
     t = trajectories
     return {"agent/turns_mean": float(np.mean([x["turns"] for x in t])),
             "agent/tool_calls_mean": float(np.mean([x["num_tool_calls"] for x in t])),
+            "agent/env_errors": float(np.mean([x.get("env_errors", 0) for x in t])),
             "agent/tool_errors": float(sum(x["tool_errors"] for x in t)),
             "agent/tool_seconds": float(sum(x["tool_seconds"] for x in t)),
             "agent/truncated_frac": float(np.mean([x["finish_reason"] == "truncated" for x in t]))}

@@ -206,7 +206,9 @@ def generate_rollouts(
         texts = [c.text if c.text is not None else "" for c in completions]
     else:
         texts = [t.final_text for t in trajs]
-    prompts = [prompt_text(records[i]["prompt"]) for i in rec_idx]
+    # a record without a prompt (an environment's `reset` made the conversation): its first messages
+    prompts = [prompt_text(records[i]["prompt"] if "prompt" in records[i] else trajs[k].first)
+               for k, i in enumerate(rec_idx)]
     fields: dict[str, list] = {}
     for key in records[record_indices[0]]:
         if key != "prompt":

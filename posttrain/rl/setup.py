@@ -22,6 +22,8 @@ import numpy as np
 from flax import nnx
 
 from posttrain import distributed
+from posttrain.agent.environments import EnvCallError
+from posttrain.agent.failures import EnvErrorWatch, EnvironmentFailedError
 from posttrain.agent.rollout import Agent
 from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
 from posttrain.algorithms import dapo
@@ -70,7 +72,9 @@ def _encode_all(tok, records, data: PromptData, agent: Agent | None = None,
         if agent is not None:
             try:
                 ids = agent.prompt_ids(agent.first_messages(r))
-            except Exception as e:  # the environment's reset failed on this record
+            except EnvCallError as e:  # the environment's reset failed (timed out, raised, returned junk) here
+                raise DataError(f"{records.where(i)}: {e}") from None
+            except Exception as e:  # the template could not render what reset made
                 raise DataError(f"{records.where(i)}: {type(e).__name__}: {' '.join(str(e).split())}") from None
         elif has_images(r, ("prompt",)):
             ids, pixels = encode_image_prompt(r["prompt"], tok, vision, records.where(i))
@@ -129,6 +133,7 @@ class RLRun:
         self.evals: list[dict[str, Any]] = []
         self._sampler = None
         self.agent: Agent | None = None
+        self.env_watch: EnvErrorWatch | None = None
         try:
             self._setup(cfg)
         except BaseException:
@@ -155,14 +160,21 @@ class RLRun:
         self.loss_kwargs = policy_loss_kwargs(preset, cfg.learner, cfg.rollout.completion_budget)
 
     def _read_data(self, cfg: RLConfig) -> None:
-        """The reward runner, then the train (and held-out) prompts, checked against the rewards."""
+        """The reward runner, then the train (and held-out) prompts, checked against the rewards. The prompt
+        field: `data.prompt_field`; when the records lack the default `prompt`, the first of question, problem,
+        messages they have (as `posttrain eval`); with an environment, none at all (its `reset` makes the
+        conversation). `prompt_data` is the data section with the field found (what the fleet's agents use)."""
         self.runner = reward_runner(cfg.rewards, cfg.rollout, self.preset)
         self._agent_parts = self._check_agent(cfg)
-        self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field)
+        env = bool(cfg.rollout.environment)
+        self.records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field,
+                                    fallback=cfg.data.prompt_field == "prompt", optional=env)
+        field = self.records.prompt_field
+        self.prompt_data = dataclasses.replace(cfg.data, prompt_field=field or cfg.data.prompt_field)
         self.runner.check_records(self.records)
         self.eval_records = None
         if cfg.data.eval:
-            self.eval_records = read_prompts(cfg.data.eval, prompt_field=cfg.data.prompt_field)
+            self.eval_records = read_prompts(cfg.data.eval, prompt_field=field, optional=env)
             if cfg.data.eval_limit:
                 self.eval_records = self.eval_records[: cfg.data.eval_limit]
             self.runner.check_records(self.eval_records)
@@ -175,7 +187,11 @@ class RLRun:
         self.tok = self.run.tokenizer()
         if self._agent_parts is not None:
             self.agent = build_agent(cfg.rollout, self.tok, system_prompt=cfg.data.system_prompt,
-                                     prompt_field=cfg.data.prompt_field, parts=self._agent_parts)
+                                     prompt_field=self.prompt_data.prompt_field, parts=self._agent_parts)
+            if self.agent.environment is not None:
+                self.env_watch = EnvErrorWatch(self.agent.environment.cls.__name__,
+                                               cfg.rollout.max_env_error_fraction,
+                                               warn=lambda line: self.run.say(f"warning: {line}"))
         vision = VisionSpec.from_checkpoint(self.run.model_folder(), self.tok) if self.image_prompts else None
         self.prompt_ids, self.prompt_images = _encode_all(self.tok, self.records, cfg.data, self.agent, vision)
         self.eval_ids, self.eval_images = (_encode_all(self.tok, self.eval_records, cfg.data, self.agent, vision)
@@ -271,6 +287,18 @@ class RLRun:
         weights = dapo.overlong_mask(ro.finish_reasons) if self.preset.get("overlong_filtering") else None
         images = None if self.prompt_images is None else [self.prompt_images[r] for r in ro.record_index]
         return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0, images=images)
+
+    def check_environment(self, step: int, ro: Rollouts) -> None:
+        """A step's environment failures: a warning line for each new kind; when more than
+        `rollout.max_env_error_fraction` of its trajectories failed, they go to trajectories.jsonl and the run
+        stops (`EnvironmentFailedError`: one `error:` line naming the environment class and the first error)."""
+        if self.env_watch is None or not ro.trajectories:
+            return
+        try:
+            self.env_watch.check(step, ro.trajectories)
+        except EnvironmentFailedError:
+            self.ledger.record_trajectories(step, "train", ro, self.cfg.eval.log_samples)
+            raise
 
     def rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
         return metrics.rollout_metrics(ro, self.cfg.rewards.correctness)

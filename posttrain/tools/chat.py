@@ -40,25 +40,34 @@ def tool_response_text(messages: Sequence[dict]) -> str:
 
 
 def normalize_tool_calls(calls: Any, where: str) -> list[dict]:
-    """OpenAI-style `tool_calls` as [{"type": "function", "function": {"name", "arguments": dict}}]: arguments
-    given as a JSON string are parsed (templates render a dict); anything else is a ValueError naming `where`."""
+    """OpenAI-style `tool_calls` as [{"type": "function", "function": {"name", "arguments": dict}}] (a call may
+    also be the bare `{"name", "arguments"}`, as chat templates accept): a non-empty function name and `arguments`
+    (an object, or JSON text of one; templates render a dict) are required; anything else is a ValueError naming
+    `where` and the call."""
     if not isinstance(calls, list) or not calls:
         raise ValueError(f"{where}: 'tool_calls' must be a non-empty list, found {calls!r}")
     out = []
     for k, call in enumerate(calls):
         fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
             raise ValueError(f"{where}: tool call {k} must have a function name, found {call!r}")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: tool call {k} ({fn['name']}): arguments are not JSON ({e.msg})") from None
-        if not isinstance(args, dict):
-            raise ValueError(f"{where}: tool call {k} ({fn['name']}): arguments must be an object, found {args!r}")
-        out.append({"type": "function", "function": {"name": fn["name"], "arguments": args}})
+        out.append({"type": "function", "function": {"name": fn["name"],
+                                                     "arguments": _arguments(fn, f"{where}: tool call {k}")}})
     return out
+
+
+def _arguments(fn: dict, where: str) -> dict:
+    if "arguments" not in fn:
+        raise ValueError(f"{where} ({fn['name']}): no 'arguments' (an object, or JSON text of one; {{}} for none)")
+    args = fn["arguments"]
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} ({fn['name']}): arguments are not JSON ({e.msg})") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{where} ({fn['name']}): arguments must be an object, found {args!r}")
+    return args
 
 
 def tool_calls_text(calls: Sequence[dict]) -> str:

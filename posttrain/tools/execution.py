@@ -8,10 +8,11 @@ content `{"error": "..."}` instead and never raises. `record` is a `ToolRecord(n
 `error` is None or one of `ERROR_KINDS`.
 
 Tools loaded from a reference run in a `ToolPool`: pebble worker processes that load the tool by its
-reference, so a tool that hangs is killed at `timeout` (its worker is replaced) and one that crashes its
-process fails only its own call; calls `submit`ted together run concurrently, one per worker. What a tool
+reference, so a tool that hangs is killed at `timeout` (its worker is replaced) and one whose process dies
+(a crash, or an exit with any status) fails only its own call, at once; calls `submit`ted together run concurrently, one per worker. What a tool
 prints is captured and dropped (bounded). Tools without a reference (an environment's bound methods) run in
-the calling process, where their state lives: their exceptions are caught, but no time limit applies.
+the calling process, where their state lives, each in a daemon thread: their exceptions are caught, and a call
+past `timeout` is reported as a `timeout` (its thread cannot be killed and is abandoned: posttrain.tools.in_process).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from typing import Any, Mapping
 
 import pebble
 
+from posttrain.tools.in_process import call_plain, settle_within
 from posttrain.tools.loading import Tool, resolve_tool
+from posttrain.tools.python_sandbox import SandboxConfig, use_sandbox
+from posttrain.workers import StrictProcessPool, process_start_time, watch_owner
 
 __all__ = ["ERROR_KINDS", "ToolCall", "ToolPool", "ToolRecord", "cut_text", "error_content", "run_tool_call",
            "tool_message"]
@@ -129,23 +133,11 @@ def _worker_call(ref: str, arguments: dict) -> tuple[str, str, float]:
     return call_tool(_WORKER_TOOLS[ref], arguments)
 
 
-def _watch_owner(owner: int) -> None:
-    parent = os.getppid()
-    while True:
-        time.sleep(1.0)
-        try:
-            os.kill(owner, 0)
-        except ProcessLookupError:
-            os._exit(1)
-        except PermissionError:
-            pass
-        if os.getppid() != parent:
-            os._exit(1)
-
-
-def _worker_init(owner: int) -> None:
-    """Workers end themselves once the process that owns the pool is gone (even after SIGKILL)."""
-    threading.Thread(target=_watch_owner, args=(owner,), daemon=True, name="owner-watch").start()
+def _worker_init(owner: int, owner_start: str | None, sandbox: SandboxConfig) -> None:
+    """Workers end themselves once the process that owns the pool is gone (even after SIGKILL), and run the
+    python tool with the run's sandbox setting."""
+    watch_owner(owner, owner_start)
+    use_sandbox(sandbox)
 
 
 def _ping() -> int:
@@ -153,21 +145,27 @@ def _ping() -> int:
 
 
 class ToolPool:
-    """`num_workers` processes running tool calls (started lazily, replaced when killed or crashed)."""
+    """`num_workers` processes running tool calls (started lazily, replaced when killed or crashed); a worker
+    that exits during a call, with any status, fails that call at once as a `crash`. `sandbox`: how the
+    built-in python tool runs code in the workers (and in this process, for environments' methods)."""
 
-    def __init__(self, num_workers: int = 4, mp_context: str | None = None):
+    def __init__(self, num_workers: int = 4, mp_context: str | None = None,
+                 sandbox: SandboxConfig = SandboxConfig()):
         self.num_workers = num_workers
+        self.sandbox = sandbox
+        use_sandbox(sandbox)
         self.mp_context = mp_context or ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
                                          else "spawn")
-        self._pool: pebble.ProcessPool | None = None
+        self._pool: StrictProcessPool | None = None
         self._lock = threading.Lock()
 
-    def _active(self) -> pebble.ProcessPool:
+    def _active(self) -> StrictProcessPool:
         with self._lock:
             if self._pool is None or not self._pool.active:
                 ctx = multiprocessing.get_context(self.mp_context)
-                self._pool = pebble.ProcessPool(max_workers=self.num_workers, initializer=_worker_init,
-                                                initargs=(os.getpid(),), context=ctx)
+                owner = os.getpid()
+                self._pool = StrictProcessPool(max_workers=self.num_workers, initializer=_worker_init,
+                                               initargs=(owner, process_start_time(owner), self.sandbox), context=ctx)
             return self._pool
 
     def submit(self, tools: Mapping[str, Tool], call: ToolCall, *, timeout: float | None,
@@ -178,8 +176,12 @@ class ToolPool:
         problem = _problem(tools, tool, call)
         if problem is not None:
             out.set_result(problem)
-        elif tool.in_process:
-            out.set_result(_finish(call, *call_tool(tool.fn, dict(call.arguments)), max_output_chars))
+        elif tool.in_process:  # an environment's method, where its state lives: a daemon thread, given up on past
+            # `timeout` (a thread cannot be killed: it is abandoned; posttrain.tools.in_process)
+            settle_within(out, timeout,
+                          lambda: _finish(call, *call_plain(tool.fn, dict(call.arguments)), max_output_chars),
+                          lambda: _failure(call, "timeout", f"tool {call.name!r} ran past its {timeout:g}s time limit "
+                                           "(its thread was abandoned)", float(timeout)), name=f"tool-{call.name}")
         else:
             start = time.perf_counter()
             try:
@@ -222,7 +224,7 @@ def _outcome(fut, call: ToolCall, start: float, timeout: float | None, max_chars
         return _failure(call, "timeout", f"tool {call.name!r} ran past its {timeout:g}s time limit and was stopped",
                         float(timeout))
     except pebble.ProcessExpired as e:
-        return _failure(call, "crash", f"tool {call.name!r} crashed its process (exit code {e.exitcode})",
+        return _failure(call, "crash", f"tool {call.name!r} ended its process during the call (exit code {e.exitcode})",
                         time.perf_counter() - start)
     except BaseException as e:  # noqa: BLE001 - unpicklable arguments or results, a broken pool
         return _failure(call, "crash", f"tool {call.name!r} failed: {type(e).__name__}: {e}",

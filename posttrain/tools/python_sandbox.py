@@ -1,187 +1,170 @@
-"""The built-in `python` tool: run a snippet of Python in a separate, restricted process and return its output.
+"""The built-in `python` tool: run a snippet of model-written Python in a sandbox and return what it printed.
 
-`run_python(code, limits)` starts `python -I -B` (isolated: no user site, no PYTHON* variables) in a fresh
-temporary folder with a minimal environment, under RLIMIT_CPU, RLIMIT_AS and RLIMIT_FSIZE and a wall-clock
-limit (the whole process group is killed past it, and the process dies with the one that started it).
-Before the snippet runs, a bootstrap installs an audit hook (`sys.addaudithook`, which cannot be removed)
-that refuses: opening or listing files outside the temporary folder (the interpreter's own library folders
-may be read, not written), starting processes (`os.system`, `exec*`, `spawn*`, `fork`, `subprocess`),
-sockets, `ctypes` and signals to other processes (numpy works; packages that need `ctypes` or `subprocess`
-when imported, such as sympy, do not). So the run's files (data, checkpoints, outputs) cannot be read or
-written. This is a best-effort sandbox for model-written code, not a security boundary against a determined
-attacker; run it in a container where that matters. stdout and stderr go to files outside the snippet's
-folder and are cut at `max_output_bytes` with a marker. Every problem comes back as text, never as an
-exception.
+Model-written code is hostile by assumption. `SandboxConfig.backend` (`rollout.sandbox.backend`) chooses where
+it runs:
+- `namespaces` (default): the kernel's boundary on this machine (`posttrain.tools.jail`: fresh user, PID,
+  mount, network and IPC namespaces, read-only system and Python folders, a private tmpfs, no network, an
+  unprivileged uid, `no_new_privs`, rlimits and cgroup limits, the whole process tree killed after each call);
+- `remote`: an HTTP sandbox service speaking SandboxFusion's API at `url` (`posttrain.tools.remote_sandbox`);
+- `process`: a plain process with rlimits and an audit hook (`posttrain.tools.process_sandbox`): NOT a boundary,
+  for machines without user namespaces, chosen explicitly; a warning says so at start.
+There is no silent downgrade: `check_sandbox(config)` (called when a run with the python tool starts) raises a
+one-line `SandboxUnavailable` when the chosen backend cannot run here, saying what to enable; `run_python` of
+an unavailable backend answers an `Error:` line and runs nothing.
+
+Each process uses one sandbox setting: `use_sandbox(config)` sets it (the tool worker pool does so in its
+workers); without it, the defaults hold. Every outcome comes back as text, never as an exception.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import dataclasses
+import logging
 import signal
-import subprocess
-import sys
-import sysconfig
-import tempfile
-from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["PythonLimits", "python", "run_python"]
+from posttrain.tools.jail import JailError, JailLimits, jail_support, run_jailed
+from posttrain.tools.process_sandbox import run_in_process
+from posttrain.tools.remote_sandbox import RemoteSandbox, RemoteSandboxError
+
+__all__ = ["PythonLimits", "SandboxConfig", "SandboxUnavailable", "check_sandbox", "python", "run_python",
+           "use_sandbox"]
+
+logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PythonLimits:
-    """Limits of one `python` tool run."""
+    """Limits of one `python` tool run: wall and CPU seconds, memory (address space per process; with cgroups
+    also all its processes together), bytes of any file it writes (stdout and stderr included), processes,
+    the size of its writable folder, and the bytes of output returned."""
     wall_s: float = 10.0
     cpu_s: int = 5
     memory_bytes: int = 1 << 30
-    file_bytes: int = 1 << 20  # any file the snippet writes, its stdout and stderr included
+    file_bytes: int = 1 << 20
     max_output_bytes: int = 16_384
+    max_processes: int = 32
+    work_bytes: int = 64 << 20
 
 
-# Runs as `python -I -B -c BOOTSTRAP LIMITS WORKDIR READ_ROOT...`: sets the limits (hard ones, which the
-# snippet cannot raise again) and asks to die with its parent, reads the snippet, then installs the hook.
-_BOOTSTRAP = r'''
-import os, sys, resource, signal
-CPU, MEM, FSIZE = (int(x) for x in sys.argv[1].split(","))
-for what, soft, hard in ((resource.RLIMIT_CPU, CPU, CPU + 1), (resource.RLIMIT_AS, MEM, MEM),
-                         (resource.RLIMIT_FSIZE, FSIZE, FSIZE), (resource.RLIMIT_CORE, 0, 0)):
-    resource.setrlimit(what, (soft, hard))
-try:
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-except Exception:
-    pass
-for name in [m for m in sys.modules if m == "ctypes" or m.startswith("ctypes.") or m == "_ctypes"]:
-    del sys.modules[name]
-ctypes = None
-if os.getppid() == 1:
-    sys.exit("the process that started this one is gone")
-WORK = os.path.realpath(sys.argv[2])
-READ = tuple(os.path.realpath(p) for p in sys.argv[3:])
-with open(os.path.join(WORK, "snippet.py"), encoding="utf-8") as f:
-    SOURCE = f.read()
-os.remove(os.path.join(WORK, "snippet.py"))
-DENY = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill", "os.killpg",
-        "subprocess.Popen", "socket.__new__", "socket.connect", "socket.bind", "socket.sendto",
-        "socket.getaddrinfo", "socket.gethostbyname", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.cdata",
-        "ctypes.cdata/buffer", "ctypes.call_function", "ctypes.string_at", "ctypes.wstring_at", "ctypes.set_errno",
-        "os.chroot", "sys._current_frames", "resource.setrlimit", "resource.prlimit"}
-NO_IMPORT = {"ctypes", "_ctypes", "_posixsubprocess", "_socket", "socket", "multiprocessing", "pty"}
-READ_EVENTS = {"os.listdir", "os.scandir", "glob.glob"}
-PATH_EVENTS = {"os.chdir", "os.remove", "os.rename", "os.rmdir", "os.mkdir",
-               "os.symlink", "os.link", "os.chmod", "os.chown", "os.truncate", "os.utime",
-               "shutil.copyfile", "shutil.copymode", "shutil.copystat", "shutil.copytree", "shutil.move",
-               "shutil.rmtree", "os.setxattr", "os.removexattr", "os.listxattr", "os.getxattr"}
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    """Where the built-in `python` tool runs model-written code (`rollout.sandbox`).
 
-def inside(path, roots):
-    return any(path == r or path.startswith(r + os.sep) for r in roots)
+    `backend`: `namespaces` (the kernel's sandbox on this machine; needs Linux user namespaces), `remote` (an
+    HTTP service speaking SandboxFusion's `/run_code` API at `url`; `request_timeout_s` seconds of slack past the
+    run's wall limit per request, `retries` after a connection error, time-out or 5xx answer, at most
+    `max_concurrency` requests at once from a process) or `process` (rlimits and an audit hook only: not a
+    security boundary; opt in where user namespaces are off). Limits per call: `wall_s`, `cpu_s`, `memory_mb`
+    (per process, and for all of a call's processes where cgroups allow), `file_mb` (any file, output
+    included), `max_processes`, `work_mb` (its private writable folder)."""
+    backend: Literal["namespaces", "remote", "process"] = "namespaces"
+    url: str | None = None
+    request_timeout_s: float = 30.0
+    retries: int = 2
+    max_concurrency: int = 8
+    wall_s: float = 10.0
+    cpu_s: int = 5
+    memory_mb: int = 1024
+    file_mb: int = 1
+    max_processes: int = 32
+    work_mb: int = 64
 
-def resolve(p):
-    return os.path.realpath(os.fsdecode(p)) if isinstance(p, (str, bytes, os.PathLike)) else None
+    def __post_init__(self):
+        if self.backend == "remote" and not self.url:
+            raise ValueError("rollout.sandbox.url is required with rollout.sandbox.backend: remote "
+                             "(the SandboxFusion service's base address, e.g. http://127.0.0.1:8080)")
+        for key in ("request_timeout_s", "wall_s", "cpu_s", "memory_mb", "file_mb", "max_processes", "work_mb",
+                    "max_concurrency"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"rollout.sandbox.{key} must be > 0, found {getattr(self, key)}")
+        if self.retries < 0:
+            raise ValueError(f"rollout.sandbox.retries must be >= 0, found {self.retries}")
 
-def hook(event, args):
-    if event in DENY or event.startswith("socket.") or (event == "ctypes.dlopen" and args[0] is not None):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args[0].split(".")[0] in NO_IMPORT:
-        raise ImportError(f"sandbox: import of {args[0]} is not allowed")
-    if event == "open":
-        path = resolve(args[0])
-        if path is None:
-            return
-        mode, flags = args[1], args[2] or 0
-        write = (mode is not None and any(c in mode for c in "wax+")) or bool(flags & WRITE_FLAGS)
-        if inside(path, (WORK,)) or (not write and inside(path, READ + ("/dev/null", "/dev/urandom"))):
-            return
-        raise PermissionError(f"sandbox: opening {os.fsdecode(args[0])!r} is not allowed")
-    if event in PATH_EVENTS or event in READ_EVENTS:
-        roots = (WORK,) + (READ if event in READ_EVENTS else ())
-        for a in args:
-            path = resolve(a) if isinstance(a, (str, bytes)) else None
-            if path is not None and not inside(path, roots):
-                raise PermissionError(f"sandbox: {event} on {os.fsdecode(a)!r} is not allowed")
-
-sys.addaudithook(hook)
-del hook
-sys.argv = ["snippet.py"]
-__name__ = "__main__"
-exec(compile(SOURCE, "snippet.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-'''
+    @property
+    def limits(self) -> PythonLimits:
+        return PythonLimits(wall_s=self.wall_s, cpu_s=self.cpu_s, memory_bytes=self.memory_mb << 20,
+                            file_bytes=self.file_mb << 20, max_processes=self.max_processes,
+                            work_bytes=self.work_mb << 20)
 
 
-def _read_roots() -> list[str]:
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots |= {os.path.dirname(os.path.realpath(sys.executable))}
-    return sorted(roots)
+class SandboxUnavailable(RuntimeError):
+    """The chosen backend cannot run on this machine (the message says what to enable or choose)."""
 
 
-def _read_cut(path: str, max_bytes: int) -> str:
-    with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
-    size = os.path.getsize(path)
-    text = data[:max_bytes].decode("utf-8", errors="replace")
-    if size > max_bytes:
-        text += f"\n[... output cut: {size - max_bytes}+ more bytes not shown]"
-    return text
+_CONFIG = SandboxConfig()
+
+
+def use_sandbox(config: SandboxConfig) -> None:
+    """Make `config` this process's sandbox setting (the tool pool calls this in each worker)."""
+    global _CONFIG
+    _CONFIG = config
+
+
+def check_sandbox(config: SandboxConfig) -> None:
+    """Raise `SandboxUnavailable` (one line) when `config.backend` cannot run here; warn once for `process`."""
+    if config.backend == "process":
+        logger.warning("rollout.sandbox.backend is 'process': model-written code runs as this run's user with "
+                       "rlimits and an audit hook only, which a snippet can turn off; this is not a sandbox")
+    elif config.backend == "namespaces":
+        why = jail_support()
+        if why is not None:
+            raise SandboxUnavailable(
+                f"the python tool's sandbox cannot start here ({why}): enable unprivileged user namespaces "
+                "(sysctl user.max_user_namespaces=15000, and kernel.unprivileged_userns_clone=1 or "
+                "kernel.apparmor_restrict_unprivileged_userns=0 where those exist), or set "
+                "rollout.sandbox.backend=remote with rollout.sandbox.url, or accept the unsafe "
+                "rollout.sandbox.backend=process")
 
 
 def _status(code: int, timed_out: bool, limits: PythonLimits) -> str | None:
     if timed_out:
         return f"Error: the code ran past the {limits.wall_s:g}s time limit and was stopped"
-    if code == -signal.SIGXCPU or code == -signal.SIGKILL:
-        return f"Error: the code used more than {limits.cpu_s}s of CPU time and was stopped"
-    if code == -signal.SIGXFSZ:
+    if code in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
+        return f"Error: the code used more than {limits.cpu_s}s of CPU time or its memory limit and was stopped"
+    if code == 128 + signal.SIGXFSZ:
         return f"Error: the code wrote more than {limits.file_bytes} bytes (output or file) and was stopped"
-    if code < 0:
-        return f"Error: the process ended with signal {signal.Signals(-code).name}"
+    if code > 128 and code - 128 in signal.valid_signals():
+        return f"Error: the process ended with signal {signal.Signals(code - 128).name}"
     if code != 0:
         return f"Error: the code exited with status {code}"
     return None
 
 
-def run_python(code: str, limits: PythonLimits = PythonLimits()) -> str:
+def _text(data: bytes, max_bytes: int) -> str:
+    text = data[:max_bytes].decode("utf-8", errors="replace")
+    return text + "\n[... output cut: more bytes not shown]" if len(data) > max_bytes else text
+
+
+def _run(code: str, config: SandboxConfig, limits: PythonLimits) -> tuple[int, bool, bytes, bytes]:
+    if config.backend == "remote":
+        return RemoteSandbox(config.url, request_timeout_s=config.request_timeout_s, retries=config.retries,
+                             max_concurrency=config.max_concurrency).run(code, limits, limits.max_output_bytes)
+    if config.backend == "process":
+        return run_in_process(code, limits, limits.max_output_bytes)
+    why = jail_support()
+    if why is not None:
+        raise SandboxUnavailable(why)
+    jail = JailLimits(wall_s=limits.wall_s, cpu_s=limits.cpu_s, memory_bytes=limits.memory_bytes,
+                      file_bytes=limits.file_bytes, max_processes=limits.max_processes, work_bytes=limits.work_bytes)
+    r = run_jailed(code, jail, limits.max_output_bytes)
+    return r.returncode, r.timed_out, r.stdout, r.stderr
+
+
+def run_python(code: str, limits: PythonLimits | None = None, config: SandboxConfig | None = None) -> str:
     """stdout of `code` (then its stderr, marked), or an `Error: ...` line followed by what it printed."""
     if not isinstance(code, str):
         return f"Error: code must be a string, got {type(code).__name__}"
-    root = tempfile.mkdtemp(prefix="posttrain-python-tool-")
-    work = os.path.join(root, "work")
-    os.mkdir(work)
+    config = config or _CONFIG
+    limits = limits or config.limits
     try:
-        with open(os.path.join(work, "snippet.py"), "w", encoding="utf-8") as f:
-            f.write(code)
-        out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
-        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
-               "PYTHONIOENCODING": "utf-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-               "MKL_NUM_THREADS": "1"}
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            numbers = f"{limits.cpu_s},{limits.memory_bytes},{limits.file_bytes}"
-            proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _BOOTSTRAP, numbers, work, *_read_roots()],
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=work, env=env,
-                                    start_new_session=True, close_fds=True)
-            timed_out = False
-            try:
-                proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                with _suppress():
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        stdout = _read_cut(out_path, limits.max_output_bytes)
-        stderr = _read_cut(err_path, limits.max_output_bytes)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    status = _status(proc.returncode, timed_out, limits)
+        returncode, timed_out, out, err = _run(code, config, limits)
+    except (SandboxUnavailable, JailError, RemoteSandboxError) as e:
+        return f"Error: the sandbox could not run the code: {e}"
+    status = _status(returncode, timed_out, limits)
+    stdout, stderr = _text(out, limits.max_output_bytes), _text(err, limits.max_output_bytes)
     parts = [p for p in (status, stdout.rstrip("\n"), stderr and "[stderr]\n" + stderr.rstrip("\n")) if p]
     return "\n".join(parts) if parts else "(no output)"
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
 
 
 def python(code: str) -> str:

@@ -17,6 +17,7 @@ __all__ = ["TrainingDivergedError", "ResumeError", "SFTResult", "load_sft_config
 from posttrain.algorithms.sft import make_sft_loss  # noqa: E402
 from posttrain.config import ConfigError, load_config  # noqa: E402
 from posttrain.data import build_sft_dataset  # noqa: E402
+from posttrain.data.pipeline import too_long_warning  # noqa: E402
 from posttrain.data.vlm import VisionSpec  # noqa: E402
 from posttrain.training.config import DataSection, SFTConfig  # noqa: E402
 from posttrain.training.errors import ResumeError, TrainingDivergedError  # noqa: E402  (re-exported)
@@ -79,6 +80,8 @@ def run_sft(cfg: SFTConfig, *, stop_after: int | None = None, batch_hook: Callab
         train_ds = build_sft_dataset(d.train, tok, d.format, seq_len=d.seq_len, batch_size=d.batch_size,
                                      pack=d.pack, seed=d.seed, shuffle=d.shuffle, num_epochs=None,
                                      truncation=d.truncation, split=d.train_split, batch_rows=rows, vision=vision)
+        if (warning := too_long_warning(train_ds.stats, d.seq_len)) is not None:
+            run.say(f"warning: data.train: {warning}")
         eval_data = eval_batches(d, tc.eval_batches, tok, rows, vision) if (d.eval and tc.eval_every > 0) else []
         trainer = run.build_trainer(make_sft_loss(tc.loss_chunk_size or None), process_local_batches=True)
         it = iter(train_ds)

@@ -104,8 +104,9 @@ class FleetSource(RolloutSource):
         self.worker_options = dict(num_cpus=fc.worker_cpus, num_gpus=fc.worker_gpus or None, max_task_retries=0,
                                    resources=dict(fc.worker_resources) or None, max_restarts=fc.max_restarts)
         cfg = run.cfg
+        data = getattr(run, "prompt_data", cfg.data)  # the prompt field the run's records were read with
         self.sections = dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards,
-                             preset=run.preset, seed=cfg.trainer.seed, data=cfg.data, fleet=fc)
+                             preset=run.preset, seed=cfg.trainer.seed, data=data, fleet=fc)
         self._start_fleet()
 
     def _start_fleet(self) -> None:
