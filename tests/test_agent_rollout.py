@@ -182,7 +182,7 @@ def test_tool_failures_are_messages_and_counted(tok, pool, tmp_path):
     assert "tool bug" in json.loads(res[0]["content"])["error"]
     assert "time limit" in json.loads(res[1]["content"])["error"]
     assert "output cut" in res[2]["content"] and len(res[2]["content"]) < 500
-    assert "not allowed" in res[3]["content"] and "do-not-leak-7e3fa1" not in res[3]["content"]
+    assert "No such file" in res[3]["content"] and "do-not-leak-7e3fa1" not in res[3]["content"]  # not in its view
     assert traj["turns"] == 6 and ro.finish_reasons == ["stop"] and traj["tool_errors"] == 4
     assert agent_metrics(ro.trajectories)["agent/tool_errors"] == 4
     assert agent_metrics(ro.trajectories)["agent/tool_seconds"] >= 2.0
