@@ -118,7 +118,7 @@ def measure(path: Path, rounds: int) -> dict[str, list[float]]:
     import bench_first_call
 
     from posttrain.models import from_pretrained, kernels
-    from posttrain.sampling import Sampler, SamplingParams, engine
+    from posttrain.sampling import ProgramCache, Sampler, SamplingParams
 
     model = from_pretrained(path)
     sampler = Sampler(model, max_slots=PROMPTS, max_len=MAX_LEN)
@@ -129,14 +129,13 @@ def measure(path: Path, rounds: int) -> dict[str, list[float]]:
     calls, programs = {}, {}
     for name, attend in attention_variants().items():
         kernels.CpuKernels.attend_cached = attend or shipped
-        engine._COMPILED.clear()
+        sampler.program_cache = programs[name] = ProgramCache()  # this variant's own programs
         try:
             sampler.generate(prompts, full)
             if name == "full":
                 sampler.generate(prompts, one)
         finally:
             kernels.CpuKernels.attend_cached = shipped
-        programs[name] = list(engine._COMPILED)
         calls[name] = full
     calls["prefill only"], programs["prefill only"] = one, programs["full"]
     loop, x = matmul_loop(model.cfg, NEW - 1)
@@ -148,10 +147,9 @@ def measure(path: Path, rounds: int) -> dict[str, list[float]]:
             if name == "matmuls only":
                 loop(x).block_until_ready()
             else:
-                engine._COMPILED[:] = programs[name]
+                sampler.program_cache = programs[name]
                 sampler.generate(prompts, calls[name])
             times[name].append(time.perf_counter() - t)
-    engine._COMPILED.clear()
     return times
 
 

@@ -276,7 +276,7 @@ def dispatcher_cost(groups: int = 20000, batch: int = 64) -> float:
     import numpy as np
 
     from posttrain.rl.dispatcher import Dispatcher
-    from posttrain.rl.rollout import Rollouts
+    from posttrain.rollout.rollouts import Rollouts
 
     d = Dispatcher(1000, batch_groups=batch, max_staleness=1)
 

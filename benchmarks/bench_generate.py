@@ -266,8 +266,9 @@ def main(argv=None) -> int:
 
         # ---------------------------------------------------------------- case 2: continuous vs static batches
         prompts2 = rng.integers(3, VOCAB, size=(64, PROMPT_LEN)).tolist()
-        free = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW).generate(prompts2, params)
-        s2 = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW)
+        free = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW,
+                       program_cache=sampler.program_cache).generate(prompts2, params)
+        s2 = Sampler(model, max_slots=16, max_len=PROMPT_LEN + NEW, program_cache=sampler.program_cache)
         case2 = []
         # about half stop early (the brief's case), then most stop early and a few run long
         for target in (0.5, 0.75):

@@ -120,7 +120,7 @@ def micro(reps: int, *, size: str = "small", prompts: int = 8, group: int = 4, p
     from posttrain.rl.learner import Learner
     from posttrain.rl.loss import make_rl_loss
     from posttrain.rl.packing import attention_span
-    from posttrain.rl.rollout import Rollouts
+    from posttrain.rollout.rollouts import Rollouts
     from posttrain.training.config import OptimConfig
     from posttrain.training.optim import make_optimizer
     from posttrain.training.trainer import Trainer

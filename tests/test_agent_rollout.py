@@ -26,7 +26,7 @@ from posttrain.models.tiny import resolve_model_path
 from posttrain.models.tokenizer import load as load_tokenizer
 from posttrain.rl.batch import build_rl_batch
 from posttrain.rl.metrics import agent_metrics
-from posttrain.rl.rollout import Rollouts, generate_rollouts
+from posttrain.rollout.rollouts import Rollouts, generate_rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
 from posttrain.sampling.params import Completion, TurnEnd

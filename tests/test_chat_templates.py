@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.data import encode_record, read_prompts
-from posttrain.rl.rollout import encode_prompt
+from posttrain.rollout.prompts import encode_prompt
 from posttrain.models.tokenizer import build_tokenizer
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"

@@ -14,7 +14,7 @@ import pytest
 from conftest import write_toy_task
 
 from posttrain.rl.dispatcher import Dispatcher
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 

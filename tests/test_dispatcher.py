@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from posttrain.rl.dispatcher import Dispatcher
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 
 
 class Clock:

@@ -25,7 +25,7 @@ from posttrain.agent.failures import EnvErrorWatch, EnvironmentFailedError
 from posttrain.agent.rollout import Agent
 from posttrain.rl.ledger import Ledger
 from posttrain.rl.metrics import agent_metrics
-from posttrain.rl.rollout import Rollouts, generate_rollouts
+from posttrain.rollout.rollouts import Rollouts, generate_rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
 from posttrain.tools import ToolPool

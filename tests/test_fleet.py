@@ -112,6 +112,7 @@ class _FakeWorkerClass:
 
 def _elastic_source(tmp_path, nodes: dict, *overrides):
     """A `FleetSource` over a fake Ray (no cluster): its sizing, drop rule and stop, as the source runs them."""
+    from posttrain.rl.fleet.pool import WorkerSpec
     from posttrain.rl.fleet.source import FleetSource
 
     cfg = load_config(RLConfig, None, ["fleet.worker_cpus=0", "fleet.worker_resources={rollout: 1}", *overrides])
@@ -120,10 +121,15 @@ def _elastic_source(tmp_path, nodes: dict, *overrides):
                           save=saved.append, ckpt=SimpleNamespace(wait=lambda: None))
     src = FleetSource.__new__(FleetSource)
     RolloutSource.__init__(src, run)
-    src.ray, src.fc, src.worker_cls, src.worker_options, src.sections, src.ps = (
-        _FakeRay(nodes), cfg.fleet, _FakeWorkerClass(), {}, {}, None)
-    src._start_fleet()
+    src.ray, src.fc = _FakeRay(nodes), cfg.fleet
+    src._start_fleet(WorkerSpec(_FakeWorkerClass(), {}, {}, None))
     return src, saved
+
+
+def _serve_all(pool) -> None:
+    """Every worker in the pool serving (as if its probe had answered), in start order."""
+    for i, rec in enumerate(pool.live().values()):
+        rec.info, rec.up_seq = {"node": rec.node}, i
 
 
 def test_elastic_fleet_grows_with_nodes_drops_failing_workers_and_stops_below_its_minimum(tmp_path):
@@ -131,23 +137,30 @@ def test_elastic_fleet_grows_with_nodes_drops_failing_workers_and_stops_below_it
     a, b, c = ("a" * 56, "b" * 56, "c" * 56)  # node ids
     src, saved = _elastic_source(tmp_path, {a: {"rollout": 1.0}, b: {"rollout": 2.0}}, "fleet.workers=2..4",
                                  "fleet.max_restarts=1", "fleet.stall_timeout_s=5")
-    assert sorted(src.node_of.values()) == [a, b, b] and src.target == 3
+    pool = src.pool
+
+    def nodes_held():
+        return sorted(rec.node for rec in pool.live().values())
+
+    assert nodes_held() == [a, b, b] and pool.target == 3
     src.ray.alive[c] = {"rollout": 5.0}  # a node joins: MAX caps the fleet
-    src._resize()
-    assert sorted(src.node_of.values()) == [a, b, b, c] and src.target == 4
-    src.up = {n: {"node": src.node_of[n]} for n in src.workers}
+    pool.resize()
+    assert nodes_held() == [a, b, b, c] and pool.target == 4
+    _serve_all(pool)
     del src.ray.alive[b]  # a node leaves: its workers are dropped, and the room left fills the fleet up to MAX
-    src._resize()
-    assert sorted(src.node_of.values()) == [a, c, c, c] and len(src.dropped) == len(src.ray.killed) == 2
-    worker_a = next(n for n, node in src.node_of.items() if node == a)
-    src._worker_down(worker_a, "died")  # 1 failure: max_restarts=1 allows it
-    assert worker_a in src.workers
-    src._failed(worker_a, "not answering")  # 2 > 1: dropped, and no new worker on its node
-    src._resize()
-    assert worker_a not in src.workers and a in src.bad_nodes and a not in src.node_of.values()
-    src.up, src.delivered = {}, True
+    pool.resize()
+    assert nodes_held() == [a, c, c, c] and len(pool.dropped()) == len(src.ray.killed) == 2
+    worker_a = next(n for n, rec in pool.live().items() if rec.node == a)
+    pool.down(worker_a, "died")  # 1 failure: max_restarts=1 allows it
+    assert worker_a in pool.live()
+    pool.failed(worker_a, "not answering")  # 2 > 1: dropped, and no new worker on its node
+    pool.resize()
+    assert worker_a not in pool.live() and a in pool.bad_nodes and a not in nodes_held()
+    for rec in pool.records.values():
+        rec.info = None
+    src.stall.delivered = True
     src._check_stall(7)  # below the minimum since now: not for stall_timeout_s yet
-    src.short_since -= 10
+    src.stall.short_since -= 10
     with pytest.raises(FleetError, match=r"fewer than 2 rollout workers \(fleet.workers=2..4\) served for 5 s") as e:
         src._check_stall(7)
     assert f"{worker_a}: dropped (2 failures, more than fleet.max_restarts=1" in str(e.value) and saved == [6]

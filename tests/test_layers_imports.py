@@ -1,4 +1,4 @@
-"""posttrain's own imports point down the layers, and no two files import each other.
+"""posttrain's own imports point down the layers, and no two files (nor two packages) import each other.
 
 Every import of a posttrain module (at module level or inside a function, read with `ast`) is checked against
 the declared layer order below: a module may import its own package and anything in a lower or the same layer,
@@ -24,7 +24,9 @@ LAYERS = [
     {"algorithms"},
     {"sampling"},
     {"training"},
-    {"rl", "eval", "agent"},
+    {"agent"},
+    {"rollout"},
+    {"rl", "eval"},
     {"distill", "demo"},
     {"cli"},
 ]
@@ -94,6 +96,19 @@ def problems(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def package_circles(graph: dict[str, set[str]]) -> list[str]:
+    """Pairs of packages (or top-level modules) that import each other, file by file (a layer may hold several
+    packages, so the layer check alone lets two of one layer import each other)."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for mod, targets in graph.items():
+        for t in targets:
+            a, b = layer_of(mod), layer_of(t)
+            if a and b and a != b:
+                arrows.setdefault((a, b), []).append(f"{mod} -> {t}")
+    return [f"PACKAGES {a} <-> {b}: {sorted(arrows[a, b])[0]}; {sorted(arrows[b, a])[0]}"
+            for a, b in sorted(arrows) if a < b and (b, a) in arrows]
+
+
 def private_imports(root: Path) -> list[str]:
     """`from posttrain.X import _name` in another file: a private helper used as a public one."""
     out = []
@@ -109,6 +124,7 @@ def test_posttrain_imports_point_down_and_no_two_files_import_each_other():
     graph = import_graph(PACKAGE)
     assert len(graph) > 100 and sum(map(len, graph.values())) > 200  # the walk saw the package
     assert problems(graph) == []
+    assert package_circles(graph) == []
     assert private_imports(PACKAGE) == []
 
 
@@ -136,6 +152,9 @@ def test_the_check_finds_upward_imports_circles_and_unranked_packages(tmp_path):
     assert "CIRCLE posttrain.data.a <-> posttrain.data.b" in found
     assert any(p.startswith("UNRANKED posttrain.newpkg") for p in found)
     assert not any("posttrain.data.a <-> posttrain.data " in p or p.endswith("-> posttrain.data") for p in found)
+    found = package_circles(import_graph(root))
+    assert found == ["PACKAGES models <-> training: posttrain.models.core -> posttrain.training.trainer; "
+                     "posttrain.training.trainer -> posttrain.models.core"]
     (root / "training" / "run.py").write_text("def f():\n    from posttrain.training.loop import _helper\n")
     assert private_imports(root) == ["PRIVATE posttrain.training.run imports posttrain.training.loop._helper"]
 

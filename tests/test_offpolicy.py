@@ -19,7 +19,7 @@ from posttrain.rl.batch import build_rl_batch
 from posttrain.rl.learner import Learner
 from posttrain.rl.loop import load_rl_config, run_rl
 from posttrain.rl.loss import make_rl_loss
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.training.config import OptimConfig
 from posttrain.training.optim import make_optimizer
 from posttrain.training.trainer import Trainer

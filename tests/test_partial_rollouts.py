@@ -91,7 +91,7 @@ def test_sampler_swaps_weights_at_a_segment_boundary_and_logprobs_follow_the_pro
 
 
 def test_rollouts_carry_token_versions_and_their_span(policies):
-    from posttrain.rl.rollout import generate_rollouts
+    from posttrain.rollout.rollouts import generate_rollouts
 
     sampler = _sampler(policies, 4)
     offered = iter([None, (policies[2], 5)])

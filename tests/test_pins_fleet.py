@@ -16,7 +16,7 @@ from posttrain.config import load_config
 from posttrain.rl.config import RLConfig
 from posttrain.rl.dispatcher import Dispatcher
 from posttrain.rl.fleet.shards import assemble, to_wire
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.rl.sources import RolloutSource
 
 
@@ -93,6 +93,7 @@ class _FakeWorkerClass:
 
 
 def test_a_dropped_workers_leases_are_failed_and_their_prompts_come_back(tmp_path):
+    from posttrain.rl.fleet.pool import WorkerSpec
     from posttrain.rl.fleet.source import FleetSource
 
     a, b = "a" * 56, "b" * 56  # node ids
@@ -104,24 +105,25 @@ def test_a_dropped_workers_leases_are_failed_and_their_prompts_come_back(tmp_pat
     src = FleetSource.__new__(FleetSource)
     RolloutSource.__init__(src, run)
     workers = _FakeWorkerClass()
-    src.ray, src.fc, src.worker_cls, src.worker_options, src.sections, src.ps = (
-        _FakeRay({a: {"rollout": 1.0}, b: {"rollout": 1.0}}), cfg.fleet, workers, {}, {}, None)
-    src._start_fleet()
-    on_b = next(n for n, node in src.node_of.items() if node == b)
-    src.up = {n: {"node": src.node_of[n]} for n in src.workers}
+    src.ray, src.fc = _FakeRay({a: {"rollout": 1.0}, b: {"rollout": 1.0}}), cfg.fleet
+    src._start_fleet(WorkerSpec(workers, {}, {}, None))
+    pool = src.pool
+    on_b = next(n for n, rec in pool.live().items() if rec.node == b)
+    for i, rec in enumerate(pool.live().values()):  # every worker serving, in start order
+        rec.info, rec.up_seq = {"node": rec.node}, i
     src.version = 0
     src._hand_out(1)  # two leases in flight per worker, one group each
-    held = {name: [(lease, uids) for n, lease, uids in workers.calls if n == name] for name in src.workers}
+    held = {name: [(lease, uids) for n, lease, uids in workers.calls if n == name] for name in pool.live()}
     assert len(held[on_b]) == 2 and all(len(v) == 2 for v in held.values())
     lost = sorted(u for _, uids in held[on_b] for u in uids)
     kept = sorted(u for n, v in held.items() if n != on_b for _, uids in v for u in uids)
     assert d.failed == []
     del src.ray.alive[b]  # its node leaves: the worker is dropped
-    src._resize()
-    assert on_b in src.dropped and on_b not in src.workers and src.ray.killed == [on_b]
+    pool.resize()
+    assert on_b in pool.dropped() and on_b not in pool.live() and src.ray.killed == [on_b]
     assert sorted(d.failed) == sorted((lease, "worker_dropped") for lease, _ in held[on_b])
     assert sorted(d.queue) == lost and sorted(d.leased) == kept and d.counts["requeued/worker_dropped"] == 2
-    assert all(owner != on_b for _, owner in src.inflight.values()) and len(src.inflight) == 2
+    assert all(owner != on_b for _, owner in src.book.inflight.values()) and len(src.book.inflight) == 2
     assert d.lease("w", 2).uids == lost  # the prompts come back first
 
 

@@ -297,7 +297,7 @@ def test_rl_resume_writes_each_step_once_and_non_finite_loss_is_the_shared_error
 
 
 def test_rollouts_concat_keeps_every_parts_reward_statistics():
-    from posttrain.rl.rollout import Rollouts
+    from posttrain.rollout.rollouts import Rollouts
 
     def part(n, failures, mean):
         return Rollouts(group_size=2, record_index=[0] * n, prompt_ids=[[1]] * n, completion_ids=[[2]] * n,

@@ -14,7 +14,7 @@ from posttrain.rl.batch import build_rl_batch, bucket_length
 from posttrain.eval.evaluate import pass_at_k
 from posttrain.rl.dispatcher import PromptStream
 from posttrain.rl.loop import load_rl_config, run_rl
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 
 REWARD = '''
 def count_a(prompts, completions, **fields):

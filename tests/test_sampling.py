@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from compile_counter import count_compiles
 
 from posttrain.models import from_pretrained
-from posttrain.sampling import Completion, Sampler, SamplingParams
+from posttrain.sampling import Completion, ProgramCache, Sampler, SamplingParams
 from posttrain.sampling import engine
 
 TOL = 1e-4
@@ -42,6 +43,13 @@ def llama(hf_checkpoint):
     return from_pretrained(hf_checkpoint("llama"))
 
 
+@pytest.fixture(scope="module")
+def programs():
+    """One program cache for the module's samplers of its model, as a caller's samplers of one model share one
+    (the tests that count compiles build samplers with caches of their own)."""
+    return ProgramCache()
+
+
 @pytest.mark.full_optimization
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])  # gemma: sliding windows, soft-caps
 def test_greedy_matches_transformers(family, hf_checkpoint):
@@ -74,10 +82,10 @@ def test_greedy_matches_transformers(family, hf_checkpoint):
     assert stopped[1].finish_reason == "stop" and len(stopped[1].token_ids) <= 5
 
 
-def test_default_stop_ids_are_the_model_eos(llama):
+def test_default_stop_ids_are_the_model_eos(llama, programs):
     prompts = _prompts()
-    free = Sampler(llama, max_slots=8).generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0,
-                                                                         stop_token_ids=[]))
+    free = Sampler(llama, max_slots=8, program_cache=programs).generate(
+        prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[]))
     eos_of = free[2].token_ids[3]
     model = llama
     old = model.cfg
@@ -95,23 +103,24 @@ def test_default_stop_ids_are_the_model_eos(llama):
         def decode(self, ids):
             return " ".join(map(str, ids))
 
-    out = Sampler(llama, Tok(), max_slots=8).generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0))
+    out = Sampler(llama, Tok(), max_slots=8, program_cache=programs).generate(
+        prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0))
     assert out[0].token_ids == free[0].token_ids[:1] and out[0].finish_reason == "stop"
     assert out[0].text == str(free[0].token_ids[0])
 
 
 @pytest.mark.slow
-def test_continuous_batching_matches_plain_batching(llama):
+def test_continuous_batching_matches_plain_batching(llama, programs):
     """10 prompts through 3 slots (slots are refilled as sequences stop) == all 10 at once."""
     prompts = _prompts(lengths=(3, 16, 7, 11, 4, 15, 9, 2, 13, 6), seed=1)
-    plain = Sampler(llama, max_slots=16)
+    plain = Sampler(llama, max_slots=16, program_cache=programs)
     free = plain.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[]))
     # stop ids that end several sequences early, at different steps
     stops = [free[0].token_ids[2], free[3].token_ids[6], free[7].token_ids[9]]
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=stops)
     ref = plain.generate(prompts, params)
     assert plain.last_stats["prefill_calls"] == 1
-    cont = Sampler(llama, max_slots=3)
+    cont = Sampler(llama, max_slots=3, program_cache=programs)
     out = cont.generate(prompts, params)
     reasons = [c.finish_reason for c in ref]
     assert "stop" in reasons and "length" in reasons
@@ -128,7 +137,7 @@ def test_continuous_batching_matches_plain_batching(llama):
 
 
 @pytest.mark.slow
-def test_cache_growth_gives_the_same_completions(llama):
+def test_cache_growth_gives_the_same_completions(llama, programs):
     """A cache that grows with the sequences (here in steps of 8 positions, so several times per call, also
     while continuous batching admits new prompts) gives what a full-length cache gives."""
     assert engine.cache_capacities(32, 8) == [8, 16, 24, 32] and engine.cache_capacities(30, 16) == [16, 30]
@@ -138,7 +147,7 @@ def test_cache_growth_gives_the_same_completions(llama):
     assert Sampler(llama, cache_step=0).capacities(192) == [192]
     prompts = _prompts(lengths=(3, 16, 7, 11, 4, 15, 9, 2, 13, 6), seed=1)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
-    full = Sampler(llama, max_slots=16, cache_step=0)
+    full = Sampler(llama, max_slots=16, cache_step=0, program_cache=programs)
     ref = full.generate(prompts, params)
     assert full.last_stats.get("cache_resizes", 0) == 0 and full.last_stats["cache_len"] == 32
     stops = [ref[0].token_ids[2], ref[3].token_ids[6], ref[7].token_ids[9]]
@@ -146,7 +155,7 @@ def test_cache_growth_gives_the_same_completions(llama):
     for slots in (16, 3):
         for sp in (params, SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=stops),
                    SamplingParams(max_new_tokens=NEW, temperature=1.0, stop_token_ids=stops, seed=3)):
-            grown = Sampler(llama, max_slots=slots, cache_step=8)
+            grown = Sampler(llama, max_slots=slots, cache_step=8, program_cache=programs)
             out = grown.generate(prompts, sp)
             # the first capacity holds the prompt bucket (16) + 1, i.e. 24 positions: longer sequences grow it
             if max(len(p) + len(c.token_ids) for p, c in zip(prompts, out)) > 24:
@@ -158,7 +167,7 @@ def test_cache_growth_gives_the_same_completions(llama):
                 np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     assert grew >= 2  # the stop-free calls at least
     # a call starts again from the smallest capacity holding its prompt bucket (16) + 1 (the last cache is replaced)
-    short = Sampler(llama, max_slots=4, max_len=32, cache_step=8)
+    short = Sampler(llama, max_slots=4, max_len=32, cache_step=8, program_cache=programs)
     short.generate(prompts[:2], params)
     short.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0, stop_token_ids=[]))
     assert short.last_stats["cache_len"] == 24 and short.last_stats.get("cache_resizes", 0) == 0
@@ -166,9 +175,9 @@ def test_cache_growth_gives_the_same_completions(llama):
         Sampler(llama, cache_step=-1)
 
 
-def test_n_samples_share_prefill_and_come_in_a_row(llama):
+def test_n_samples_share_prefill_and_come_in_a_row(llama, programs):
     prompts = _prompts(lengths=(6, 14), seed=2)
-    sampler = Sampler(llama, max_slots=8)
+    sampler = Sampler(llama, max_slots=8, program_cache=programs)
     out = sampler.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=1.0, n=4, seed=3))
     assert [(c.prompt_index, c.sample_index) for c in out] == [(p, i) for p in range(2) for i in range(4)]
     assert sampler.last_stats["prefill_calls"] == 1 and sampler.last_stats["prefill_rows"] == 2
@@ -183,13 +192,14 @@ def test_n_samples_share_prefill_and_come_in_a_row(llama):
             assert g3[3 * p + i].token_ids == g1[p].token_ids
             np.testing.assert_allclose(g3[3 * p + i].logprobs, g1[p].logprobs, atol=1e-5)
     # more samples than slots: still complete and ordered (groups split into slot-sized chunks)
-    big = Sampler(llama, max_slots=3).generate(prompts, SamplingParams(max_new_tokens=NEW, n=5, seed=1))
+    big = Sampler(llama, max_slots=3, program_cache=programs).generate(
+        prompts, SamplingParams(max_new_tokens=NEW, n=5, seed=1))
     assert [(c.prompt_index, c.sample_index) for c in big] == [(p, i) for p in range(2) for i in range(5)]
 
 
-def test_seed_repeats_and_sampling_logprobs(llama):
+def test_seed_repeats_and_sampling_logprobs(llama, programs):
     prompts = _prompts(lengths=(4, 10, 7), seed=4)
-    sampler = Sampler(llama, max_slots=8)
+    sampler = Sampler(llama, max_slots=8, program_cache=programs)
     params = SamplingParams(max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9, n=2, seed=11)
     a = sampler.generate(prompts, params)
     b = sampler.generate(prompts, params)
@@ -227,11 +237,11 @@ def test_reads_current_weights_without_recompiling(llama, hf_checkpoint):
     prompts = _prompts(lengths=(5, 9), seed=5)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
     before = sampler.generate(prompts, params)
-    counts = dict(engine.TRACE_COUNTS)
     emb = model.embed_tokens.embedding
     emb[...] = emb[...][::-1]  # a different model, same shapes
-    after = sampler.generate(prompts, params)
-    assert dict(engine.TRACE_COUNTS) == counts
+    with count_compiles() as compiles:
+        after = sampler.generate(prompts, params)
+    assert compiles.total == 0, compiles
     for p, c in zip(prompts, after):
         logits = np.asarray(model(np.asarray([p])))[0, -1]
         assert c.token_ids[0] == int(np.argmax(logits))
@@ -242,7 +252,7 @@ def test_reads_current_weights_without_recompiling(llama, hf_checkpoint):
 def test_committed_weights_compile_once(hf_checkpoint):
     """A trainer's weights are committed to their device; the sampler's own state must be too from its first
     call, else the second call (a decode output, committed, replacing the fresh state) compiles the prefill
-    again (an RL run's second step did; jit's trace counter does not see it: count the executables)."""
+    again (an RL run's second step did; a trace counter does not see it: JAX's compile events do)."""
     import jax
     from flax import nnx
 
@@ -253,11 +263,26 @@ def test_committed_weights_compile_once(hf_checkpoint):
     sampler = Sampler(model, max_slots=8, max_len=32)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=[])
     sampler.generate(_prompts(lengths=(5, 9), seed=5), params)
-    prefill, decode = engine._compiled_for(nnx.split(model)[0])
-    sizes = prefill._cache_size(), decode._cache_size()
-    for seed in (1, 2):
-        sampler.generate(_prompts(lengths=(7, 3), seed=seed), params)
-    assert (prefill._cache_size(), decode._cache_size()) == sizes
+    with count_compiles() as compiles:
+        for seed in (1, 2):
+            sampler.generate(_prompts(lengths=(7, 3), seed=seed), params)
+    assert compiles.total == 0, compiles
+
+
+def test_samplers_given_one_program_cache_share_compiled_programs(llama):
+    """The compiled programs belong to a sampler's `ProgramCache`: samplers given the same cache (e.g. evaluations
+    of several checkpoints of one architecture) compile each program once; a sampler with its own compiles its own."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=[])
+    prompts = _prompts(lengths=(5, 9), seed=7)
+    first = Sampler(llama, max_slots=8, max_len=32)
+    want = first.generate(prompts, params)
+    with count_compiles() as compiles:
+        shared = Sampler(llama, max_slots=8, max_len=32, program_cache=first.program_cache).generate(prompts, params)
+    assert compiles.total == 0, compiles
+    with count_compiles() as compiles:
+        own = Sampler(llama, max_slots=8, max_len=32).generate(prompts, params)
+    assert compiles["_prefill"] == 1 and compiles["_decode"] == 1, compiles
+    assert [c.token_ids for c in shared] == [c.token_ids for c in own] == [c.token_ids for c in want]
 
 
 @pytest.mark.slow
@@ -265,32 +290,32 @@ def test_no_recompilation_within_a_bucket(llama):
     sampler = Sampler(llama, max_slots=8, max_len=64)
     params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9)
     sampler.generate(_prompts(lengths=(17, 20, 3)), params)  # warm-up: bucket 32
-    counts = dict(engine.TRACE_COUNTS)
-    for lengths in [(25, 31, 18), (32, 1, 29), (19, 19, 19)]:
-        sampler.generate(_prompts(lengths=lengths), params)
-    # other values of temperature / top_p / seed / max_new_tokens are traced values, not constants
-    sampler.generate(_prompts(lengths=(20, 21, 22)),
-                     SamplingParams(max_new_tokens=9, temperature=1.3, top_p=0.5, seed=5))
-    assert dict(engine.TRACE_COUNTS) == counts
+    with count_compiles() as compiles:
+        for lengths in [(25, 31, 18), (32, 1, 29), (19, 19, 19)]:
+            sampler.generate(_prompts(lengths=lengths), params)
+        # other values of temperature / top_p / seed / max_new_tokens are traced values, not constants
+        sampler.generate(_prompts(lengths=(20, 21, 22)),
+                         SamplingParams(max_new_tokens=9, temperature=1.3, top_p=0.5, seed=5))
+    assert compiles.total == 0, compiles
     # the counter does see compilations: a prompt in the next bucket (64) compiles one new prefill
-    sampler.generate(_prompts(lengths=(40, 3, 5)), params)
-    assert engine.TRACE_COUNTS["prefill"] == counts["prefill"] + 1
-    assert engine.TRACE_COUNTS["decode"] == counts["decode"]
-    # greedy is static: its own (sampling-free) programs, compiled once, whatever temperature says (at most one
-    # new program each here: another test in the process may have compiled them for this model and shape)
-    counts = dict(engine.TRACE_COUNTS)
-    sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=0.0))
-    assert engine.TRACE_COUNTS["prefill"] <= counts["prefill"] + 1
-    assert engine.TRACE_COUNTS["decode"] <= counts["decode"] + 1
-    counts = dict(engine.TRACE_COUNTS)
-    sampler.generate(_prompts(lengths=(20, 21, 22)), SamplingParams(max_new_tokens=9, temperature=0.0, seed=4))
-    assert dict(engine.TRACE_COUNTS) == counts
+    with count_compiles() as compiles:
+        sampler.generate(_prompts(lengths=(40, 3, 5)), params)
+    assert compiles["_prefill"] == 1 and compiles["_decode"] == 0, compiles
+    # greedy is static: its own (sampling-free) programs, compiled once, whatever temperature says (the sampler
+    # has a program cache of its own, so this is its first greedy call: exactly one new program each)
+    with count_compiles() as compiles:
+        sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert compiles["_prefill"] == 1 and compiles["_decode"] == 1, compiles
+    with count_compiles() as compiles:
+        sampler.generate(_prompts(lengths=(20, 21, 22)), SamplingParams(max_new_tokens=9, temperature=0.0, seed=4))
+    assert compiles.total == 0, compiles
     # so is top-p on or off: top_p=1 compiles programs without its sort, then any temperature reuses them
-    sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=0.8))
-    assert engine.TRACE_COUNTS["decode"] <= counts["decode"] + 1
-    counts = dict(engine.TRACE_COUNTS)
-    sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=1.2, seed=2))
-    assert dict(engine.TRACE_COUNTS) == counts
+    with count_compiles() as compiles:
+        sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=0.8))
+    assert compiles["_prefill"] == 1 and compiles["_decode"] == 1, compiles
+    with count_compiles() as compiles:
+        sampler.generate(_prompts(lengths=(25, 31, 18)), SamplingParams(max_new_tokens=6, temperature=1.2, seed=2))
+    assert compiles.total == 0, compiles
 
 
 def test_bad_input(llama):
@@ -318,17 +343,17 @@ def test_bad_input(llama):
     assert isinstance(out[0], Completion) and 1 <= len(out[0].token_ids) <= NEW
 
 
-def test_progress_callback(llama):
+def test_progress_callback(llama, programs):
     seen = []
-    out = Sampler(llama, max_slots=3).generate(  # the slot count of the continuous batching test: no compile
+    out = Sampler(llama, max_slots=3, program_cache=programs).generate(  # continuous batching's slots: no compile
         _prompts(lengths=(3, 4, 5, 6)), SamplingParams(max_new_tokens=NEW, stop_token_ids=[]),
         progress=lambda done, total, tokens, secs: seen.append((done, total, tokens)))
     assert seen[-1] == (4, 4, 4 * NEW) and len(out) == 4 and len(seen) >= 2
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
 
 
-def test_key_ids_make_a_prompts_samples_independent_of_its_batch(llama):
-    s = Sampler(llama, max_slots=8)
+def test_key_ids_make_a_prompts_samples_independent_of_its_batch(llama, programs):
+    s = Sampler(llama, max_slots=8, program_cache=programs)
     p = SamplingParams(max_new_tokens=NEW, temperature=1.0, n=3, seed=5)
     a, b = _prompts((6, 11), seed=3)
     together = s.generate([a, b], p, key_ids=[70, 91])

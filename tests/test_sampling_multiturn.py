@@ -14,7 +14,7 @@ from conftest import xla_flags
 
 from posttrain.models import init_model
 from posttrain.models.config import llama_like
-from posttrain.sampling import Sampler, SamplingParams, TurnEnd
+from posttrain.sampling import ProgramCache, Sampler, SamplingParams, TurnEnd
 
 VOCAB = 96
 NEW = 5
@@ -24,6 +24,13 @@ LENGTHS = (5, 11, 3, 18)
 @pytest.fixture(scope="module")
 def model():
     return init_model(llama_like(vocab_size=VOCAB, max_position_embeddings=128, num_layers=2), seed=3)
+
+
+@pytest.fixture(scope="module")
+def programs():
+    """One program cache for the module's samplers of its model, as a caller's samplers of one model share one
+    (the tests that count compiles build samplers with caches of their own)."""
+    return ProgramCache()
 
 
 def _prompts(lengths=LENGTHS, seed=0):
@@ -58,13 +65,13 @@ def _turn_tokens(c):
 
 
 @pytest.mark.parametrize("turns", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_greedy_continuation_equals_generation_from_scratch(model, turns):
-    sampler = Sampler(model, max_slots=8)
+def test_greedy_continuation_equals_generation_from_scratch(model, turns, programs):
+    sampler = Sampler(model, max_slots=8, program_cache=programs)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
     prompts = _prompts()
     out = sampler.generate(prompts, params, on_turn_end=_appender(turns), max_len=96)
     stats = sampler.last_stats
-    ref = Sampler(model, max_slots=8)
+    ref = Sampler(model, max_slots=8, program_cache=programs)
     for p, (prompt, c) in enumerate(zip(prompts, out)):
         assert c.turns == turns and len(_turn_tokens(c)) == turns
         prefix, pos = list(prompt), 0
@@ -90,8 +97,8 @@ def test_greedy_continuation_equals_generation_from_scratch(model, turns):
 
 
 @pytest.mark.slow
-def test_layout_room_and_errors(model):
-    sampler = Sampler(model, max_slots=8)
+def test_layout_room_and_errors(model, programs):
+    sampler = Sampler(model, max_slots=8, program_cache=programs)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
     prompts = _prompts(lengths=(6, 9))
     log: list[TurnEnd] = []
@@ -129,8 +136,8 @@ def _future_after(delay: float, value):
 
 
 @pytest.mark.slow
-def test_parked_slot_does_not_stall_the_others(model):
-    sampler = Sampler(model, max_slots=8)
+def test_parked_slot_does_not_stall_the_others(model, programs):
+    sampler = Sampler(model, max_slots=8, program_cache=programs)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
     prompts = _prompts()
     others_done = threading.Event()
@@ -163,10 +170,11 @@ def test_parked_slot_does_not_stall_the_others(model):
 
 
 @pytest.mark.slow
-def test_sampled_turns_do_not_depend_on_answer_timing(model):
+def test_sampled_turns_do_not_depend_on_answer_timing(model, programs):
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2, seed=7, stop_token_ids=[9, 17, 33])
     prompts = _prompts(lengths=(5, 11, 3))
-    now = Sampler(model, max_slots=8).generate(prompts, params, on_turn_end=_appender(3), max_len=96)
+    now = Sampler(model, max_slots=8, program_cache=programs).generate(prompts, params, on_turn_end=_appender(3),
+                                                                       max_len=96)
     rng = random.Random(0)
 
     def late(t: TurnEnd):
@@ -175,8 +183,8 @@ def test_sampled_turns_do_not_depend_on_answer_timing(model):
 
     # fewer slots than sequences too: continuous batching and parked slots interleave
     for slots in (8, 4):
-        later = Sampler(model, max_slots=slots).generate(prompts, params, on_turn_end=late, max_len=96,
-                                                         key_ids=[0, 1, 2])
+        later = Sampler(model, max_slots=slots, program_cache=programs).generate(
+            prompts, params, on_turn_end=late, max_len=96, key_ids=[0, 1, 2])
         assert [c.token_ids for c in later] == [c.token_ids for c in now]
         assert [c.mask for c in later] == [c.mask for c in now]
         for a, b in zip(later, now):
@@ -185,8 +193,8 @@ def test_sampled_turns_do_not_depend_on_answer_timing(model):
 
 
 @pytest.mark.slow
-def test_slot_count_follows_the_request(model):
-    sampler = Sampler(model)  # max_slots=32 by default
+def test_slot_count_follows_the_request(model, programs):
+    sampler = Sampler(model, program_cache=programs)  # max_slots=32 by default
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     small = sampler.generate(_prompts(lengths=(4, 5, 6)), params)
     assert sampler.last_stats["slots"] == 8 and sampler._state.cache.valid.shape[0] == 8
@@ -196,8 +204,8 @@ def test_slot_count_follows_the_request(model):
     assert sampler.last_stats["slots"] == 32  # at most max_slots
     assert Sampler(model, max_slots=12).slots_for(40) == 12 and Sampler(model, max_slots=12).slots_for(9) == 12
     # the slot count does not change the completions
-    assert [c.token_ids for c in Sampler(model, max_slots=3).generate(_prompts(lengths=(4, 5, 6)), params)] == \
-        [c.token_ids for c in small]
+    three = Sampler(model, max_slots=3, program_cache=programs).generate(_prompts(lengths=(4, 5, 6)), params)
+    assert [c.token_ids for c in three] == [c.token_ids for c in small]
 
 
 MULTI_PROCESS = """

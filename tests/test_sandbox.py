@@ -39,10 +39,25 @@ MARK = "posttrain-sandbox-attack-marker"
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = ToolPool(num_workers=2)
-    yield p
-    p.close()
+def host_tmp(tmp_path_factory):
+    """The temporary folder of this module's tool workers (where the sandbox keeps a call's output files): its
+    own, so that calls of other test processes running at the same time are not counted as left behind."""
+    return tmp_path_factory.mktemp("sandbox_host_tmp")
+
+
+@pytest.fixture(scope="module")
+def pool(host_tmp):
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(host_tmp)  # read by the spawned workers when they start (lazily, on first call)
+    p = ToolPool(num_workers=2, mp_context="spawn")
+    try:
+        yield p
+    finally:
+        p.close()
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +85,8 @@ def marked_processes() -> list[str]:
     return out
 
 
-def tool_folders() -> set[str]:
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("posttrain-python-tool-")}
+def tool_folders(folder) -> set[str]:
+    return {n for n in os.listdir(folder) if n.startswith("posttrain-python-tool-")}
 
 
 @pytest.fixture
@@ -84,9 +99,9 @@ def trainer_files(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def after_attack(pool, tools, trainer_files):
+def after_attack(pool, tools, trainer_files, host_tmp):
     """Checks, after the attack, that the run's files are as they were and nothing was left running."""
-    before = tool_folders()
+    before = tool_folders(host_tmp)
     yield trainer_files
     assert sorted(p.name for p in trainer_files.iterdir()) == ["checkpoint.txt"]
     assert (trainer_files / "checkpoint.txt").read_text() == "SECRET-WEIGHTS"
@@ -95,7 +110,7 @@ def after_attack(pool, tools, trainer_files):
             break
         time.sleep(0.1)
     assert marked_processes() == []
-    assert tool_folders() - before == set()
+    assert tool_folders(host_tmp) - before == set()
     assert call(pool, tools, "print(6 * 7)") == "42"  # the next call answers
 
 

@@ -11,7 +11,7 @@ from posttrain.config import ConfigError
 from posttrain.data.errors import DataError
 from posttrain.rl.batch import build_rl_batch, stack_images
 from posttrain.rl.loop import load_rl_config, run_rl
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.rl.setup import RLRun
 
 SMOKE = Path(__file__).parents[1] / "configs" / "vlm_rl_smoke.yaml"

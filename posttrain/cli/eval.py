@@ -137,7 +137,6 @@ def run(args) -> int:
     from posttrain.models import from_pretrained
     from posttrain.rewards.runner import RewardRunner, RewardSpec
     from posttrain.eval.evaluate import evaluate, per_problem
-    from posttrain.rl.rollout import encode_prompt
     from posttrain.sampling import Sampler
 
     console = Console(stderr=True)
@@ -156,33 +155,18 @@ def run(args) -> int:
         tok = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
         agent = make_agent(checked, tok, system_prompt=args.system_prompt, prompt_field=prompt_field or "prompt")
-        ids, images = [], []
-        from posttrain.agent.environments import EnvCallError
-        from posttrain.data.sources import DataError
-        from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
+        from posttrain.data.vlm import VisionSpec
         from posttrain.eval.images import ImagePromptSampler
+        from posttrain.rollout.prompts import PromptStyle, encode_prompts
 
         vision = VisionSpec.from_checkpoint(folder, tok) if Path(folder).is_dir() else None
-        for i, r in enumerate(records):
-            if agent is not None:
-                try:
-                    x = agent.prompt_ids(agent.first_messages(r))
-                except EnvCallError as e:  # the environment's reset timed out, raised or returned junk here
-                    raise DataError(f"{records.where(i)}: {e}") from None
-                images.append([])
-            elif has_images(r, ("prompt",)):
-                x, px = encode_image_prompt(r["prompt"], tok, vision, records.where(i))  # text-only model: error
-                images.append(list(px))
-            else:
-                x = encode_prompt(tok, r["prompt"], chat=args.chat, system_prompt=args.system_prompt)
-                images.append([])
-            if not x:
-                raise DataError(f"{records.where(i)}: the prompt is empty")
-            ids.append(x)
+        prompts = encode_prompts(records, tok, PromptStyle(chat=args.chat, system_prompt=args.system_prompt),
+                                 agent=agent, vision=vision)
+        ids, images = prompts.ids, prompts.images
         total = len(records) * max(args.n, 1)
         slots = min(args.max_slots, 1 << (total - 1).bit_length())
         sampler = Sampler(model, tok, max_slots=slots)
-        if any(images):  # image prompts: each prompt's images go to the prefill
+        if images is not None:  # image prompts: each prompt's images go to the prefill
             sampler = ImagePromptSampler(sampler, images)
         try:
             e = evaluate(sampler, records, ids, runner, correctness=correctness, max_new_tokens=args.max_new_tokens,

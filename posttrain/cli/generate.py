@@ -73,63 +73,19 @@ def read_prompts(path: str | Path) -> list[dict]:
     return records
 
 
-def encode_prompts(records: list[dict], tokenizer, chat: bool, source: str,
-                   given: dict[int, list[int]] | None = None) -> list[list[int]]:
-    """Each record's prompt ids (`given[i]`: already encoded, e.g. an image prompt)."""
-    out = []
-    for i, rec in enumerate(records):
-        if given and i in given:
-            out.append(given[i])
-            continue
-        try:
-            if "messages" in rec:
-                ids = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=True)
-            elif chat:
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": rec["prompt"]}],
-                                                    add_generation_prompt=True, tokenize=True)
-            else:
-                ids = tokenizer.encode(rec["prompt"])
-        except Exception as e:  # noqa: BLE001 - re-raised with the line named
-            raise InputError(f"{source}, line {rec['_line']}: cannot tokenize: {e}") from None
-        if not ids:
-            raise InputError(f"{source}, line {rec['_line']}: the prompt is empty after tokenization")
-        out.append(list(ids))
-    return out
-
-
-def image_prompts(records: list[dict], tokenizer, folder, source: str) -> tuple[dict[int, list[int]], list[list]]:
-    """Chat prompts with image parts (TRL's VLM format): {record index: ids with the image tokens expanded} and
-    every record's pixel arrays (empty lists for text prompts). A text-only model given an image is a one-line
-    error naming the line."""
+def encode_records(records: list[dict], tokenizer, folder, chat: bool, source: str, agent=None):
+    """`(records with the prompt under "prompt", their encoded PromptSet)`: text or chat messages, images for a
+    vision-language checkpoint, or an agent's first messages (`posttrain.rollout.prompts`); errors name the line."""
     # lazy: image decoding and the vision spec load only for prompts that carry images
-    from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
+    from posttrain.data.vlm import VisionSpec, has_images
+    from posttrain.rollout.prompts import PromptStyle, encode_prompts
 
-    marked = [i for i, r in enumerate(records) if has_images(r, ("messages",))]
-    images: list[list] = [[] for _ in records]
-    ids_of: dict[int, list[int]] = {}
-    if not marked:
-        return ids_of, images
-    spec = VisionSpec.from_checkpoint(folder, tokenizer)
-    for i in marked:
-        where = f"{source}, line {records[i]['_line']}"
-        if spec is None:
-            raise InputError(f"{where}: the prompt has images but the model has no vision tower (a text-only model)")
-        ids, pixels = encode_image_prompt(records[i]["messages"], tokenizer, spec, where)
-        ids_of[i], images[i] = ids, list(pixels)
-    return ids_of, images
-
-
-def agent_prompts(records: list[dict], agent, source: str) -> tuple[list[dict], list[list[int]]]:
-    """Multi-turn: the records with the prompt (text or messages) under `prompt`, and their first prompts
-    rendered with the tools (an environment's `reset` that fails names the line)."""
     records = [{**{k: v for k, v in r.items() if k != "messages"}, "prompt": r.get("messages", r.get("prompt"))}
                for r in records]
-    prompts = []
-    for r in records:
-        try:
-            prompts.append(agent.prompt_ids(agent.first_messages(r)))
-        except Exception as e:  # noqa: BLE001 - the user's environment: named with the line
-            raise InputError(f"{source}, line {r['_line']}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    images = agent is None and any(has_images(r, ("prompt",)) for r in records)
+    vision = VisionSpec.from_checkpoint(folder, tokenizer) if images and Path(folder).is_dir() else None
+    prompts = encode_prompts(records, tokenizer, PromptStyle(chat=chat), agent=agent, vision=vision,
+                             where=lambda i: f"{source}, line {records[i]['_line']}")
     return records, prompts
 
 
@@ -175,12 +131,8 @@ def run(args) -> int:
         tokenizer = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
         agent = make_agent(checked, tokenizer)
-        if agent is not None:
-            records, prompts = agent_prompts(records, agent, args.prompts)
-            images = [[] for _ in prompts]
-        else:
-            given, images = image_prompts(records, tokenizer, folder, args.prompts)
-            prompts = encode_prompts(records, tokenizer, args.chat, args.prompts, given)
+        records, encoded = encode_records(records, tokenizer, folder, args.chat, args.prompts, agent)
+        prompts, images = encoded.ids, encoded.images
         slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
         sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
     except (ValueError, FileNotFoundError) as e:
@@ -189,7 +141,7 @@ def run(args) -> int:
         rollout = None if agent is None else AgentRollout(agent, records, prompts)
         kwargs = dict(progress=not args.no_progress and distributed.is_primary(),
                       **({} if rollout is None else {"on_turn_end": rollout}))
-        completions = (sampler.generate_with_images(prompts, images, params, **kwargs) if any(images)
+        completions = (sampler.generate_with_images(prompts, images, params, **kwargs) if images is not None
                        else sampler.generate(prompts, params, **kwargs))
     except ValueError as e:
         m = re.match(r"prompt (\d+) ", str(e))  # the sampler names prompts by index: name the line too

@@ -28,8 +28,8 @@ from posttrain.models.tokenizer import build_tokenizer
 from posttrain.models.transformer import init_model
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rl.loop import load_rl_config, run_rl
-from posttrain.rl.rollout import encode_prompt
-from posttrain.sampling import Sampler
+from posttrain.rollout.prompts import encode_prompt
+from posttrain.sampling import ProgramCache, Sampler
 from posttrain.training.sft import load_sft_config, run_sft
 
 
@@ -106,15 +106,17 @@ def rl_config(out: Path, model: Path, s: DemoSettings, seed: int) -> dict:
     }
 
 
-def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int) -> dict:
-    """Greedy held-out accuracy and mean reward of a HF checkpoint (the RL evaluator, `math_answer`)."""
+def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int,
+                        program_cache: ProgramCache | None = None) -> dict:
+    """Greedy held-out accuracy and mean reward of a HF checkpoint (the RL evaluator, `math_answer`); checkpoints of
+    one architecture evaluated with one `program_cache` compile the sampler's programs once."""
     model = from_pretrained(path)
     tok = tok_lib.load(path)
     records = read_prompts(str(heldout))
     ids = [encode_prompt(tok, r["prompt"], chat=False) for r in records]
     with RewardRunner([RewardSpec("math_answer")], num_workers=1) as runner:
-        e = evaluate(Sampler(model, tok, max_slots=128), records, ids, runner, correctness="math_answer",
-                     max_new_tokens=max_new_tokens)
+        e = evaluate(Sampler(model, tok, max_slots=128, program_cache=program_cache), records, ids, runner,
+                     correctness="math_answer", max_new_tokens=max_new_tokens)
     greedy = e.pop("_greedy")
     e.pop("_sampled")
     return {"accuracy": e["eval/accuracy"], "mean_reward": e["eval/reward_mean"], "texts": greedy.texts}
@@ -173,10 +175,11 @@ def run_demo(output_dir: str | Path, seed: int = 0, settings: DemoSettings | Non
     base = build_base_model(out, s, seed)
 
     stages: list[dict] = []
+    programs = ProgramCache()  # the three checkpoints share one architecture: their evaluations one set of programs
 
     def stage(name: str, model_dir: Path, seconds: float) -> None:
         t0 = time.perf_counter()
-        e = evaluate_checkpoint(model_dir, data / "heldout.jsonl", s.max_new_tokens)
+        e = evaluate_checkpoint(model_dir, data / "heldout.jsonl", s.max_new_tokens, programs)
         stages.append({"name": name, "accuracy": e["accuracy"], "mean_reward": e["mean_reward"],
                        "seconds": round(seconds, 1), "eval_seconds": round(time.perf_counter() - t0, 1)})
         console.print(f"[bold]{name}[/bold]: held-out accuracy {e['accuracy']:.3f} on {s.n_eval} problems "
@@ -195,7 +198,7 @@ def run_demo(output_dir: str | Path, seed: int = 0, settings: DemoSettings | Non
     rl_yaml = out / "rl.yaml"
     rl_yaml.write_text(yaml.safe_dump(rl_config(out, Path(sft.hf_dir), s, seed), sort_keys=False))
     t0 = time.perf_counter()
-    rl = run_rl(load_rl_config(rl_yaml))
+    rl = run_rl(load_rl_config(rl_yaml), program_cache=programs)
     stage("rl", Path(rl.hf_dir), time.perf_counter() - t0)
 
     plot_path = plot(out, out / "sft", out / "rl", stages)

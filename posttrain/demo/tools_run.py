@@ -28,7 +28,7 @@ from posttrain.models.hf_io import from_pretrained
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rl.config import RolloutConfig
 from posttrain.rl.loop import load_rl_config, run_rl
-from posttrain.sampling import Sampler
+from posttrain.sampling import ProgramCache, Sampler
 from posttrain.training.sft import load_sft_config, run_sft
 
 
@@ -83,7 +83,8 @@ def rl_config(out: Path, model: Path, s: ToolsDemoSettings, seed: int) -> dict:
     }
 
 
-def evaluate_checkpoint(path: Path, heldout: Path, s: ToolsDemoSettings) -> dict:
+def evaluate_checkpoint(path: Path, heldout: Path, s: ToolsDemoSettings,
+                        program_cache: ProgramCache | None = None) -> dict:
     """Greedy multi-turn held-out accuracy, tool calls per trajectory and mean reward of a HF checkpoint."""
     model, tok = from_pretrained(path), tok_lib.load(path)
     records = read_prompts(str(heldout))
@@ -91,8 +92,8 @@ def evaluate_checkpoint(path: Path, heldout: Path, s: ToolsDemoSettings) -> dict
     try:
         ids = [agent.prompt_ids(agent.first_messages(r)) for r in records]
         with RewardRunner([RewardSpec("math_answer")], num_workers=1) as runner:
-            e = evaluate(Sampler(model, tok, max_slots=128), records, ids, runner, correctness="math_answer",
-                         max_new_tokens=s.turn_tokens, agent=agent)
+            e = evaluate(Sampler(model, tok, max_slots=128, program_cache=program_cache), records, ids, runner,
+                         correctness="math_answer", max_new_tokens=s.turn_tokens, agent=agent)
     finally:
         agent.close()
     greedy = e.pop("_greedy")
@@ -131,10 +132,10 @@ def plot(out: Path, rl_dir: Path, sft_steps: int, stages: list[dict]) -> Path:
     return path
 
 
-def _timed(fn, *args):
-    """`fn(*args)`, its wall seconds and this process's CPU seconds (all threads)."""
+def _timed(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, its wall seconds and this process's CPU seconds (all threads)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    out = fn(*args)
+    out = fn(*args, **kwargs)
     return out, time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -172,9 +173,10 @@ def run_tools_demo(output_dir: str | Path, seed: int = 0, settings: ToolsDemoSet
     write_jsonl(prompt_records(heldout), data / "heldout.jsonl")
     base = build_base_model(out, s, seed, tokenizer=build_tools_tokenizer, max_positions=256)
     stages: list[dict] = []
+    programs = ProgramCache()  # the three checkpoints share one architecture: their evaluations one set of programs
 
     def stage(name: str, model_dir: Path, seconds: float = 0.0, cpu: float = 0.0) -> None:
-        e, eval_s, eval_cpu = _timed(evaluate_checkpoint, model_dir, data / "heldout.jsonl", s)
+        e, eval_s, eval_cpu = _timed(evaluate_checkpoint, model_dir, data / "heldout.jsonl", s, programs)
         stages.append({"name": name, "accuracy": e["accuracy"], "tool_calls": e["tool_calls"],
                        "mean_reward": e["mean_reward"], "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
                        "eval_seconds": round(eval_s, 1), "eval_cpu_seconds": round(eval_cpu, 1)})
@@ -192,7 +194,7 @@ def run_tools_demo(output_dir: str | Path, seed: int = 0, settings: ToolsDemoSet
     console.rule("[bold]2/2 multi-turn RL (GRPO with the calculator, exact-answer reward)")
     rl_yaml = out / "rl.yaml"
     rl_yaml.write_text(yaml.safe_dump(rl_config(out, Path(sft.hf_dir), s, seed), sort_keys=False))
-    rl, *timing = _timed(run_rl, load_rl_config(rl_yaml))
+    rl, *timing = _timed(run_rl, load_rl_config(rl_yaml), program_cache=programs)
     stage("rl", Path(rl.hf_dir), *timing)
     plot_path = plot(out, out / "rl", s.sft_steps, stages)
     total = time.perf_counter() - t_start

@@ -29,7 +29,7 @@ from posttrain.models.tiny import resolve_model_path
 from posttrain.rl.batch import RLBatch, build_rl_batch
 from posttrain.rl.learner import FrozenScorer
 from posttrain.rl.loop import run_rl
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.rl.setup import RLRun
 
 __all__ = ["OnPolicyDistillRun", "run_on_policy"]

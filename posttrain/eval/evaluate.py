@@ -26,8 +26,7 @@ import numpy as np
 
 from posttrain.rewards.math_answer import extract_answer, to_number
 from posttrain.rewards.reasoning_gym import extract
-from posttrain.rl.metrics import correct
-from posttrain.rl.rollout import generate_rollouts
+from posttrain.rollout.rollouts import correct, generate_rollouts
 from posttrain.sampling import SamplingParams
 
 __all__ = ["pass_at_k", "maj_at_k", "answer_key", "evaluate", "per_problem"]

@@ -1,5 +1,6 @@
 """posttrain.models: one Flax NNX decoder-only Transformer for Llama, Qwen2/3, Mistral and Gemma 2/3 (Gemma 3 also
-with its SigLIP vision tower: `ModelConfig.vision`), with HF I/O."""
+with its SigLIP vision tower: `ModelConfig.vision`) and the mixtures of experts Qwen3-MoE, Mixtral and Qwen2-MoE
+(`posttrain.models.moe`), with HF I/O."""
 
 from posttrain.models.attention import KVCache
 from posttrain.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeConfig, UnsupportedModelError

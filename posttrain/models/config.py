@@ -10,6 +10,15 @@ One config covers every supported family; the family only decides defaults and w
 | mistral       | -        | -        | -          | -          | silu      | -         | every layer, if set   |
 | gemma2        | opt.     | -        | yes        | yes        | gelu_tanh | attn+final| alternating (layer_types) |
 | gemma3_text   | opt.     | yes (1+w)| yes        | yes        | gelu_tanh | opt.      | 5 local : 1 global    |
+| qwen3_moe     | opt.     | yes      | -          | -          | silu      | -         | every layer, if set   |
+| mixtral       | -        | -        | -          | -          | silu      | -         | every layer, if set   |
+| qwen2_moe     | yes      | -        | -          | -          | silu      | -         | opt. (layer_types)    |
+
+The mixture-of-experts families (`num_experts` > 0) replace the MLP of their sparse layers (`moe_layers`) by
+`num_experts` gated MLPs of width `moe_intermediate_size` and a router choosing `num_experts_per_tok` of them per
+token (`posttrain.models.moe`): Qwen3-MoE and Qwen2-MoE keep dense MLPs in `mlp_only_layers` and off the
+`decoder_sparse_step` layers and renormalise the top-k weights if `norm_topk_prob`; Mixtral's layers are all
+sparse and always renormalise; Qwen2-MoE adds a shared expert behind a sigmoid gate.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ from typing import Any
 
 from posttrain.models.vision_config import VisionConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "mixtral",
+                         "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -30,6 +41,9 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 
@@ -111,6 +125,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # mixture of experts (0 experts: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP; default all True with experts
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token passes, with a sigmoid gate
+    router_aux_loss_coef: float = 0.0  # transformers' weight of the load-balancing loss (kept for export)
     # numerics (not part of the HF architecture)
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -134,6 +156,7 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        self._check_experts()
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         for name in ("param_dtype", "compute_dtype"):
@@ -144,7 +167,34 @@ class ModelConfig:
         if self.kernels not in ("auto", "generic", "cpu"):
             raise ValueError(f"kernels={self.kernels!r}; accepted: auto, generic, cpu")
 
+    def _check_experts(self):
+        if self.num_experts == 0:
+            object.__setattr__(self, "moe_layers", (False,) * self.num_layers)
+            return
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (True,) * self.num_layers)
+        object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
+        if len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                             f"{self.num_experts}")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError("a mixture-of-experts config needs moe_intermediate_size > 0")
+        if self.model_type == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
+            raise ValueError("mixtral's experts have the width intermediate_size: moe_intermediate_size must equal it")
+
     # ------------------------------------------------------------------ derived
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer routes tokens to experts."""
+        return any(self.moe_layers)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer has the dense MLP (every layer of a dense model; mlp_only_layers of a MoE one)."""
+        return not all(self.moe_layers)
+
     @property
     def attn_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -162,23 +212,39 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    def layer_matmul_params(self) -> int:
-        """The weights of one decoder layer's linear maps (q, k, v, o, gate, up, down): what a token multiplies."""
-        d, f = self.hidden_size, self.intermediate_size
+    def _attn_params(self) -> int:
+        d = self.hidden_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return d * q + 2 * d * kv + q * d + 3 * d * f
+        return d * q + 2 * d * kv + q * d
 
-    def num_params(self) -> int:
+    def _moe_params(self, experts: int) -> int:
+        """One sparse layer's MLP weights with `experts` of its experts counted (router and shared expert too)."""
+        d = self.hidden_size
+        shared = 3 * d * self.shared_expert_intermediate_size + d if self.shared_expert_intermediate_size else 0
+        return d * self.num_experts + experts * 3 * d * self.moe_intermediate_size + shared
+
+    def layer_matmul_params(self) -> int:
+        """The weights of one decoder layer's linear maps (q, k, v, o, gate, up, down): what a token multiplies
+        (for a mixture of experts: the router and the top-k experts, averaged over the layers)."""
+        dense = 3 * self.hidden_size * self.intermediate_size
+        sparse = self._moe_params(self.num_experts_per_tok)
+        mlp = sum(sparse if m else dense for m in self.moe_layers) / self.num_layers
+        return self._attn_params() + round(mlp)
+
+    def num_params(self, active: bool = False) -> int:
+        """All parameters; with `active`, those one token uses (a mixture of experts' top-k experts only)."""
         d, l = self.hidden_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = self.layer_matmul_params() + 2 * d
+        dense = 3 * d * self.intermediate_size
+        sparse = self._moe_params(self.num_experts_per_tok if active else self.num_experts)
+        per_layer = self._attn_params() + 2 * d
         if self.qkv_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:
             per_layer += 2 * self.head_dim
         if self.post_norms:
             per_layer += 2 * d
-        total = l * per_layer + self.vocab_size * d + d
+        total = l * per_layer + sum(sparse if m else dense for m in self.moe_layers) + self.vocab_size * d + d
         if not self.tie_word_embeddings:
             total += self.vocab_size * d
         if self.vision is not None:
@@ -239,8 +305,18 @@ class ModelConfig:
 
         layer_types = hf.get("layer_types")
         window = hf.get("sliding_window")
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             layer_types = ["sliding_attention" if window else "full_attention"] * layers
+        elif model_type == "qwen3_moe":  # a window, when used, on every layer
+            fields["qkv_bias"] = bool(hf.get("attention_bias", False))
+            window = window if hf.get("use_sliding_window", False) else None
+            layer_types = ["sliding_attention" if window else "full_attention"] * layers
+        elif model_type == "qwen2_moe":
+            fields["qkv_bias"] = bool(hf.get("qkv_bias", True))
+            window = window if hf.get("use_sliding_window", False) else None
+            max_window = int(hf.get("max_window_layers", layers))
+            layer_types = layer_types or ["sliding_attention" if (i + 1) % 2 and i < max_window and window
+                                          else "full_attention" for i in range(layers)]
         elif model_type in ("qwen2", "qwen3"):
             fields["qkv_bias"] = model_type == "qwen2" or bool(hf.get("attention_bias", False))
             if not hf.get("use_sliding_window", False):
@@ -260,8 +336,10 @@ class ModelConfig:
             fields["o_bias"] = bool(hf.get("attention_bias", False))
             layer_types = None
             window = None
-        if model_type in ("qwen3", "gemma3_text"):
+        if model_type in ("qwen3", "gemma3_text", "qwen3_moe"):
             fields["qk_norm"] = True
+        if model_type in MOE_MODEL_TYPES:
+            fields.update(_experts_from_hf(hf, model_type, layers))
         if gemma:
             act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
             fields.update(
@@ -285,6 +363,25 @@ class ModelConfig:
         fields["hf_config"] = dict(hf)
         fields.update(overrides)
         return ModelConfig(**fields)
+
+    def _experts_to_hf(self, out: dict[str, Any]) -> None:
+        """The mixture-of-experts and attention fields of the MoE families' config.json (in place)."""
+        sliding = any(self.sliding_layers)
+        out.update(num_experts_per_tok=self.num_experts_per_tok, router_aux_loss_coef=self.router_aux_loss_coef,
+                   sliding_window=self.sliding_window if sliding else None)
+        if self.model_type == "mixtral":
+            out.pop("num_experts", None)
+            out.update(num_local_experts=self.num_experts)
+            return
+        out.pop("num_local_experts", None)
+        out.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                   norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, use_sliding_window=sliding,
+                   mlp_only_layers=[i for i, m in enumerate(self.moe_layers) if not m])
+        if self.model_type == "qwen3_moe":
+            out["attention_bias"] = self.qkv_bias
+        else:
+            out.update(qkv_bias=self.qkv_bias, layer_types=list(self.layer_types),
+                       shared_expert_intermediate_size=self.shared_expert_intermediate_size)
 
     @staticmethod
     def from_file(path: str | Path, **overrides) -> "ModelConfig":
@@ -351,9 +448,20 @@ class ModelConfig:
             )
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window if any(self.sliding_layers) else None
+        if self.model_type in MOE_MODEL_TYPES:
+            self._experts_to_hf(out)
         if self.vision is not None:
             return self.vision.to_hf(out, self.param_dtype)
         return out
+
+    def _describe_experts(self) -> dict[str, Any]:
+        sparse = sum(self.moe_layers)
+        shared = f", shared expert {self.shared_expert_intermediate_size}" if self.shared_expert_intermediate_size else ""
+        active = self.num_params(active=True)
+        return {"experts": f"{self.num_experts} x {self.moe_intermediate_size}, top-{self.num_experts_per_tok}"
+                           f"{' (renormalised)' if self.norm_topk_prob else ''}{shared}",
+                "expert layers": f"{sparse} of {self.num_layers}",
+                "active parameters": f"{active:,} ({active / 1e6:.2f} M) of {self.num_params():,} per token"}
 
     def describe(self) -> dict[str, Any]:
         """A short human summary (used by `posttrain info`)."""
@@ -368,8 +476,29 @@ class ModelConfig:
             "tied embeddings": self.tie_word_embeddings,
             "sliding window": self.sliding_window if any(self.sliding_layers) else None,
             "rope": f"{self.rope.type} theta={self.rope.theta:g}",
-        } | ({"architecture": "Gemma3ForConditionalGeneration", "model_type": "gemma3 (text: gemma3_text)",
+        } | (self._describe_experts() if self.is_moe else {}) | ({"architecture": "Gemma3ForConditionalGeneration", "model_type": "gemma3 (text: gemma3_text)",
               **self.vision.describe()} if self.vision else {})
+
+
+def _experts_from_hf(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a MoE family's config.json (transformers' names and defaults)."""
+    experts = int(hf.get("num_experts", hf.get("num_local_experts")) or 0)
+    if model_type == "mixtral":
+        return dict(num_experts=experts, num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
+                    moe_layers=(experts > 0,) * layers,
+                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = set(hf.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=experts, num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe"
+        else 0,
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
 
 
 def llama_like(**kw) -> ModelConfig:

@@ -11,6 +11,8 @@ When saving, the weights are gathered from every process and process 0 writes th
 
 Layout: HF linear weights are [out, in]; ours are [*in, *out] with heads split out
 (q: [embed, heads, head_dim]; o: [heads, head_dim, embed]) and per-layer weights stacked on a leading axis.
+Mixture-of-experts weights: `posttrain.models.moe_names` (per-expert and fused layouts in, per-expert out); in a
+model with both dense and expert layers, each layer reads and writes only the MLP it uses.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from posttrain import distributed
-from posttrain.models import gguf_io, vision_names
+from posttrain.models import gguf_io, moe_names, vision_names
 from posttrain.models.config import ModelConfig
 from posttrain.models.layers import dtype_of
 from posttrain.models.transformer import Transformer
@@ -57,10 +59,21 @@ def _hf_name(path: tuple, layer: int | None) -> tuple[str, int]:
     if parts[0] == "norm":
         return "model.norm.weight", 0
     assert parts[0] == "layers", path
+    if parts[1] == "moe":  # HF's `mlp` of a sparse layer
+        parts[1] = "mlp"
+        if parts[2] == "experts":
+            return moe_names.hf_key(layer, leaf), moe_names.EXPERTS
     module = ".".join(parts[1:-1])
     suffix = "weight" if leaf in ("kernel", "weight") else "bias"
     n_in = 2 if parts[-2] == "o_proj" else 1
     return f"model.layers.{layer}.{module}.{suffix}", {"kernel": n_in, "bias": -1}.get(leaf, 0)
+
+
+def _stored(cfg: ModelConfig, path: tuple, layer: int | None) -> bool:
+    """Whether layer `layer` holds this parameter: a sparse layer has no dense MLP, a dense one no experts."""
+    if layer is None or str(path[0]) != "layers" or str(path[1]) not in ("mlp", "moe"):
+        return True
+    return cfg.moe_layers[layer] == (str(path[1]) == "moe")
 
 
 def _to_ours(hf: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
@@ -156,7 +169,8 @@ class _TensorIndex:
         self._handles: dict[Path, object] = {}
 
     def _resolve(self, name: str) -> str | None:
-        for cand in (name, self.prefix + name.removeprefix("model."), *vision_names.aliases(name)):
+        for cand in (name, self.prefix + name.removeprefix("model."), *vision_names.aliases(name),
+                     *moe_names.aliases(name)):
             if cand in self.files:
                 return cand
         return None
@@ -259,7 +273,16 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Me
         per_shape = shape[1:] if stacked else shape
         names: list[tuple[str, int] | None] = []  # per layer: (HF name, layout), None = not stored (tied head)
         for i in (range(shape[0]) if stacked else [None]):
+            if not _stored(cfg, path_, i):  # the other MLP of a layer (zeros)
+                names.append(None)
+                continue
             name, n_in = _hf_name(path_, i)
+            if n_in == moe_names.EXPERTS:
+                problem = moe_names.check(index, name, per_shape)
+                if problem:
+                    raise CheckpointError(f"{folder}: {problem}")
+                names.append((name, n_in))
+                continue
             if path_[0] == "lm_head" and name not in index and cfg.tie_word_embeddings:
                 names.append(None)
                 continue
@@ -312,6 +335,8 @@ def _read_layer_block(index, name: str, n_in: int, per_shape: tuple[int, ...], i
                       whole: dict[str, np.ndarray]) -> np.ndarray:
     """Our-layout block `idx` of one HF tensor, reading only the HF rows/columns it covers when it can."""
     out_shape = tuple(sl.stop - sl.start for sl in idx)
+    if n_in == moe_names.EXPERTS:
+        return moe_names.read_block(index, name, per_shape, idx)
     if hasattr(index, "get_block"):
         if n_in == 0:  # stored as it is
             return index.get_block(name, idx)
@@ -366,8 +391,13 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
         value = np.asarray(distributed.to_host(var.get_value())).astype(np_dtype)
         if vision_names.is_stacked(path_):
             for i in range(value.shape[0]):
+                if not _stored(cfg, path_, i):
+                    continue
                 name, n_in = _hf_name(path_, i)
-                tensors.append((name, _to_hf(value[i], n_in)))
+                if n_in == moe_names.EXPERTS:
+                    tensors.extend(moe_names.export(name, value[i], cfg.model_type))
+                else:
+                    tensors.append((moe_names.export_name(name, cfg.model_type), _to_hf(value[i], n_in)))
         else:
             name, n_in = _hf_name(path_, None)
             tensors.append((name, _to_hf(value, n_in)))

@@ -18,6 +18,8 @@ ask the kernel set of their config (`get(cfg)`).
   (decode) unroll them so that each layer updates its own cache buffers in place (a stacked cache in a
   scan would copy every layer's cache slice each step, tripling the memory traffic of decode).
 - Sampling draws with `jax.random.categorical` (Gumbel-max).
+- Mixture-of-experts layers run their experts as grouped matmuls over the token-expert pairs sorted by expert
+  (`jax.lax.ragged_dot`, `posttrain.models.expert_kernels.grouped`): work proportional to the top k.
 
 `cpu` (XLA's CPU backend, tuned on a 2-core machine; identical results up to float rounding):
 - `contract`: a hand-written backward whose weight gradient is x^T @ dy on an explicitly transposed x
@@ -35,6 +37,14 @@ ask the kernel set of their config (`get(cfg)`).
   `while_loop` (on CPU a slice inside the loop is a copy every step).
 - Sampling inverts a two-level CDF at one uniform number per row (Gumbel-max's V random numbers per row
   dominate a CPU decode step).
+- Mixture-of-experts layers run every token through every expert and combine by the routing matrix
+  (`expert_kernels.dense`): XLA:CPU lowers `ragged_dot` to a masked dense product over all groups for each of the
+  N*k sorted rows (k times the dense work, plus the sort), so the dense form is as fast (D=F=128, 8 experts
+  top-2: within the noise) or faster at every shape measured
+  (`benchmarks/bench_moe_experts.py`, float32, forward / forward+backward, 2026-11-27, 2 cores shared with other
+  jobs, so +-30%): tiny:qwen3_moe's layer on 2,304 tokens (D=64, 4 x 96, top-2) grouped 10 / 83-100 ms, dense
+  5 / 25-54 ms; D=F=256, 16 experts top-2: 507-891 / 2,218-2,508 ms against 436-511 / 1,236-1,803 ms;
+  D=256, F=128, 64 experts top-8: 1.6-2.7 / 8.5-10.6 s against 0.5 / 1.4-1.8 s.
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from posttrain.models import expert_kernels
 
 CHOICES = ("auto", "generic", "cpu")
 LINEAR_NAME = "posttrain_linear"  # checkpoint name of the cpu set's linear products (see CpuKernels.remat_policy)
@@ -205,6 +217,10 @@ class GenericKernels:
     def contract(self, x, w, n_in: int, out_dtype=None):
         """x [..., *in] @ w [*in, *out] -> [..., *out], accumulated and returned in `out_dtype` (`product`)."""
         return product(x, w, n_in, out_dtype)
+
+    def experts(self, x, gate, up, down, top_idx, top_w, act: str):
+        """A mixture-of-experts layer's experts on tokens x [N, D] (`posttrain.models.expert_kernels`)."""
+        return expert_kernels.grouped(x, gate, up, down, top_idx, top_w, act)
 
     # -------------------------------------------------------------- KV cache layout
     k_axes = ("batch", "seq", "kv_heads", "head_dim")
@@ -404,6 +420,9 @@ class CpuKernels(GenericKernels):
             policy = jax.checkpoint_policies.save_from_both_policies(
                 policy, jax.checkpoint_policies.save_only_these_names(LINEAR_NAME))
         return policy
+
+    def experts(self, x, gate, up, down, top_idx, top_w, act: str):
+        return expert_kernels.dense(x, gate, up, down, top_idx, top_w, act)
 
     k_axes = ("batch", "kv_heads", "head_dim", "seq")
     v_axes = ("batch", "kv_heads", "seq", "head_dim")

@@ -1,4 +1,5 @@
-"""Building blocks of the Transformer: linear maps (with optional LoRA adapters), RMSNorm, embeddings, RoPE.
+"""Building blocks of the Transformer: linear maps (with optional LoRA adapters), the gated MLP, RMSNorm, embeddings,
+RoPE.
 
 Every parameter is an `nnx.Param` carrying logical axis names (names such as "embed", "heads",
 "mlp", "vocab"); `posttrain.distributed` maps those names onto a device mesh.
@@ -79,6 +80,23 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(cd)
         return y
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU with tanh-approximate gelu (Gemma).
+    `width`: the hidden width (default `cfg.intermediate_size`; a Qwen2-MoE shared expert has its own)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+        d, f, b = cfg.hidden_size, width or cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), bias=b, cfg=cfg, rngs=rngs)
+        self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), bias=b, cfg=cfg, rngs=rngs)
+        self.down_proj = Linear((f,), (d,), ("mlp",), ("embed",), bias=b, cfg=cfg, rngs=rngs)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        g = self.gate_proj(x)
+        g = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
+        return self.down_proj(g * self.up_proj(x))
 
 
 class RMSNorm(nnx.Module):

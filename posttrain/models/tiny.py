@@ -1,7 +1,8 @@
 """`tiny:<family>` checkpoints: small random-initialised models with a local character tokenizer, built on demand.
 
 They need no download, so smoke configs, the README's first command and tests can name a model as
-`tiny:llama` (or `tiny:qwen3`, `tiny:gemma2`, ..., and `tiny:gemma3-vlm`, a vision-language model). The checkpoint is an ordinary HF folder written by
+`tiny:llama` (or `tiny:qwen3`, `tiny:gemma2`, ..., the mixtures of experts `tiny:qwen3_moe` and `tiny:mixtral` (4
+experts, top-2), and `tiny:gemma3-vlm`, a vision-language model). The checkpoint is an ordinary HF folder written by
 `save_pretrained` under `$POSTTRAIN_CACHE` (default `~/.cache/posttrain/tiny`), so every code path
 that takes a folder takes it too. An optional size suffix picks a bigger shape: `tiny:llama-small`.
 """
@@ -33,7 +34,14 @@ FAMILY_FIELDS = {
     "mistral": dict(model_type="mistral"),
     "gemma2": dict(model_type="gemma2", norm_offset=True, post_norms=True, embed_scale=True, hidden_act="gelu_tanh",
                    attn_logit_softcap=50.0, final_logit_softcap=30.0, tie_word_embeddings=True),
+    # mixtures of experts: 4 experts, top-2; expert width a half (Qwen3-MoE) or all (Mixtral) of the dense MLP's
+    "qwen3_moe": dict(model_type="qwen3_moe", qk_norm=True, rope=RopeConfig(theta=1_000_000.0), num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001),
+    "mixtral": dict(model_type="mixtral", rope=RopeConfig(theta=1_000_000.0), num_experts=4, num_experts_per_tok=2,
+                    norm_topk_prob=True, router_aux_loss_coef=0.001),
 }
+#: expert width as a fraction of the size's intermediate_size
+EXPERT_WIDTH = {"qwen3_moe": 0.5, "mixtral": 1.0}
 
 
 def tiny_config(spec: str, vocab_size: int) -> ModelConfig:
@@ -46,6 +54,8 @@ def tiny_config(spec: str, vocab_size: int) -> ModelConfig:
         )
     fields = {**SIZES[size], **FAMILY_FIELDS[family]}
     fields["head_dim"] = fields["hidden_size"] // fields["num_heads"]
+    if family in EXPERT_WIDTH:
+        fields["moe_intermediate_size"] = int(fields["intermediate_size"] * EXPERT_WIDTH[family])
     return llama_like(vocab_size=vocab_size, max_position_embeddings=2048, **fields)
 
 

@@ -10,6 +10,11 @@ with the generic kernel set (`posttrain.models.kernels`) cached calls of many to
 `model(..., cache=KVCache)` -> (logits, cache): the sampling engine's prefill and decode step.
 `model.hidden_states(...)` and `model.logits(h)` split the two halves for chunked losses.
 
+Mixtures of experts (`cfg.num_experts`, Qwen3-MoE, Mixtral, Qwen2-MoE): a block's MLP is the router and experts of
+`posttrain.models.moe`; a model with dense layers too (`cfg.moe_layers`) gives every block both and picks one per
+layer with the layer's flag. `model.hidden_states(..., router_logits=True)` also returns the sparse layers' router
+logits (for the load-balancing loss).
+
 Vision-language checkpoints (`cfg.vision`, Gemma 3) add a SigLIP tower (`vision_tower`) and the projector
 (`multi_modal_projector`); every call above also takes `pixel_values=` [N, C, H, W] float (the processor's
 output) or `image_embeds=` [N, mm_tokens_per_image, D] (from `model.image_embeddings(pixel_values)`,
@@ -31,29 +36,19 @@ from posttrain.models import kernels as kernels_lib
 from posttrain.models.attention import Attention, KVCache
 from posttrain.models.config import ModelConfig
 from posttrain.models import multimodal
-from posttrain.models.layers import Embed, Linear, RMSNorm, dtype_of, rope_tables
+from posttrain.models.layers import MLP, Embed, Linear, RMSNorm, dtype_of, rope_tables
 from posttrain.models.mm_projector import Gemma3Projector
+from posttrain.models.moe import SparseMoE
 from posttrain.models.siglip import SiglipEncoder
 
 
-class MLP(nnx.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU with tanh-approximate gelu (Gemma)."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear((d,), (f,), ("embed",), ("mlp",), bias=b, cfg=cfg, rngs=rngs)
-        self.up_proj = Linear((d,), (f,), ("embed",), ("mlp",), bias=b, cfg=cfg, rngs=rngs)
-        self.down_proj = Linear((f,), (d,), ("mlp",), ("embed",), bias=b, cfg=cfg, rngs=rngs)
-        self.act = cfg.hidden_act
-
-    def __call__(self, x):
-        g = self.gate_proj(x)
-        g = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
-        return self.down_proj(g * self.up_proj(x))
-
-
 class Block(nnx.Module):
-    """Pre-norm residual block; Gemma 2/3 add post-attention and post-MLP norms (and a pre-MLP norm)."""
+    """Pre-norm residual block; Gemma 2/3 add post-attention and post-MLP norms (and a pre-MLP norm).
+
+    A mixture of experts' block holds the experts (`moe`, `posttrain.models.moe`) and, when some layers are dense
+    (Qwen3-MoE's `mlp_only_layers`), the dense `mlp` too; the layer's flag picks one (the unused one's weights are
+    zeros, never loaded or exported), so that the layers still stack and scan as one body.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d = cfg.hidden_size
@@ -65,17 +60,34 @@ class Block(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(d, cfg=cfg)
         else:
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs) if cfg.has_dense_mlp else None
+        self.moe = SparseMoE(cfg, rngs) if cfg.is_moe else None
 
-    def __call__(self, x, **attn_kw):
+    def ffn(self, x, moe_l=None):
+        """(The dense MLP's or the experts' output, the router logits [B*T, E] or None) per the layer's flag `moe_l`
+        (a bool array under scan; a dense layer of a mixed model gives zero logits)."""
+        if self.moe is None:
+            return self.mlp(x), None
+        if self.mlp is None:
+            return self.moe(x, with_logits=True)
+
+        def dense(h):
+            y = self.mlp(h)
+            return y, jnp.zeros((h.shape[0] * h.shape[1], self.moe.num_experts), y.dtype)
+
+        return jax.lax.cond(moe_l, lambda h: self.moe(h, with_logits=True), dense, x)
+
+    def __call__(self, x, moe_l=None, **attn_kw):
+        """(x after the block, the layer's new cache arrays, its router logits or None)."""
         h, new_cache = self.self_attn(self.input_layernorm(x), **attn_kw)
         if self.pre_feedforward_layernorm is not None:  # Gemma 2/3
             x = x + self.post_attention_layernorm(h)
-            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            h, router = self.ffn(self.pre_feedforward_layernorm(x), moe_l)
+            h = self.post_feedforward_layernorm(h)
         else:
             x = x + h
-            h = self.mlp(self.post_attention_layernorm(x))
-        return x + h, new_cache
+            h, router = self.ffn(self.post_attention_layernorm(x), moe_l)
+        return x + h, new_cache, router
 
 
 def _traced_at_model_precision(method):
@@ -170,7 +182,7 @@ class Transformer(nnx.Module):
 
     @_traced_at_model_precision
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
-                      layer_states=None, pixel_values=None, image_embeds=None):
+                      layer_states=None, pixel_values=None, image_embeds=None, router_logits=False):
         """Final-norm hidden states [B, T, D] (compute dtype), and the updated cache when one is given.
 
         Without a cache the layers run under `lax.scan` (or unrolled, per `cfg.scan_layers`). With a
@@ -178,21 +190,26 @@ class Transformer(nnx.Module):
         that the generic kernel set scans calls of more than one token (prefill; `cfg.scan_layers`);
         `layer_states` (from `layer_states()`) supplies the per-layer weights already sliced.
         `pixel_values` / `image_embeds`: the images of a vision-language model (module docstring).
+        `router_logits` (a mixture of experts, no cache): return (hidden states, the sparse layers' router logits
+        [L_sparse, B*T, E]) instead, e.g. for the load-balancing loss (`posttrain.models.moe_loss`).
         """
+        if router_logits and (cache is not None or not self.cfg.is_moe):
+            raise ValueError("router_logits needs a mixture-of-experts model and a call without a cache")
         cfg = self.cfg
         attention_mask, positions = self._inputs(input_ids, attention_mask, positions, segment_ids)
         x, blocks = self._embed_inputs(input_ids, pixel_values, image_embeds)
         x = distributed.constrain(x, ("batch", "seq", "act_embed"), self.mesh)
         glob, loc = self._rope(positions)
-        sliding = cfg.sliding_layers
+        flags = [jnp.asarray([s, m]) for s, m in zip(cfg.sliding_layers, cfg.moe_layers)]  # per layer: window, experts
         graphdef, layer_state = nnx.split(self.layers)
 
-        def run_layer(h, state_l, sliding_l, mask_info, cache_kv):
+        def run_layer(h, state_l, flags_l, mask_info, cache_kv):
             block = nnx.merge(graphdef, state_l)
+            sliding_l = flags_l[0]
             rope = glob if loc is None else jax.tree.map(lambda g, lo: jnp.where(sliding_l, lo, g), glob, loc)
-            h, new_kv = block(h, rope=rope, mask_info=mask_info, sliding=sliding_l, positions=positions,
-                              cache_kv=cache_kv)
-            return distributed.constrain(h, ("batch", "seq", "act_embed"), self.mesh), new_kv
+            h, new_kv, router = block(h, moe_l=flags_l[1], rope=rope, mask_info=mask_info, sliding=sliding_l,
+                                      positions=positions, cache_kv=cache_kv)
+            return distributed.constrain(h, ("batch", "seq", "act_embed"), self.mesh), new_kv, router
 
         if cache is not None:
             cache = cache.mark(positions, attention_mask)
@@ -203,11 +220,11 @@ class Transformer(nnx.Module):
             ks = kernels_lib.get(cfg)
             if ks.scan_prefill and cfg.scan_layers and input_ids.shape[1] > 1 and layer_states is None:
                 def cached_body(h, xs):
-                    state_l, sliding_l, k_l, v_l = xs
-                    h, kv = run_layer(h, state_l, sliding_l, cached_info, (k_l, v_l, cache.valid))
+                    state_l, flags_l, k_l, v_l = xs
+                    h, kv, _ = run_layer(h, state_l, flags_l, cached_info, (k_l, v_l, cache.valid))
                     return h, kv
 
-                x, (k_all, v_all) = jax.lax.scan(cached_body, x, (layer_state, jnp.asarray(sliding),
+                x, (k_all, v_all) = jax.lax.scan(cached_body, x, (layer_state, jnp.stack(flags),
                                                                   jnp.stack(cache.k), jnp.stack(cache.v)))
                 return self.norm(x), KVCache(tuple(k_all[i] for i in range(cfg.num_layers)),
                                              tuple(v_all[i] for i in range(cfg.num_layers)), cache.valid)
@@ -215,25 +232,31 @@ class Transformer(nnx.Module):
                 layer_states = _unstack(layer_state, cfg.num_layers)
             ks, vs = list(cache.k), list(cache.v)
             for i in range(cfg.num_layers):
-                x, (ks[i], vs[i]) = run_layer(x, layer_states[i], jnp.asarray(sliding[i]), cached_info,
-                                              (ks[i], vs[i], cache.valid))
+                x, (ks[i], vs[i]), _ = run_layer(x, layer_states[i], flags[i], cached_info,
+                                                 (ks[i], vs[i], cache.valid))
             return self.norm(x), KVCache(tuple(ks), tuple(vs), cache.valid)
 
         mask_info = _mask_info(input_ids.shape[1], attention_mask, segment_ids, blocks, positions)
 
         def body(h, xs):
-            state_l, sliding_l = xs
-            return run_layer(h, state_l, sliding_l, mask_info, None)[0], None
+            state_l, flags_l = xs
+            h, _, router = run_layer(h, state_l, flags_l, mask_info, None)
+            return h, (router if router_logits else None)
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=kernels_lib.get(cfg).remat_policy(cfg.remat),
                                   prevent_cse=not cfg.scan_layers)
-        sliding = jnp.asarray(sliding)
+        flags = jnp.stack(flags)
         if cfg.scan_layers:
-            x, _ = jax.lax.scan(body, x, (layer_state, sliding))
+            x, routers = jax.lax.scan(body, x, (layer_state, flags))
         else:
-            for state_l, sliding_l in zip(_unstack(layer_state, cfg.num_layers), sliding):
-                x, _ = body(x, (state_l, sliding_l))
+            routers = []
+            for state_l, flags_l in zip(_unstack(layer_state, cfg.num_layers), flags):
+                x, r = body(x, (state_l, flags_l))
+                routers.append(r)
+            routers = jnp.stack(routers) if router_logits else None
+        if router_logits:  # the sparse layers' [L_sparse, B*T, E]
+            return self.norm(x), routers[jnp.asarray([i for i, m in enumerate(cfg.moe_layers) if m])]
         return self.norm(x), None
 
     def output_kernel(self) -> jax.Array:

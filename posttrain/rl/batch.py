@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 
 __all__ = ["RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs", "stack_images"]
 

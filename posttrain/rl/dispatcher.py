@@ -22,9 +22,9 @@ at admission, groups are leased only while every group already leased or ready c
 within `max_staleness` versions of the published weights (so `max_staleness: 0` leases one batch after
 each publish: synchronous RL), and at consumption, where a group over the bound goes back to the queue.
 
-Curation (RLAX): with `curation_window` k > 0, each record's pass rates of its last k trained groups are
-kept; a fresh uid whose record was solved always (or never) in all of its last k attempts is dropped
-with that reason instead of being leased. When a whole pass of the stream finds every record curated (a
+Curation (RLAX, `posttrain.rl.curation`): with `curation_window` k > 0, each record's pass rates of its last k
+trained groups are kept; a fresh uid whose record was solved always (or never) in all of its last k attempts is
+dropped with that reason instead of being leased. When a whole pass of the stream finds every record curated (a
 small or too easy / too hard prompt set), nothing is left to lease: rather than wait forever, the
 dispatcher leases records again whatever their history (counted in `curation/exhausted_passes` and
 `curation/leased_curated`, said once in one line) until a trained group takes a record out of curation.
@@ -43,6 +43,8 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+
+from posttrain.rl.curation import Curation
 
 __all__ = ["PromptStream", "Lease", "Dispatcher"]
 
@@ -100,11 +102,9 @@ class Dispatcher:
         self.batch_groups = int(batch_groups)
         self.max_staleness = int(max_staleness)
         self.lease_timeout_s = float(lease_timeout_s)
-        self.curation_window = int(curation_window)
-        self.skip_always_solved, self.skip_never_solved = skip_always_solved, skip_never_solved
         self.clock = clock
-        self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.curation_exhausted = False  # every record is curated: lease them anyway (see the module docstring)
+        self.curation = Curation(curation_window, skip_always_solved, skip_never_solved,
+                                 say or (lambda text: print(text, file=sys.stderr, flush=True)))
         self.next_uid = 0
         self.queue: list[int] = []  # re-queued uids, leased again first (lowest uid first)
         self.leases: dict[int, Lease] = {}
@@ -112,8 +112,20 @@ class Dispatcher:
         self.ready: dict[int, Any] = {}  # uid -> result (a one-group `Rollouts`)
         self.taken: dict[int, Any] = {}  # uid -> result, in the step being trained
         self.counts: collections.Counter = collections.Counter()
-        self.pass_history: dict[int, list[float]] = {}  # record -> pass rates of its last k trained groups
         self._lease_ids = itertools.count(1)
+
+    @property
+    def pass_history(self) -> dict[int, list[float]]:
+        """Record -> pass rates of its last k trained groups (curation)."""
+        return self.curation.history
+
+    @property
+    def curation_exhausted(self) -> bool:
+        """Every record is curated: they are leased anyway (see the module docstring)."""
+        return self.curation.exhausted
+
+    def _curated(self, record: int) -> str | None:
+        return self.curation.reason(record)
 
     # ------------------------------------------------------------------ admission and leases
     @property
@@ -139,7 +151,7 @@ class Dispatcher:
             reason = self._curated(record)
             # n skips in a row: check the whole set (any 2n consecutive uids hold a full pass of the stream)
             if reason and not self.curation_exhausted and skipped and skipped % self.stream.n == 0:
-                self._check_exhausted()
+                self.curation.check_exhausted(self.stream.n, self.counts)
             if reason is None:
                 return uid, record
             if self.curation_exhausted:
@@ -147,17 +159,6 @@ class Dispatcher:
                 return uid, record
             self.counts[f"dropped/{reason}"] += 1
             skipped += 1
-
-    def _check_exhausted(self) -> None:
-        if any(self._curated(r) is None for r in range(self.stream.n)):
-            return
-        self.curation_exhausted = True
-        first = not self.counts["curation/exhausted_passes"]
-        self.counts["curation/exhausted_passes"] += 1
-        if first:
-            self._say(f"curation: all {self.stream.n} training records are curated (solved in all or none of their "
-                      f"last {self.curation_window} trained groups); sampling them again, counted in "
-                      "curation/exhausted_passes. Use more prompts, a longer curation.window, or curation.window=0")
 
     def lease(self, worker: str, k: int) -> Lease | None:
         """Leases up to k groups (re-queued ones first) to `worker`; None when k < 1."""
@@ -250,30 +251,16 @@ class Dispatcher:
         uids = sorted(self.taken)
         for u in uids:
             g = self.taken.pop(u)
-            if pass_rates and u in pass_rates and self.curation_window:
-                h = self.pass_history.setdefault(int(g.record_index[0]), [])
-                h.append(float(pass_rates[u]))
-                del h[: -self.curation_window]
-                if self._curated(int(g.record_index[0])) is None:
-                    self.curation_exhausted = False  # a record to train again: curation skips the others
+            if pass_rates and u in pass_rates:
+                self.curation.add(int(g.record_index[0]), pass_rates[u])
         self.counts["trained"] += len(uids)
         return uids
-
-    def _curated(self, record: int) -> str | None:
-        h = self.pass_history.get(record)
-        if not self.curation_window or h is None or len(h) < self.curation_window:
-            return None
-        if self.skip_always_solved and min(h) >= 1.0:
-            return "curated_always_solved"
-        if self.skip_never_solved and max(h) <= 0.0:
-            return "curated_never_solved"
-        return None
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """JSON-able state: a checkpoint holds it with the trainer's. Leased and taken groups are saved as
         queued and ready: a restored run has no live leases."""
-        from posttrain.rl.rollout import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
+        from posttrain.rollout.rollouts import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
 
         ready = {**self.ready, **self.taken}
         return {
@@ -286,12 +273,12 @@ class Dispatcher:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from posttrain.rl.rollout import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
+        from posttrain.rollout.rollouts import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
 
         self.next_uid = int(state["next_uid"])
         self.queue = [int(u) for u in state["queue"]]
         self.leases, self.leased, self.taken = {}, {}, {}
         self.ready = {int(u): Rollouts.from_json(g) for u, g in state["ready"].items()}
         self.counts = collections.Counter(state.get("counts", {}))
-        self.pass_history = {int(r): list(h) for r, h in state.get("pass_history", {}).items()}
-        self.curation_exhausted = bool(state.get("curation_exhausted", False))
+        self.curation.history = {int(r): list(h) for r, h in state.get("pass_history", {}).items()}
+        self.curation.exhausted = bool(state.get("curation_exhausted", False))

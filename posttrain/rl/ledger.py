@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 
 __all__ = ["Ledger", "ROW_FILES"]
 

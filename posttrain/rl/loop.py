@@ -22,6 +22,7 @@ from posttrain.config import load_config
 from posttrain.rl.config import RLConfig
 from posttrain.rl.setup import RLResult, RLRun
 from posttrain.rl.sources import InProcessSource
+from posttrain.sampling import ProgramCache
 
 __all__ = ["run_rl", "load_rl_config", "make_source", "RLResult"]
 
@@ -42,10 +43,12 @@ def make_source(run: RLRun):
     return InProcessSource(run)
 
 
-def run_rl(cfg: RLConfig, *, stop_after: int | None = None, run: RLRun | None = None) -> RLResult:
+def run_rl(cfg: RLConfig, *, stop_after: int | None = None, run: RLRun | None = None,
+           program_cache: ProgramCache | None = None) -> RLResult:
     """Runs (or resumes) an RL job; `stop_after` ends the loop early, as a crash would (for resume tests).
-    `run`: an already set-up run of `cfg` (a subclass with its own steps, e.g. on-policy distillation)."""
-    run = run if run is not None else RLRun(cfg)
+    `run`: an already set-up run of `cfg` (a subclass with its own steps, e.g. on-policy distillation);
+    `program_cache`: the compiled sampler programs of the caller's samplers of this model, to share."""
+    run = run if run is not None else RLRun(cfg, program_cache)
     source = None
     step = finished = 0
     hf_dir = None

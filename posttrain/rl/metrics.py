@@ -6,16 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from posttrain.algorithms import dapo
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts, correct
 
-__all__ = ["agent_metrics", "correct", "pass_rates", "rollout_metrics"]
-
-
-def correct(ro: Rollouts, correctness: str | None) -> np.ndarray:
-    """1.0 per sample the correctness reward calls right (>= 1), or with no such reward, that scores above 0."""
-    if correctness in ro.per_reward:
-        return (ro.per_reward[correctness] >= 1.0).astype(np.float64)
-    return (ro.rewards > 0).astype(np.float64)
+__all__ = ["agent_metrics", "pass_rates", "rollout_metrics"]
 
 
 def pass_rates(ro: Rollouts, correctness: str | None) -> dict[int, float]:

@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from posttrain import distributed
-from posttrain.agent.environments import EnvCallError
 from posttrain.agent.failures import EnvErrorWatch, EnvironmentFailedError
 from posttrain.agent.rollout import Agent
 from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
@@ -31,8 +30,7 @@ from posttrain.algorithms.policy import ISLevel
 from posttrain.algorithms.registry import ADVANTAGES, get, loss_kwargs
 from posttrain.config import ConfigError
 from posttrain.data import read_prompts
-from posttrain.data.sources import DataError
-from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
+from posttrain.data.vlm import VisionSpec, has_images
 from posttrain.eval.images import ImagePromptSampler
 from posttrain.eval.evaluate import evaluate
 from posttrain.rl import metrics
@@ -44,8 +42,9 @@ from posttrain.rl.learner import FrozenScorer, Learner, TrainerScorer
 from posttrain.rl.loss import make_rl_loss
 from posttrain.rl.packing import attention_span
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
-from posttrain.rl.rollout import Rollouts, encode_prompt
-from posttrain.sampling import Sampler
+from posttrain.rollout.prompts import PromptSet, PromptStyle, encode_prompts
+from posttrain.rollout.rollouts import Rollouts
+from posttrain.sampling import ProgramCache, Sampler
 from posttrain.training.run import Run
 
 __all__ = ["RLRun", "RLResult"]
@@ -60,34 +59,17 @@ class RLResult:
     hf_dir: Path | None
 
 
-def _encode_all(tok, records, data: PromptData, agent: Agent | None = None,
-                vision=None) -> tuple[list[list[int]], list[list[np.ndarray]] | None]:
-    """Prompt token ids of every record (chat template or text; with an `agent`, its first messages rendered
-    with the tools) and, when some prompt has image parts, every record's images (pixel arrays [3, H, W], an
-    empty list for a text prompt; else None). An image prompt's image tokens are expanded for `vision` (the
-    checkpoint's `VisionSpec`; None, a text-only model: an error naming the record). An empty or too long prompt
-    is an error naming its file and line."""
-    out, images = [], [[] for _ in records]
-    for i, r in enumerate(records):
-        if agent is not None:
-            try:
-                ids = agent.prompt_ids(agent.first_messages(r))
-            except EnvCallError as e:  # the environment's reset failed (timed out, raised, returned junk) here
-                raise DataError(f"{records.where(i)}: {e}") from None
-            except Exception as e:  # the template could not render what reset made
-                raise DataError(f"{records.where(i)}: {type(e).__name__}: {' '.join(str(e).split())}") from None
-        elif has_images(r, ("prompt",)):
-            ids, pixels = encode_image_prompt(r["prompt"], tok, vision, records.where(i))
-            images[i] = list(pixels)
-        else:
-            ids = encode_prompt(tok, r["prompt"], chat=data.chat, system_prompt=data.system_prompt)
-        if not ids:
-            raise DataError(f"{records.where(i)}: the prompt is empty")
-        if len(ids) > data.max_prompt_tokens:
-            raise ConfigError(f"{records.where(i)}: the prompt has {len(ids)} tokens, more than "
+def _encode_all(tok, records, data: PromptData, agent: Agent | None = None, vision=None) -> PromptSet:
+    """Every record's prompt (`posttrain.rollout.prompts`: chat template or text; with an `agent`, its first
+    messages rendered with the tools; image prompts with their pixels, expanded for `vision`). A prompt longer than
+    `data.max_prompt_tokens` is a config error naming its file and line."""
+    prompts = encode_prompts(records, tok, PromptStyle(chat=data.chat, system_prompt=data.system_prompt),
+                             agent=agent, vision=vision)
+    for p in prompts:
+        if len(p.ids) > data.max_prompt_tokens:
+            raise ConfigError(f"{p.where}: the prompt has {len(p.ids)} tokens, more than "
                               f"data.max_prompt_tokens={data.max_prompt_tokens}")
-        out.append(ids)
-    return out, (images if any(images) else None)
+    return prompts
 
 
 def _check_image_prompts(cfg: RLConfig, records, eval_records) -> bool:
@@ -120,7 +102,7 @@ def policy_loss_kwargs(preset: dict, learner: LearnerConfig, max_new_tokens: int
 class RLRun:
     """The set-up of one RL run and the named steps the loop calls (see the module docstring)."""
 
-    def __init__(self, cfg: RLConfig):
+    def __init__(self, cfg: RLConfig, program_cache: ProgramCache | None = None):
         if not cfg.data.train:
             raise ConfigError("data.train: no prompt set given (set data.train=FILE)")
         self.cfg = cfg
@@ -132,6 +114,7 @@ class RLRun:
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, Any]] = []
         self._sampler = None
+        self._programs = program_cache  # compiled sampler programs shared with the caller's samplers (the demo's)
         self.agent: Agent | None = None
         self.env_watch: EnvErrorWatch | None = None
         try:
@@ -152,10 +135,10 @@ class RLRun:
     def _build_algorithm(self, cfg: RLConfig) -> None:
         """The algorithm preset: advantage estimator, dynamic sampling and the policy loss's settings."""
         self.preset = preset = cfg.algorithm.resolved()
-        self.advantage_fn = get(ADVANTAGES, preset["advantage"])
-        if preset["advantage"] == "rloo" and cfg.rollout.group_size < 2:
+        self.advantage_fn = get(ADVANTAGES, preset.advantage)
+        if preset.advantage == "rloo" and cfg.rollout.group_size < 2:
             raise ValueError("rollout.group_size must be >= 2 for RLOO")
-        self.dynamic_sampling = bool(preset.get("dynamic_sampling"))
+        self.dynamic_sampling = preset.dynamic_sampling
         self.max_drops_per_step = cfg.learner.max_resample_rounds * cfg.rollout.batch_prompts
         self.loss_kwargs = policy_loss_kwargs(preset, cfg.learner, cfg.rollout.completion_budget)
 
@@ -193,9 +176,12 @@ class RLRun:
                                                cfg.rollout.max_env_error_fraction,
                                                warn=lambda line: self.run.say(f"warning: {line}"))
         vision = VisionSpec.from_checkpoint(self.run.model_folder(), self.tok) if self.image_prompts else None
-        self.prompt_ids, self.prompt_images = _encode_all(self.tok, self.records, cfg.data, self.agent, vision)
-        self.eval_ids, self.eval_images = (_encode_all(self.tok, self.eval_records, cfg.data, self.agent, vision)
-                                           if self.eval_records else (None, None))
+        self.prompts = _encode_all(self.tok, self.records, cfg.data, self.agent, vision)
+        self.prompt_ids, self.prompt_images = self.prompts.ids, self.prompts.images
+        self.eval_prompts = _encode_all(self.tok, self.eval_records, cfg.data, self.agent, vision) \
+            if self.eval_records else None
+        self.eval_ids = self.eval_prompts.ids if self.eval_prompts is not None else None
+        self.eval_images = self.eval_prompts.images if self.eval_prompts is not None else None
 
     @staticmethod
     def _check_agent(cfg: RLConfig):
@@ -250,7 +236,8 @@ class RLRun:
             t = self.trainer
             model = nnx.merge(t.graphdef, jax.tree.map(lambda x: x.copy(), t.params), t.rest)
             b, g = self.cfg.rollout.batch_prompts, self.cfg.rollout.group_size
-            self._sampler = Sampler(model, self.tok, max_slots=self.cfg.rollout.max_slots or b * g)
+            self._sampler = Sampler(model, self.tok, max_slots=self.cfg.rollout.max_slots or b * g,
+                                    program_cache=self._programs)
         return self._sampler
 
     def lease_items(self, lease) -> tuple[dict[int, dict], list[int], list[list[int]]]:
@@ -284,7 +271,7 @@ class RLRun:
         """The training batch of a step's rollouts: group advantages, loss masks (DAPO overlong filtering),
         the sampler's log-probs as behaviour log-probs (the learner adds proximal and reference ones)."""
         adv = np.asarray(self.advantage_fn(ro.rewards, ro.group_size))
-        weights = dapo.overlong_mask(ro.finish_reasons) if self.preset.get("overlong_filtering") else None
+        weights = dapo.overlong_mask(ro.finish_reasons) if self.preset.overlong_filtering else None
         images = None if self.prompt_images is None else [self.prompt_images[r] for r in ro.record_index]
         return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.tok.pad_token_id or 0, images=images)
 

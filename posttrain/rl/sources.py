@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from posttrain.algorithms import dapo
-from posttrain.rl.rollout import Rollouts, generate_rollouts
+from posttrain.rollout.rollouts import Rollouts, generate_rollouts
 
 __all__ = ["RolloutSource", "InProcessSource"]
 

@@ -60,8 +60,9 @@ top_k, top-p on or off and segment_steps. Temperature, top_p's value, min_p, see
 stop ids are traced values, so a sampler compiles one decode program per cache capacity and one prefill
 program per (rows, bucket, capacity) it meets, for each sampling mode it meets (greedy; sampling; sampling
 with top-p). A greedy program holds no sampling code and compiles in ~40% less time; compilation is
-most of a first call's cost on CPU. The programs are shared by every sampler of a model of the same
-structure, and the weights are read from the model at every call (RL updates them in place between calls).
+most of a first call's cost on CPU. The programs live in the sampler's `ProgramCache` (shared with the samplers
+given the same cache, for models of the same structure), and the weights are read from the model at every call
+(RL updates them in place between calls). A test counts compiles with JAX's compile events (tests/compile_counter.py).
 
 Weight swaps within a call (partial rollouts). `generate(between_segments=f)` calls f between decode
 segments; when it returns newer weights (`(weights, version)`) they are loaded into the model in place and the
@@ -85,11 +86,11 @@ process issues the same compiled calls in the same order and ends with the same 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,12 +107,8 @@ from posttrain.models.attention import KVCache
 from posttrain.models.weights import flat_weights, load_flat_weights
 from posttrain.sampling.filters import choose_tokens
 from posttrain.sampling.params import Completion, SamplingParams, TurnEnd
-from posttrain.sampling.scheduler import MIN_BUCKET, Programs, SlotScheduler, length_bucket
+from posttrain.sampling.scheduler import MIN_BUCKET, Programs, Request, Setup, SlotScheduler, length_bucket
 from posttrain.sampling.scheduler import pow2 as _pow2
-
-#: Python-side trace counter of the compiled functions ("prefill", "decode", "init"): a new entry means
-#: a new compilation (tests assert that new prompt lengths inside a bucket add none).
-TRACE_COUNTS: collections.Counter = collections.Counter()
 
 MIN_CACHE_STEP = 256  # default cache growth step at least (see "Cache growth")
 
@@ -177,7 +174,6 @@ def _step_keys(key_data, n_generated):
 
 
 def _init_state(cache_dims, cache_dtype, key_shape, mesh, kernels):
-    TRACE_COUNTS["init"] += 1
     layers, slots, kv_heads, max_len, head_dim = cache_dims
     z = jnp.zeros((slots,), jnp.int32)
     k_shape, v_shape = kernels_lib.get(kernels).cache_shapes(kv_heads, head_dim, slots, max_len)
@@ -205,7 +201,6 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     tokens, their log-probs and sampling log-probs [A]. `pixels` [N, C, H, W]: the images of the rows'
     image placeholders, in order (vision-language models; None = text, the text-only program).
     """
-    TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     ks = kernels_lib.get(cfg)
@@ -284,7 +279,6 @@ def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new,
     tokens after the prompt so far, appended ones included); max_new[r] is the slot's new total budget.
     Returns the state and the first tokens, log-probs and sampling log-probs [R].
     """
-    TRACE_COUNTS["extend"] += 1
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     ks = kernels_lib.get(cfg)
@@ -330,7 +324,6 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
     Returns the state and the segment's record: tokens, log-probs, sampling log-probs and an `emitted`
     flag, each [budget, S] (row t = step t; only the first `steps` rows are filled), and `steps`.
     """
-    TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     slots = ds.active.shape[0]
     ks = kernels_lib.get(model.cfg)
@@ -385,7 +378,6 @@ _init_jit = jax.jit(_init_state, static_argnums=(0, 1, 2, 3, 4))
 
 def _grow_state(ds: DecodeState, new_len: int, mesh, kernels: str) -> DecodeState:
     """The state with its cache padded to `new_len` positions (new entries empty)."""
-    TRACE_COUNTS["grow"] += 1
     ks = kernels_lib.get(kernels)
     extra = new_len - ds.cache.max_len
 
@@ -419,42 +411,47 @@ def cache_capacities(max_len: int, step: int) -> list[int]:
     return [c for c in range(step, max_len, step)] + [max_len]
 
 
-_COMPILED: list[tuple] = []  # (graphdef, prefill, decode), most recent last; shared by all samplers
+class _Jitted(NamedTuple):
+    """The jitted programs of one model structure (`ProgramCache`)."""
+
+    prefill: Callable
+    decode: Callable
+    extend: Callable
 
 
-def _compiled_for(graphdef):
-    """Jitted prefill and decode for one model structure, shared by every sampler of an equal structure.
+class ProgramCache:
+    """The jitted prefill, decode and extend programs of the model structures a sampler meets.
 
-    The graphdef is closed over and found by equality rather than passed as a static (hashed) argument:
-    a config holding lists (e.g. several eos ids) makes it unhashable.
+    A `Sampler` holds one (`Sampler.program_cache`, its own unless it is given one): samplers given the same
+    cache share their compiled programs, so a caller that builds several samplers over models of one structure
+    (e.g. evaluating several checkpoints of one architecture) compiles each program once by passing the first
+    sampler's cache to the others: `Sampler(model, program_cache=first.program_cache)`. Entries are found by
+    graphdef equality rather than by hashing (a config holding lists, e.g. several eos ids, makes a graphdef
+    unhashable); the graphdef is closed over, not a static argument. The `size` most recently used structures
+    are kept. (The cache-allocation and cache-growth programs depend on shapes only: plain jitted functions.)
     """
-    for i, entry in enumerate(_COMPILED):
-        if entry[0] == graphdef:
-            _COMPILED.append(_COMPILED.pop(i))
-            return entry[1], entry[2]
-    prefill = jax.jit(functools.partial(_prefill, graphdef), static_argnames=("top_k", "greedy", "nucleus"),
-                      donate_argnames=("ds",))
-    decode = jax.jit(functools.partial(_decode, graphdef), static_argnames=("top_k", "greedy", "nucleus", "budget"),
-                     donate_argnames=("ds",))
-    _COMPILED.append((graphdef, prefill, decode))
-    del _COMPILED[:-8]
-    return prefill, decode
 
+    def __init__(self, size: int = 8):
+        self.size = int(size)
+        self._entries: list[tuple[object, _Jitted]] = []  # (graphdef, programs), most recent last
 
-_EXTEND: list[tuple] = []  # (graphdef, extend), most recent last; shared by all samplers
-
-
-def _extend_for(graphdef):
-    """The jitted continuation program (`_extend`) for one model structure (found as in `_compiled_for`)."""
-    for i, entry in enumerate(_EXTEND):
-        if entry[0] == graphdef:
-            _EXTEND.append(_EXTEND.pop(i))
-            return entry[1]
-    extend = jax.jit(functools.partial(_extend, graphdef), static_argnames=("top_k", "greedy", "nucleus"),
-                     donate_argnames=("ds",))
-    _EXTEND.append((graphdef, extend))
-    del _EXTEND[:-8]
-    return extend
+    def get(self, graphdef) -> _Jitted:
+        """The jitted programs for one model structure (made on first use; compiled at their first calls)."""
+        for i, entry in enumerate(self._entries):
+            if entry[0] == graphdef:
+                self._entries.append(self._entries.pop(i))
+                return entry[1]
+        jitted = _Jitted(
+            prefill=jax.jit(functools.partial(_prefill, graphdef), static_argnames=("top_k", "greedy", "nucleus"),
+                            donate_argnames=("ds",)),
+            decode=jax.jit(functools.partial(_decode, graphdef),
+                           static_argnames=("top_k", "greedy", "nucleus", "budget"), donate_argnames=("ds",)),
+            extend=jax.jit(functools.partial(_extend, graphdef), static_argnames=("top_k", "greedy", "nucleus"),
+                           donate_argnames=("ds",)),
+        )
+        self._entries.append((graphdef, jitted))
+        del self._entries[:-self.size]
+        return jitted
 
 
 class _Progress:
@@ -498,10 +495,13 @@ class Sampler:
       module docstring); None = a quarter of max_len rounded up to a multiple of 16, at least
       MIN_CACHE_STEP (so a max_len of 256 or less is one capacity); 0 = always the full max_len (one
       decode program per max_len, no growth).
+    program_cache: where the sampler's jitted programs live (`ProgramCache`); None = a cache of its own. Pass
+      another sampler's `program_cache` to share its compiled programs (models of the same structure).
     """
 
     def __init__(self, model, tokenizer=None, *, max_slots: int = 32, max_len: int | None = None,
-                 segment_steps: int = 128, refill_fraction: float = 0.125, cache_step: int | None = None):
+                 segment_steps: int = 128, refill_fraction: float = 0.125, cache_step: int | None = None,
+                 program_cache: ProgramCache | None = None):
         if max_slots < 1:
             raise ValueError(f"max_slots={max_slots} must be >= 1")
         if max_len is not None and max_len < 2:
@@ -519,6 +519,7 @@ class Sampler:
         self.segment_steps = int(segment_steps)
         self.refill_fraction = float(refill_fraction)
         self.cache_step = cache_step
+        self.program_cache = program_cache if program_cache is not None else ProgramCache()
         self._state: DecodeState | None = None
         self._state_config: tuple | None = None
         self.last_stats: dict = {}
@@ -663,17 +664,18 @@ class Sampler:
         cache_len = next((c for c in caps if c >= min(length_bucket(longest, max_len) + 1, max_len)), max_len)
         ds = self._ensure_state(slots, cache_len)
         self._state = None  # donated below; restored when the call completes
-        sched = SlotScheduler(
-            self._programs(params, stop), ds, prompts, params, slots=slots, max_len=max_len, caps=caps,
-            cache_len=cache_len, stop=stop, vocab_size=self.cfg.vocab_size, key_ids=key_ids, on_turn_end=on_turn_end,
-            quantum=max(1, math.ceil(self.refill_fraction * slots)), profile=self.profile, progress=_Progress(progress, total) if progress else None,
-            decode_text=self.tokenizer.decode if self.tokenizer is not None else None, version=self.version,
-            between_segments=self._swapper(between_segments, params, stop))
+        request = Request(prompts, params, stop, key_ids=key_ids, on_turn_end=on_turn_end,
+                          progress=_Progress(progress, total) if progress else None)
+        setup = Setup(slots=slots, max_len=max_len, caps=tuple(caps), vocab_size=self.cfg.vocab_size,
+                      quantum=max(1, math.ceil(self.refill_fraction * slots)), profile=self.profile,
+                      decode_text=self.tokenizer.decode if self.tokenizer is not None else None)
+        sched = SlotScheduler(self._programs(params, stop), ds, request, setup,
+                              swap=self._swapper(between_segments, params, stop))
         try:
             out = sched.run()
         finally:  # the latest state, also after an error (every slot is free again at the next call's start)
-            if sched.progress is not None:
-                sched.progress.close()
+            if request.progress is not None:
+                request.progress.close()
             self._state = sched.ds
             self._state_config = self._state_config_for(slots, sched.cache_len)  # the cache may have grown
         self.last_stats = dict(sched.stats, slots=slots, max_len=max_len, cache_len=sched.cache_len)
@@ -687,12 +689,12 @@ class Sampler:
         if jax.process_count() > 1:
             raise ValueError("between_segments (weight swaps within a call) needs a single-process sampler")
 
-        def swap() -> tuple[Programs, int] | None:
+        def swap() -> Programs | None:
             new = between_segments()
             if new is None:
                 return None
             self.load_weights(*new)
-            return self._programs(params, stop), new[1]
+            return self._programs(params, stop)
 
         return swap
 
@@ -738,7 +740,7 @@ class Sampler:
         return np.stack(pix)
 
     def _programs(self, params: SamplingParams, stop: list[int]) -> Programs:
-        """The compiled programs with the model state and this call's sampling values bound."""
+        """The compiled programs with the model state, its version and this call's sampling values bound."""
         stop_arr = np.full(max(8, _pow2(len(stop))), -1, np.int32)
         stop_arr[: len(stop)] = stop
         greedy = bool(params.greedy)
@@ -747,8 +749,7 @@ class Sampler:
                   temperature=np.float32(params.temperature if not greedy else 1.0),
                   top_p=np.float32(params.top_p), min_p=np.float32(params.min_p))
         graphdef, state = nnx.split(self.model)
-        prefill_fn, decode_fn = _compiled_for(graphdef)
-        extend_fn = _extend_for(graphdef)
+        prefill_fn, decode_fn, extend_fn = self.program_cache.get(graphdef)
         seed = np.uint32(params.seed)
         mesh, kernels = self.model.mesh, kernels_lib.resolve(self.cfg.kernels)
         return Programs(
@@ -760,4 +761,5 @@ class Sampler:
             extend=lambda ds, ids, lens, slot, n_after, max_new: extend_fn(state, ds, ids, lens, slot, n_after,
                                                                            max_new, stop_arr, **kw),
             grow=lambda ds, new_len: _grow_jit(ds, new_len, mesh, kernels),
+            version=self.version,
         )

@@ -1,9 +1,11 @@
 """The host side of `Sampler.generate`: a slot scheduler that admits prompts, runs decode segments, ends turns,
 parks slots waiting for their continuation and resumes them, and retires finished sequences.
 
-One `SlotScheduler` serves one call. It owns the slots (which sequence each holds, where it writes next), the
-waiting queue, every sequence's tokens and log-probs, and the decode state while the call runs; the compiled
-programs (prefill, decode, extend, cache growth: `posttrain.sampling.engine`) are handed to it.
+One `SlotScheduler` serves one call. It owns the slots (one `_Slot` record per busy slot: the sequence it holds,
+its tokens and log-probs, where it writes next, whether it decodes or waits for its continuation), the waiting
+queue, and the decode state while the call runs. What it is given comes in a few records: the compiled programs
+with their weights' version (`Programs`: prefill, decode, extend, cache growth of `posttrain.sampling.engine`),
+what the call asks (`Request`) and what the sampler fixes for it (`Setup`).
 
 Loop (one iteration; every step below is skipped when it has nothing to do):
 1. settle: decide the parked slots whose continuation is known (see "Multi-turn"); blocks only when nothing
@@ -80,21 +82,58 @@ def continuation_bucket(n: int, cap: int, minimum: int = MIN_BUCKET) -> int:
 
 class Programs(NamedTuple):
     """What the scheduler runs on device: the compiled programs of `posttrain.sampling.engine`, with the
-    model state and the call's traced sampling values bound (see `Sampler.generate`)."""
+    model state and the call's traced sampling values bound (see `Sampler.generate`), and the policy version
+    of those weights (what every token they produce is recorded with)."""
 
     prefill: Callable  # (ds, ids, lens, a_row, a_slot, a_prompt, a_sample, max_new, rows) -> (ds, first)
     decode: Callable  # (ds, min_free, max_steps) -> (ds, record, steps)
     extend: Callable  # (ds, ids, lens, slot, n_after, max_new) -> (ds, first)
     grow: Callable  # (ds, new_len) -> ds
+    version: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one `generate` call passes: its prompts (token id lists), `SamplingParams` and stop ids; key_ids:
+    per-prompt ids replacing the prompt index in the sampling keys, or None; on_turn_end: the multi-turn
+    callback or None; progress: a `_Progress`-like object or None."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    stop: list[int]
+    key_ids: list[int] | None = None
+    on_turn_end: Callable[[TurnEnd], object] | None = None
+    progress: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the sampler fixes for a call: `slots` (sequences at once), `max_len` (the context limit of every
+    sequence, prompt and all turns), `caps` (the cache capacities the call may grow through), `quantum` (free
+    slots that end a segment early for waiting prompts or, in multi-turn calls with none waiting, turns that
+    end one), the model's `vocab_size` (appended ids are checked against it), `profile` (time prefill and
+    extend apart) and `decode_text` (the tokenizer's decode, for `Completion.text`, or None)."""
+
+    slots: int
+    max_len: int
+    caps: tuple[int, ...]
+    vocab_size: int
+    quantum: int = 1
+    profile: bool = False
+    decode_text: Callable[[list[int]], str] | None = None
 
 
 @dataclasses.dataclass
-class _Seq:
-    """One sequence in a slot: what it sampled and was appended, and where its current turn starts."""
+class _Slot:
+    """A busy slot (one record per slot; None = free): the sequence it holds (prompt, sample, what it sampled
+    and was appended, where its current turn starts) and where that sequence stands: `pos` (where its pending
+    last token goes, the slot's next write), `decoding` (active on device: neither parked nor done) and, while
+    parked, on_turn_end's `answer` (ids, None or a Future of either)."""
 
     prompt: int
     sample: int
     prompt_len: int
+    pos: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     lps: list[float] = dataclasses.field(default_factory=list)
     slps: list[float] = dataclasses.field(default_factory=list)
@@ -103,6 +142,9 @@ class _Seq:
     turn: int = 0
     turn_start: int = 0
     reason: str = "length"
+    decoding: bool = True
+    parked: bool = False
+    answer: object = None
 
     def add(self, tok: list[int], lp: list[float], slp: list[float], version: int | None, sampled: bool = True):
         self.tokens.extend(tok)
@@ -113,38 +155,21 @@ class _Seq:
 
 
 class SlotScheduler:
-    """Runs one `generate` call over `slots` slots (see the module docstring).
+    """Runs one `generate` call (see the module docstring): `programs` (with their weights' version) on the
+    donated decode state `ds` (its cache length is where the call starts), for `request` with the `setup` the
+    sampler chose; `swap`: called after each segment while work remains (`between_segments`), returns None or
+    `Programs` with newer weights (see "Weight versions")."""
 
-    prompts: token id lists; params: the call's `SamplingParams`; max_len: the context limit of every sequence
-    (prompt and all turns); caps: the cache capacities the call may grow through, starting at cache_len with
-    the donated state ds; stop: the stop ids; key_ids: per-prompt ids replacing the prompt index in the sampling
-    keys, or None; on_turn_end: the multi-turn callback or None; quantum: free slots that end a segment early
-    for waiting prompts (or, in multi-turn calls with none waiting, turns that end one); progress: a `_Progress`-like object or None;
-    version: the policy version of the programs' weights; between_segments: called after each segment while work
-    remains, returns None or `(programs, version)` with newer weights (see "Weight versions").
-    """
-
-    def __init__(self, programs: Programs, ds, prompts: list[list[int]], params: SamplingParams, *, slots: int,
-                 max_len: int, caps: list[int], cache_len: int, stop: list[int], vocab_size: int,
-                 key_ids: list[int] | None = None, on_turn_end: Callable[[TurnEnd], object] | None = None,
-                 quantum: int = 1, profile: bool = False, progress=None, decode_text: Callable | None = None,
-                 version: int | None = None,
-                 between_segments: Callable[[], tuple[Programs, int | None] | None] | None = None):
-        self.programs, self.ds = programs, ds
-        self.version, self.between_segments = version, between_segments
-        self.prompts, self.params = prompts, params
-        self.slots, self.max_len, self.caps, self.cache_len = slots, max_len, caps, cache_len
-        self.stop_set, self.vocab_size = set(stop), vocab_size
-        self.on_turn_end, self.quantum = on_turn_end, quantum
-        self.profile, self.progress, self.decode_text = profile, progress, decode_text
-        self.n = params.n
-        self.key_ids = key_ids
-        self.waiting = collections.deque([i, 0] for i in range(len(prompts)))  # [prompt index, next sample]
-        self.waiting_samples = len(prompts) * self.n
-        self.owner: list[_Seq | None] = [None] * slots
-        self.decoding = [False] * slots  # the slot's sequence is active on device (not parked, not done)
-        self.pos = [0] * slots  # where the slot's pending last token goes (its next write)
-        self.answers: dict[int, object] = {}  # parked slot -> what on_turn_end returned (value or Future)
+    def __init__(self, programs: Programs, ds, request: Request, setup: Setup,
+                 swap: Callable[[], Programs | None] | None = None):
+        self.programs, self.ds, self.swap = programs, ds, swap
+        self.request, self.setup = request, setup
+        self.cache_len = ds.cache.max_len
+        self.n = request.params.n
+        self.stop_set = set(request.stop)
+        self.waiting = collections.deque([i, 0] for i in range(len(request.prompts)))  # [prompt, next sample]
+        self.waiting_samples = len(request.prompts) * self.n
+        self.slot: list[_Slot | None] = [None] * setup.slots
         self.ready: list[tuple[int, list[int]]] = []  # (slot, appended ids) to extend at the next resume step
         self.finished: dict[tuple[int, int], Completion] = {}
         self.stats: collections.Counter = collections.Counter()
@@ -154,7 +179,7 @@ class SlotScheduler:
     def run(self) -> list[Completion]:
         """Generates every sequence; returns the completions in prompt order, a prompt's samples in a row."""
         t0 = time.perf_counter()
-        while self.waiting or any(o is not None for o in self.owner):
+        while self.waiting or self._busy():
             self._settle(block=self._stalled())
             first = self._admit()
             ext = self._resume()
@@ -166,60 +191,71 @@ class SlotScheduler:
             host = distributed.to_host((first and first[1], ext and ext[1], record, steps, self.ds.active))
             self.stats["decode_seconds"] += time.perf_counter() - t_dec
             self._collect(first and first[0], host[0], ext and ext[0], host[1], host[2], int(host[3]), host[4])
-            if self.progress is not None:
-                self.progress.update(len(self.finished), self.generated, time.perf_counter() - t0)
+            if self.request.progress is not None:
+                self.request.progress.update(len(self.finished), self.generated, time.perf_counter() - t0)
             self._swap()
         self.stats["generated_tokens"] = self.generated
         self.stats["seconds"] = time.perf_counter() - t0
-        return [self.finished[(p, i)] for p in range(len(self.prompts)) for i in range(self.n)]
+        return [self.finished[(p, i)] for p in range(len(self.request.prompts)) for i in range(self.n)]
+
+    def _busy(self) -> bool:
+        return any(sl is not None for sl in self.slot)
 
     def _swap(self):
-        """Between two segments: the weights `between_segments` offers, if any (see "Weight versions")."""
-        if self.between_segments is None or not (self.waiting or any(o is not None for o in self.owner)):
+        """Between two segments: the weights `swap` offers, if any (see "Weight versions")."""
+        if self.swap is None or not (self.waiting or self._busy()):
             return
-        new = self.between_segments()
+        new = self.swap()
         if new is not None:
-            self.programs, self.version = new
+            self.programs = new
             self.stats["weight_swaps"] += 1
 
     def _grow_to(self, n: int):
         """Pads the cache so that it holds n positions (the smallest capacity that does, at most max_len)."""
+        max_len = self.setup.max_len
         if n > self.cache_len:
-            self.cache_len = next((c for c in self.caps if c >= min(n, self.max_len)), self.max_len)
+            self.cache_len = next((c for c in self.setup.caps if c >= min(n, max_len)), max_len)
             self.ds = self.programs.grow(self.ds, self.cache_len)
             self.stats["cache_resizes"] += 1
 
     def _target(self) -> int:
-        head = min(self.n - self.waiting[0][1], self.slots)
-        return min(self.waiting_samples, max(head, self.quantum))
+        head = min(self.n - self.waiting[0][1], self.setup.slots)
+        return min(self.waiting_samples, max(head, self.setup.quantum))
 
     def _free(self) -> list[int]:
-        return [s for s in range(self.slots) if self.owner[s] is None]
+        return [s for s, sl in enumerate(self.slot) if sl is None]
+
+    def _decoding(self) -> bool:
+        return any(sl is not None and sl.decoding for sl in self.slot)
+
+    def _parked(self) -> dict[int, object]:
+        """Parked slot -> what on_turn_end returned (value or Future), in slot order."""
+        return {s: sl.answer for s, sl in enumerate(self.slot) if sl is not None and sl.parked}
 
     def _stalled(self) -> bool:
         """Nothing can run until a parked slot's answer arrives."""
-        if not self.answers or any(self.decoding) or self.ready:
+        if not self._parked() or self._decoding() or self.ready:
             return False
-        return not (self.waiting and min(self.n - self.waiting[0][1], self.slots) <= len(self._free()))
+        return not (self.waiting and min(self.n - self.waiting[0][1], self.setup.slots) <= len(self._free()))
 
     # ------------------------------------------------------------------ admission (prefill)
     def _admit(self):
         """Prefills waiting prompts into free slots when enough are free (or nothing else decodes)."""
         free = self._free()
-        if not self.waiting or not (len(free) >= self._target() or not any(self.decoding)):
+        if not self.waiting or not (len(free) >= self._target() or not self._decoding()):
             return None
+        prompts = self.request.prompts
         rows, asg = [], []  # asg: (row, slot, prompt, sample)
         while self.waiting:
             p, nxt = self.waiting[0]
-            chunk = min(self.n - nxt, self.slots)
+            chunk = min(self.n - nxt, self.setup.slots)
             if chunk > len(free) - len(asg):
                 break
             rows.append(p)
             for j in range(chunk):
                 s = free[len(asg)]
                 asg.append((len(rows) - 1, s, p, nxt + j))
-                self.owner[s] = _Seq(p, nxt + j, len(self.prompts[p]))
-                self.decoding[s], self.pos[s] = True, len(self.prompts[p])
+                self.slot[s] = _Slot(p, nxt + j, len(prompts[p]), pos=len(prompts[p]))
             self.waiting_samples -= chunk
             if nxt + chunk == self.n:
                 self.waiting.popleft()
@@ -227,13 +263,13 @@ class SlotScheduler:
                 self.waiting[0][1] = nxt + chunk
         if not asg:
             return None
-        self._grow_to(length_bucket(max(len(self.prompts[p]) for p in rows), self.max_len) + 1)
+        self._grow_to(length_bucket(max(len(prompts[p]) for p in rows), self.setup.max_len) + 1)
         return asg, self._run_prefill(rows, asg)
 
     def _run_prefill(self, rows, asg):
-        slots, prompts = self.slots, self.prompts
+        slots, prompts, key_ids = self.setup.slots, self.request.prompts, self.request.key_ids
         n_rows = min(pow2(len(rows)), slots)
-        lb = length_bucket(max(len(prompts[p]) for p in rows), self.max_len)
+        lb = length_bucket(max(len(prompts[p]) for p in rows), self.setup.max_len)
         ids = np.zeros((n_rows, lb), np.int32)
         lens = np.ones((n_rows,), np.int32)
         for r, p in enumerate(rows):
@@ -245,11 +281,11 @@ class SlotScheduler:
         a_sample = np.zeros((slots,), np.int32)
         for a, (r, s, p, i) in enumerate(asg):
             a_row[a], a_slot[a], a_sample[a] = r, s, i
-            a_prompt[a] = p if self.key_ids is None else self.key_ids[p]
+            a_prompt[a] = p if key_ids is None else key_ids[p]
         t = time.perf_counter()
         self.ds, first = self.programs.prefill(self.ds, ids, lens, a_row, a_slot, a_prompt, a_sample,
-                                               np.int32(self.params.max_new_tokens), rows)
-        if self.profile:
+                                               np.int32(self.request.params.max_new_tokens), rows)
+        if self.setup.profile:
             jax.block_until_ready(first)
             self.stats["prefill_seconds"] += time.perf_counter() - t
         self.stats["prefill_calls"] += 1
@@ -263,25 +299,26 @@ class SlotScheduler:
         if not self.ready:
             return None
         ready, self.ready = self.ready, []
-        n_rows = min(pow2(len(ready)), self.slots)
-        lb = continuation_bucket(max(len(ids) + 1 for _, ids in ready), self.max_len)
+        slots, max_len = self.setup.slots, self.setup.max_len
+        n_rows = min(pow2(len(ready)), slots)
+        lb = continuation_bucket(max(len(ids) + 1 for _, ids in ready), max_len)
         ids_arr = np.zeros((n_rows, lb), np.int32)
         lens = np.ones((n_rows,), np.int32)
-        slot = np.full((n_rows,), self.slots, np.int32)  # index `slots` = padding row (dropped)
+        slot = np.full((n_rows,), slots, np.int32)  # index `slots` = padding row (dropped)
         n_after = np.zeros((n_rows,), np.int32)
         max_new = np.ones((n_rows,), np.int32)
         for r, (s, ids) in enumerate(ready):
-            seq = self.owner[s]
+            sl = self.slot[s]
             ids_arr[r, 1: len(ids) + 1] = ids
-            lens[r], slot[r], n_after[r] = len(ids) + 1, s, len(seq.tokens)
-            left = self.max_len - (seq.prompt_len + len(seq.tokens))  # positions left after the append
-            max_new[r] = len(seq.tokens) + min(self.params.max_new_tokens, left)
-            self.pos[s] += len(ids) + 1
-            self.decoding[s] = True
-        self._grow_to(max(self.pos[s] for s, _ in ready))
+            lens[r], slot[r], n_after[r] = len(ids) + 1, s, len(sl.tokens)
+            left = max_len - (sl.prompt_len + len(sl.tokens))  # positions left after the append
+            max_new[r] = len(sl.tokens) + min(self.request.params.max_new_tokens, left)
+            sl.pos += len(ids) + 1
+            sl.decoding = True
+        self._grow_to(max(self.slot[s].pos for s, _ in ready))
         t = time.perf_counter()
         self.ds, first = self.programs.extend(self.ds, ids_arr, lens, slot, n_after, max_new)
-        if self.profile:
+        if self.setup.profile:
             jax.block_until_ready(first)
             self.stats["continuation_seconds"] += time.perf_counter() - t
         self.stats["continuation_calls"] += 1
@@ -293,17 +330,17 @@ class SlotScheduler:
     # ------------------------------------------------------------------ decode
     def _decode(self):
         """One decode segment over all slots, or (None, 0) when no slot decodes."""
-        if self.params.max_new_tokens <= 1 or not any(self.decoding):
+        if self.request.params.max_new_tokens <= 1 or not self._decoding():
             return None, 0  # every turn is complete after its first token
-        lead = max(self.pos[s] for s in range(self.slots) if self.decoding[s])
+        lead = max(sl.pos for sl in self.slot if sl is not None and sl.decoding)
         self._grow_to(lead + 1)
-        parked = sum(o is not None and not d for o, d in zip(self.owner, self.decoding))
+        parked = sum(sl is not None and not sl.decoding for sl in self.slot)
         if self.waiting:
             min_free = parked + self._target()
-        elif self.on_turn_end is not None:
-            min_free = parked + len(self._free()) + self.quantum
+        elif self.request.on_turn_end is not None:
+            min_free = parked + len(self._free()) + self.setup.quantum
         else:
-            min_free = self.slots + 1
+            min_free = self.setup.slots + 1
         self.ds, record, steps = self.programs.decode(self.ds, np.int32(min_free), np.int32(self.cache_len - lead))
         self.stats["decode_segments"] += 1
         return record, steps
@@ -312,89 +349,96 @@ class SlotScheduler:
     def _collect(self, admitted, first, extended, ext_first, record, steps, active):
         """Records a segment's tokens; slots that stopped decoding end their turn."""
         self.stats["decode_steps"] += steps
+        version = self.programs.version
         if admitted:
             f_tok, f_lp, f_slp = (x.tolist() for x in first)
             for a, (_, s, _, _) in enumerate(admitted):
-                self.owner[s].add([f_tok[a]], [f_lp[a]], [f_slp[a]], self.version)
+                self.slot[s].add([f_tok[a]], [f_lp[a]], [f_slp[a]], version)
             self.generated += len(admitted)
         if extended:
             f_tok, f_lp, f_slp = (x.tolist() for x in ext_first)
             for r, s in enumerate(extended):
-                self.owner[s].add([f_tok[r]], [f_lp[r]], [f_slp[r]], self.version)
+                self.slot[s].add([f_tok[r]], [f_lp[r]], [f_slp[r]], version)
             self.generated += len(extended)
-        for s, seq in enumerate(self.owner):
-            if seq is None or not self.decoding[s]:
+        for s, sl in enumerate(self.slot):
+            if sl is None or not sl.decoding:
                 continue
             emit = record[3][:steps, s] if steps else None
             if steps and emit.any():
-                seq.add(record[0][:steps, s][emit].tolist(), record[1][:steps, s][emit].tolist(),
-                        record[2][:steps, s][emit].tolist(), self.version)
+                sl.add(record[0][:steps, s][emit].tolist(), record[1][:steps, s][emit].tolist(),
+                       record[2][:steps, s][emit].tolist(), version)
                 n = int(emit.sum())
-                self.pos[s] += n
+                sl.pos += n
                 self.generated += n
             if not active[s]:
                 self._turn_end(s)
 
     def _turn_end(self, s: int):
-        seq = self.owner[s]
-        self.decoding[s] = False
-        seq.reason = "stop" if seq.tokens and seq.tokens[-1] in self.stop_set else "length"
-        if self.on_turn_end is None:
+        sl = self.slot[s]
+        sl.decoding = False
+        sl.reason = "stop" if sl.tokens and sl.tokens[-1] in self.stop_set else "length"
+        on_turn_end = self.request.on_turn_end
+        if on_turn_end is None:
             self._finish(s)
             return
-        length = seq.prompt_len + len(seq.tokens)
-        sl = slice(seq.turn_start, None)
-        turn = TurnEnd(prompt_index=seq.prompt, sample_index=seq.sample, turn=seq.turn, token_ids=seq.tokens[sl],
-                       logprobs=seq.lps[sl], sampling_logprobs=seq.slps[sl] if self.params.modifies_distribution
-                       else None, finish_reason=seq.reason, room=max(self.max_len - length - 1, 0), length=length)
-        self.answers[s] = self.on_turn_end(turn)
+        length = sl.prompt_len + len(sl.tokens)
+        part = slice(sl.turn_start, None)
+        turn = TurnEnd(prompt_index=sl.prompt, sample_index=sl.sample, turn=sl.turn, token_ids=sl.tokens[part],
+                       logprobs=sl.lps[part], sampling_logprobs=sl.slps[part]
+                       if self.request.params.modifies_distribution else None, finish_reason=sl.reason,
+                       room=max(self.setup.max_len - length - 1, 0), length=length)
+        sl.parked, sl.answer = True, on_turn_end(turn)
 
     def _finish(self, s: int):
-        seq = self.owner[s]
-        multi = self.on_turn_end is not None
-        self.finished[(seq.prompt, seq.sample)] = Completion(
-            prompt_index=seq.prompt, sample_index=seq.sample, token_ids=seq.tokens, logprobs=seq.lps,
-            sampling_logprobs=seq.slps if self.params.modifies_distribution else None, finish_reason=seq.reason,
-            text=self.decode_text(seq.tokens) if self.decode_text is not None else None,
-            mask=seq.mask if multi else None, turns=seq.turn + 1, versions=seq.versions,
+        sl = self.slot[s]
+        decode_text = self.setup.decode_text
+        self.finished[(sl.prompt, sl.sample)] = Completion(
+            prompt_index=sl.prompt, sample_index=sl.sample, token_ids=sl.tokens, logprobs=sl.lps,
+            sampling_logprobs=sl.slps if self.request.params.modifies_distribution else None,
+            finish_reason=sl.reason, text=decode_text(sl.tokens) if decode_text is not None else None,
+            mask=sl.mask if self.request.on_turn_end is not None else None, turns=sl.turn + 1,
+            versions=sl.versions,
         )
-        self.owner[s] = None
+        self.slot[s] = None
 
     # ------------------------------------------------------------------ settling parked slots
     def _settle(self, block: bool):
         """Applies the answers that are known (process 0's on a multi-process mesh; see the module docstring)."""
-        if not self.answers:
+        answers = self._parked()
+        if not answers:
             return
         if jax.process_count() > 1:
-            decided = _ready_answers(self.answers, block, catch=True) if distributed.is_primary() else None
+            decided = _ready_answers(answers, block, catch=True) if distributed.is_primary() else None
             decided = distributed.broadcast_json(decided)
             if isinstance(decided, dict):
                 raise RuntimeError(f"on_turn_end failed on process 0: {decided['error']}")
         else:
-            decided = _ready_answers(self.answers, block)
+            decided = _ready_answers(answers, block)
         for s, ids in decided:
             s = int(s)
-            del self.answers[s]
+            sl = self.slot[s]
+            sl.parked, sl.answer = False, None
             if ids is None:
                 self._finish(s)
             else:
                 self._append(s, ids)
 
     def _append(self, s: int, ids: list[int]):
-        seq = self.owner[s]
-        room = self.max_len - (seq.prompt_len + len(seq.tokens)) - 1
+        sl, max_len = self.slot[s], self.setup.max_len
+        room = max_len - (sl.prompt_len + len(sl.tokens)) - 1
         if len(ids) > room:
             raise ValueError(
-                f"on_turn_end appended {len(ids)} ids to prompt {seq.prompt} sample {seq.sample} after turn "
-                f"{seq.turn}, but only {max(room, 0)} fit (room) before the context limit of {self.max_len} "
-                f"positions (the sequence holds {seq.prompt_len + len(seq.tokens)} tokens)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                f"on_turn_end appended {len(ids)} ids to prompt {sl.prompt} sample {sl.sample} after turn "
+                f"{sl.turn}, but only {max(room, 0)} fit (room) before the context limit of {max_len} "
+                f"positions (the sequence holds {sl.prompt_len + len(sl.tokens)} tokens)")
+        vocab = self.setup.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"on_turn_end appended token id {bad[0]} to prompt {seq.prompt} sample {seq.sample}, "
-                             f"outside the vocabulary [0, {self.vocab_size})")
-        seq.add(ids, [0.0] * len(ids), [0.0] * len(ids), self.version, sampled=False)
-        seq.turn += 1
-        seq.turn_start = len(seq.tokens)
+            raise ValueError(f"on_turn_end appended token id {bad[0]} to prompt {sl.prompt} sample {sl.sample}, "
+                             f"outside the vocabulary [0, {vocab})")
+        sl.add(ids, [0.0] * len(ids), [0.0] * len(ids), self.programs.version, sampled=False)
+        sl.turn += 1
+        sl.turn_start = len(sl.tokens)
         self.ready.append((s, ids))
 
 

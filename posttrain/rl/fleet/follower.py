@@ -27,7 +27,7 @@ from posttrain.config import ConfigError
 from posttrain.rl.fleet.cluster import FleetError, join, require_ray
 from posttrain.rl.fleet.param_server import NAME
 from posttrain.rl.fleet.source import BATCH_KEY, JOIN_GRACE_S, RAY_KEY, publish_part
-from posttrain.rl.rollout import Rollouts
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.rl.sources import RolloutSource
 
 __all__ = ["FleetFollower", "check_hosts"]

@@ -35,7 +35,7 @@ from posttrain.models import tokenizer as tok_lib
 from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
 from posttrain.rl.fleet.shards import assemble
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
-from posttrain.rl.rollout import generate_rollouts
+from posttrain.rollout.rollouts import generate_rollouts
 from posttrain.sampling import Sampler
 from posttrain.training.config import LoraConfig, ModelSection
 from posttrain.training.run import build_model

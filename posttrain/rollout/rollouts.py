@@ -130,16 +130,6 @@ class Rollouts:
         return out
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool, system_prompt: str | None = None) -> list[int]:
-    """Token ids of a prompt: chat messages through the chat template (with the generation prompt), or text."""
-    if isinstance(prompt, list) or chat:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if system_prompt and not any(m.get("role") == "system" for m in messages):
-            messages = [{"role": "system", "content": system_prompt}, *messages]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    return list(tokenizer.encode(prompt, add_special_tokens=True))
-
-
 def prompt_text(prompt: str | list[dict]) -> str:
     if isinstance(prompt, str):
         return prompt
@@ -268,3 +258,10 @@ def _add_env_rewards(trajs, total, per_reward):
         return total, per_reward
     values = np.asarray([0.0 if r is None else r for r in env], np.float32)
     return np.asarray(total, np.float32) + values, {**per_reward, "environment": values}
+
+
+def correct(ro: Rollouts, correctness: str | None) -> np.ndarray:
+    """1.0 per sample the correctness reward calls right (>= 1), or with no such reward, that scores above 0."""
+    if correctness in ro.per_reward:
+        return (ro.per_reward[correctness] >= 1.0).astype(np.float64)
+    return (ro.rewards > 0).astype(np.float64)

@@ -1,0 +1,110 @@
+"""The one prompt encoder of `posttrain rl`, `eval` and `generate`: records -> a `PromptSet` whose items carry their
+token ids, their images and their record.
+
+A record's prompt (under `prompt`: text, or chat messages whose content may hold image parts) is encoded as
+- with an `agent` (tools or an environment): the first messages it makes (an environment's `reset`, or the
+  prompt with the tools section) through its chat-template appender;
+- with image parts: the chat template with the image tokens expanded for the checkpoint's `VisionSpec`, and the
+  preprocessed pixel arrays (a text-only model, `vision` None, is an error);
+- otherwise: the chat template (messages, or `chat` text as one user turn, `system_prompt` added when there is
+  none) or the text itself.
+Every problem is one `PromptError` naming the record's place (`FILE, line N`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from posttrain.agent.environments import EnvCallError
+from posttrain.data.errors import DataError
+from posttrain.data.vlm import encode_image_prompt, has_images
+
+__all__ = ["Prompt", "PromptError", "PromptSet", "PromptStyle", "encode_prompt", "encode_prompts"]
+
+
+class PromptError(DataError):
+    """A prompt that cannot be encoded (empty, unrenderable, images for a text-only model, a failed `reset`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStyle:
+    """How text prompts are rendered: `chat` (through the chat template) and the `system_prompt` to add."""
+    chat: bool = True
+    system_prompt: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One encoded prompt: its token ids, its images (pixel arrays [3, H, W]; none for a text prompt), its record
+    and where the record came from."""
+    ids: list[int]
+    images: list[np.ndarray]
+    record: dict
+    where: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet(Sequence):
+    """Encoded prompts in record order; `ids` and `images` are the columns the sampler takes."""
+    items: tuple[Prompt, ...]
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def ids(self) -> list[list[int]]:
+        return [p.ids for p in self.items]
+
+    @property
+    def images(self) -> list[list[np.ndarray]] | None:
+        """Every prompt's images, or None when no prompt has any."""
+        out = [p.images for p in self.items]
+        return out if any(out) else None
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool, system_prompt: str | None = None) -> list[int]:
+    """Token ids of a prompt: chat messages through the chat template (with the generation prompt), or text."""
+    if isinstance(prompt, list) or chat:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if system_prompt and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return list(tokenizer.encode(prompt, add_special_tokens=True))
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _encode_one(record: dict, where: str, tok, style: PromptStyle, agent, vision) -> Prompt:
+    images: list[np.ndarray] = []
+    try:
+        if agent is not None:
+            ids = agent.prompt_ids(agent.first_messages(record))
+        elif has_images(record, ("prompt",)):
+            ids, pixels = encode_image_prompt(record["prompt"], tok, vision, where)
+            images = list(pixels)
+        else:
+            ids = encode_prompt(tok, record["prompt"], chat=style.chat, system_prompt=style.system_prompt)
+    except EnvCallError as e:  # the environment's reset timed out, raised or returned junk (already one line)
+        raise PromptError(f"{where}: {e}") from None
+    except DataError as e:  # image problems name the record already
+        raise PromptError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a template or tokenizer failure on this record, named
+        raise PromptError(f"{where}: {_one_line(e)}") from None
+    if not ids:
+        raise PromptError(f"{where}: the prompt is empty")
+    return Prompt(ids=list(ids), images=images, record=record, where=where)
+
+
+def encode_prompts(records: Sequence[dict], tok, style: PromptStyle = PromptStyle(), *, agent=None, vision=None,
+                   where: Callable[[int], str] | None = None) -> PromptSet:
+    """Every record's `Prompt` (see the module docstring); `where(i)` names record i (default `records.where`)."""
+    where = where or records.where
+    return PromptSet(tuple(_encode_one(r, where(i), tok, style, agent, vision) for i, r in enumerate(records)))
