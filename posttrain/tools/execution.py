@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import pebble
 
-from posttrain.tools.in_process import call_plain, settle_within
+from posttrain.tools.in_process import as_text, call_plain, settle_within
 from posttrain.tools.loading import Tool, resolve_tool
 from posttrain.tools.python_sandbox import SandboxConfig, use_sandbox
 from posttrain.workers import StrictProcessPool, process_start_time, watch_owner
@@ -78,15 +78,6 @@ def cut_text(text: str, max_chars: int) -> str:
     return text[:max_chars] + f"\n[... output cut: {len(text) - max_chars} more characters]"
 
 
-def _as_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return str(value)
-
-
 def _check_arguments(tool: Tool, arguments: Any) -> str | None:
     if not isinstance(arguments, Mapping):
         return f"arguments must be a JSON object, got {type(arguments).__name__}"
@@ -116,7 +107,7 @@ def call_tool(fn, arguments: dict) -> tuple[str, str, float]:
     try:
         with contextlib.redirect_stdout(_Sink()), contextlib.redirect_stderr(_Sink()):
             out = fn(**arguments)
-        return "ok", _as_text(out), time.perf_counter() - start
+        return "ok", as_text(out), time.perf_counter() - start
     except BaseException as e:  # noqa: BLE001 - a tool must never take its caller down
         return "exception", f"{type(e).__name__}: {e}", time.perf_counter() - start
 

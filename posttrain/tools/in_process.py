@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["DeadlineExceeded", "call_plain", "call_within", "settle_within"]
+__all__ = ["DeadlineExceeded", "as_text", "call_plain", "call_within", "settle_within"]
 
 
 class DeadlineExceeded(TimeoutError):
@@ -75,7 +75,8 @@ def call_within(fn: Callable[..., Any], timeout: float | None, *args, name: str 
     return box["value"]
 
 
-def _as_text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A tool's result as text: strings as they are, anything else as JSON (or `str` when not JSON-able)."""
     if isinstance(value, str):
         return value
     try:
@@ -88,6 +89,6 @@ def call_plain(fn: Callable[..., Any], arguments: dict) -> tuple[str, str, float
     """`fn(**arguments)` as `(status, text, seconds)` (status `ok` or `exception`, as `call_tool`); never raises."""
     start = time.perf_counter()
     try:
-        return "ok", _as_text(fn(**arguments)), time.perf_counter() - start
+        return "ok", as_text(fn(**arguments)), time.perf_counter() - start
     except BaseException as e:  # noqa: BLE001 - a tool must never take its caller down
         return "exception", f"{type(e).__name__}: {e}", time.perf_counter() - start
