@@ -94,6 +94,7 @@ def evaluate_model(path: str | Path, cfg, heldout: Path) -> dict:
     from posttrain.models.tiny import resolve_model_path
     from posttrain.rewards.runner import RewardRunner, RewardSpec
     from posttrain.rl.metrics import correct
+    from posttrain.rollout.prompts import PromptSet
     from posttrain.sampling import Sampler
 
     path = resolve_model_path(str(path))
@@ -103,7 +104,7 @@ def evaluate_model(path: str | Path, cfg, heldout: Path) -> dict:
     try:
         ids = [agent.prompt_ids(agent.first_messages(r)) for r in records]
         with RewardRunner([RewardSpec("reasoning_gym")], num_workers=1) as runner:
-            e = evaluate(Sampler(model, tok, max_slots=cfg.rollout.max_slots or 32), records, ids, runner,
+            e = evaluate(Sampler(model, tok, max_slots=cfg.rollout.max_slots or 32), PromptSet.of(records, ids), runner,
                          correctness="reasoning_gym", max_new_tokens=cfg.rollout.max_new_tokens, agent=agent)
     finally:
         agent.close()

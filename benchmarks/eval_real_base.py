@@ -31,11 +31,12 @@ def encode(tok, records, system):
 def evaluate_set(sampler, tok, records, reward, system, max_new_tokens):
     from posttrain.rewards import RewardRunner
     from posttrain.eval.evaluate import evaluate
+    from posttrain.rollout.prompts import PromptSet
 
     ids = encode(tok, records, system)
     t = time.perf_counter()
     with RewardRunner([reward], num_workers=1) as runner:
-        out = evaluate(sampler, records, ids, runner, correctness=reward, max_new_tokens=max_new_tokens)
+        out = evaluate(sampler, PromptSet.of(records, ids), runner, correctness=reward, max_new_tokens=max_new_tokens)
     greedy = out.pop("_greedy")
     out["seconds"] = round(time.perf_counter() - t, 1)
     out["examples"] = greedy.texts[:2]

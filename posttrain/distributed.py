@@ -2,7 +2,9 @@
 multi-host start-up (JAX's multi-controller model: one process per host, all running the same program).
 
 Mesh axes: `data` (pure data parallelism), `fsdp` (data parallelism with parameters sharded, ZeRO-3
-style) and `tensor` (Megatron-style tensor parallelism). Every parameter carries logical axis
+style), `expert` (expert parallelism: a mixture of experts' expert weights split by expert, and the batch split
+over it too, so that outside the experts it is one more data axis; `posttrain.models.expert_parallel`) and
+`tensor` (Megatron-style tensor parallelism). Every parameter carries logical axis
 names (flax's `out_sharding` metadata); `LOGICAL_RULES` turns each logical name into a mesh axis (or None = replicated).
 Meshes are built with Auto axis types (sharding propagated by the compiler), stated explicitly since
 `jax.make_mesh` defaults to Explicit axes in recent JAX.
@@ -38,7 +40,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from posttrain.config import ConfigError, to_dict
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch is split over (the "batch" rule)
 
 
 class MeshError(ConfigError):
@@ -50,7 +53,7 @@ class DistributedError(RuntimeError):
 
 # logical name -> mesh axis (or tuple of axes, or None). First match wins; a mesh axis is used once per array.
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "seq": None,
     "act_embed": None,
     "layers": None,
@@ -62,39 +65,50 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "norm": None,
     "lora_rank": None,
+    "expert": "expert",  # a mixture of experts' stacked expert weights [expert, ...]
+    "router": None,  # the router's expert axis: every device routes its own tokens over all experts
     "vision_patches": None,  # the SigLIP position table's patch axis (its embed axis follows "embed")
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes over every process's devices; one size may be -1 (= the
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, expert, tensor) mesh with Auto axes over every process's devices; one size may be -1 (= the
     remaining devices). Sizes that do not divide the (global) device count are a `MeshError`."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, expert, tensor]
+    named = lambda: dict(zip(MESH_AXES, sizes))
     if sizes.count(-1) > 1:
-        raise MeshError("at most one mesh axis size (mesh.data, mesh.fsdp, mesh.tensor) may be -1")
+        raise MeshError("at most one mesh axis size (mesh.data, mesh.fsdp, mesh.expert, mesh.tensor) may be -1")
     if any(s == 0 or s < -1 for s in sizes):
-        raise MeshError(f"mesh sizes must be >= 1 or -1, found {dict(zip(MESH_AXES, sizes))}")
+        raise MeshError(f"mesh sizes must be >= 1 or -1, found {named()}")
     known = int(np.prod([s for s in sizes if s != -1]))
     where = f" ({jax.process_count()} processes x {jax.local_device_count()})" if jax.process_count() > 1 else ""
     if -1 in sizes:
         if len(devices) % known:
-            raise MeshError(f"mesh {dict(zip(MESH_AXES, sizes))}: {known} does not divide the {len(devices)} "
-                            f"devices{where}")
+            raise MeshError(f"mesh {named()}: {known} does not divide the {len(devices)} devices{where}")
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise MeshError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, there are "
+        raise MeshError(f"mesh {named()} needs {int(np.prod(sizes))} devices, there are "
                         f"{len(devices)}{where}; set the mesh sizes so that their product is the device count "
                         "(or one of them to -1)")
     if jax.process_count() > 1:
-        # Every process's devices must fill whole positions of the batch axes (data x fsdp) so that each
+        # Every process's devices must fill whole positions of the batch axes (data x fsdp x expert) so that each
         # process feeds its own rows of every global batch (and no mesh axis splits a host's devices unevenly).
         local = len([d for d in devices if d.process_index == jax.process_index()])
         if local == 0 or len(devices) % local:
-            raise MeshError(f"mesh {dict(zip(MESH_AXES, sizes))}: this process has {local} of the {len(devices)} "
+            raise MeshError(f"mesh {named()}: this process has {local} of the {len(devices)} "
                              "devices; every process must hold the same number")
     arr = np.asarray(devices).reshape(sizes)
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def batch_ways(mesh: Mesh | None) -> int:
+    """Into how many parts a batch is split on `mesh`: the product of its batch axes' sizes (data x fsdp x expert;
+    1 without a mesh). Batch sizes that it divides are split over all of them (`logical_to_spec`)."""
+    if mesh is None:
+        return 1
+    return int(np.prod([mesh.shape.get(a, 1) for a in BATCH_AXES]))
 
 
 def devices_mesh() -> Mesh | None:
@@ -105,7 +119,9 @@ def devices_mesh() -> Mesh | None:
 
 def logical_to_spec(logical_axes: Sequence[str | None] | None, shape: Sequence[int] | None = None,
                     mesh: Mesh | None = None, rules=None) -> PartitionSpec:
-    """PartitionSpec for logical axis names; an axis whose size the mesh axis does not divide stays replicated."""
+    """PartitionSpec for logical axis names. An array axis mapped to several mesh axes (the batch: data, fsdp,
+    expert) whose size their product does not divide keeps the longest leading run of them that divides it (the
+    rest replicate it), so a batch that the expert axis does not divide is still split over data and fsdp."""
     rules = LOGICAL_RULES if rules is None else rules
     if not logical_axes:
         return PartitionSpec()
@@ -116,9 +132,8 @@ def logical_to_spec(logical_axes: Sequence[str | None] | None, shape: Sequence[i
         axes = (target,) if isinstance(target, str) else tuple(target or ())
         axes = tuple(a for a in axes if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1))
         if axes and shape is not None and mesh is not None:
-            size = int(np.prod([mesh.shape[a] for a in axes]))
-            if shape[i] % size:
-                axes = ()
+            while axes and shape[i] % int(np.prod([mesh.shape[a] for a in axes])):
+                axes = axes[:-1]
         used.update(axes)
         out.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*out)
@@ -152,19 +167,19 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Sharding for a [batch, ...] input array: batch over (data, fsdp), the rest replicated."""
+    """Sharding for a [batch, ...] input array: batch over (data, fsdp, expert), the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh))
 
 
 def process_batch_rows(mesh: Mesh | None, batch_size: int) -> list[int] | None:
     """The rows of every [batch_size, ...] global batch that this process's devices hold (None: all of them,
-    one process). A batch size that the batch axes (data x fsdp) do not divide is a `ConfigError`."""
+    one process). A batch size that the batch axes (data x fsdp x expert) do not divide is a `ConfigError`."""
     if mesh is None or jax.process_count() == 1:
         return None
-    ways = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+    ways = batch_ways(mesh)
     if batch_size % ways:
-        raise ConfigError(f"data.batch_size={batch_size} must be divisible by mesh.data x mesh.fsdp = {ways} in a "
-                          f"multi-host run (each device holds whole rows)")
+        raise ConfigError(f"data.batch_size={batch_size} must be divisible by mesh.data x mesh.fsdp x mesh.expert = "
+                          f"{ways} in a multi-host run (each device holds whole rows)")
     index = batch_sharding(mesh, 1).addressable_devices_indices_map((batch_size,))
     return sorted({r for sl in index.values() for r in range(*sl[0].indices(batch_size))})
 

@@ -23,8 +23,8 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 
 #: POSTTRAIN_NO_TORCH=1: an environment without PyTorch (e.g. the Python 3.12 + jax 0.11.2 check of the GPU machine's
-#: versions without its 5 GB torch: README "The suite under the GPU machine's versions"): the modules that import
-#: torch at the top are not collected (their tests compare against transformers in torch).
+#: versions without its 5 GB torch: docs/benchmarks.md, "The suite under the GPU machine's versions"): the modules
+#: that import torch at the top are not collected (their tests compare against transformers in torch).
 TORCH_MODULES = ("test_model_parity.py", "test_sampling.py", "test_sft.py")
 collect_ignore = list(TORCH_MODULES) if os.environ.get("POSTTRAIN_NO_TORCH") == "1" else []
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 from itertools import groupby
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +20,12 @@ import numpy as np
 import pytest
 
 from posttrain.agent import load_environment
-from posttrain.agent.rollout import Agent, AgentLimits, AgentRollout
+from posttrain.agent.rollout import Agent, AgentLimits
 from posttrain.models.tiny import resolve_model_path
 from posttrain.models.tokenizer import load as load_tokenizer
 from posttrain.rl.batch import build_rl_batch
 from posttrain.rl.metrics import agent_metrics
+from posttrain.rollout.prompts import PromptSet
 from posttrain.rollout.rollouts import Rollouts, generate_rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
@@ -125,8 +125,8 @@ def run(tok, pool, tools, script, records, *, limits=AgentLimits(), max_new=2000
     prompts = [agent.prompt_ids(agent.first_messages(r)) for r in records]
     sampler = ScriptedSampler(tok, script)
     runner = RewardRunner([], num_workers=0)
-    ro = generate_rollouts(sampler, records, list(range(len(records))), prompts,
-                           SamplingParams(max_new_tokens=max_new, n=n), runner, agent=agent)
+    ro = generate_rollouts(sampler, PromptSet.of(records, prompts), SamplingParams(max_new_tokens=max_new, n=n),
+                           runner, agent=agent)
     return ro, agent
 
 
@@ -318,6 +318,11 @@ def test_multi_turn_rl_token_in_token_out_and_exact_resume(guess_cfg, tok):
     full = run_rl(guess_cfg("full", *overrides))
     rows = [json.loads(x) for x in open(full.output_dir / "trajectories.jsonl")]
     assert len(rows) == 3 * 4
+    samples = [json.loads(x) for x in open(full.output_dir / "samples.jsonl")]
+    train = [s for s in samples if s["kind"] == "train"]  # one a logged step: the step's first trajectory
+    assert [s["messages"] for s in train] == [rows[4 * k]["messages"] for k in range(3)]
+    assert all(s["completion"] == next(m["content"] for m in reversed(s["messages"]) if m["role"] == "assistant")
+               for s in train)
     multi = [r for r in rows if r["turns"] > 1]
     assert len(multi) >= 3, [r["turns"] for r in rows]
     for r in rows:

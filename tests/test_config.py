@@ -197,7 +197,7 @@ def test_post_init_errors_become_config_errors():
 
 
 # ---------------------------------------------------------------------- the shipped configs
-SHIPPED = {"sft_smoke.yaml": "sft", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
+SHIPPED = {"sft_smoke.yaml": "sft", "rl_moe_smoke.yaml": "rl", "sft_moe_smoke.yaml": "sft", "dpo_moe_smoke.yaml": "dpo", "sft_qwen2.5_0.5b.yaml": "sft", "rl_smoke.yaml": "rl", "gsm8k_grpo.yaml": "rl",
            "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo",
            "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill", "vlm_smoke.yaml": "sft",
            "vlm_gemma3_4b.yaml": "sft", "vlm_rl_smoke.yaml": "rl", "agent_gsm8k_python.yaml": "rl",
@@ -247,7 +247,7 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
         return
     n = cfg.rollout.batch_prompts * cfg.rollout.group_size  # the rollouts of one step
     assert n % cfg.learner.minibatches == 0 and (n // cfg.learner.minibatches) % cfg.trainer.grad_accum == 0
-    assert cfg.algorithm.resolved()["advantage"] in ("grpo", "dr_grpo", "rloo")
+    assert cfg.algorithm.advantage in ("grpo", "dr_grpo", "rloo")
     runner = RewardRunner([RewardSpec.coerce(r.name) for r in cfg.rewards.functions], num_workers=0)
     fields = {"prompt", "answer"}
     if cfg.data.train.startswith("reasoning_gym:"):  # generated offline: the records' own fields
@@ -346,12 +346,14 @@ def test_learner_keys_moved_out_of_the_algorithm():
     import dataclasses
 
     from posttrain.algorithms.registry import GRPOFamily
-    from posttrain.rl.config import AlgorithmConfig, LearnerConfig, RLConfig
+    from posttrain.rl.config import LearnerConfig, RLConfig
 
-    algo = {f.name for f in dataclasses.fields(AlgorithmConfig)} - {"preset"}
-    assert algo <= {f.name for f in dataclasses.fields(GRPOFamily)}
+    assert not {f.name for f in dataclasses.fields(GRPOFamily)} & {f.name for f in dataclasses.fields(LearnerConfig)}
     cfg = load_config(RLConfig, None, ["learner.ppo_epochs=2", "learner.is_level=none", "algorithm.beta=0.1"])
-    assert cfg.learner == LearnerConfig(ppo_epochs=2, is_level="none") and cfg.algorithm.resolved()["beta"] == 0.1
+    assert cfg.learner == LearnerConfig(ppo_epochs=2, is_level="none") and cfg.algorithm.beta == 0.1
+    assert isinstance(cfg.algorithm, GRPOFamily)
+    learner_keys = {f.name for f in dataclasses.fields(LearnerConfig)}
+    assert set(GRPOFamily.MOVED_KEYS) == learner_keys - {"routing_replay"}  # all but the one added after the move
     for key in ("ppo_epochs", "minibatches", "old_logprobs", "is_level", "is_cap", "max_resample_rounds"):
         with pytest.raises(ConfigError) as e:
             load_config(RLConfig, None, [f"algorithm.{key}=2"])

@@ -124,8 +124,10 @@ def test_pass_rates_are_each_groups_fraction_of_correct_samples():
     (>= 1), or with no such reward, that score above 0."""
     from types import SimpleNamespace
 
+    from posttrain.config import load_config
+    from posttrain.rl.config import RLConfig
+    from posttrain.rl.loop import group_intake
     from posttrain.rl.metrics import pass_rates
-    from posttrain.rl.setup import RLRun
 
     acc = np.array([1.0, 0.5, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0], np.float32)
     total = np.array([0.2, 0.0, 0.0, 0.0, 0.3, 0.1, 0.0, -1.0], np.float32)
@@ -135,5 +137,6 @@ def test_pass_rates_are_each_groups_fraction_of_correct_samples():
                   version_first=[0] * 8, version_last=[0] * 8)
     for correctness, expected in (("acc", {7: 0.75, 9: 0.25}), (None, {7: 0.25, 9: 0.5})):
         assert pass_rates(ro, correctness) == expected
-        run = SimpleNamespace(cfg=SimpleNamespace(rewards=SimpleNamespace(correctness=correctness)))
-        assert RLRun.pass_rates(run, ro) == expected  # what the sources feed the dispatcher
+        cfg = load_config(RLConfig, None, [f"rewards.correctness={correctness or 'null'}"])
+        intake = group_intake(SimpleNamespace(cfg=cfg, preset=cfg.algorithm, dispatcher=None))
+        assert intake.pass_rates(ro) == expected  # what the sources feed the dispatcher

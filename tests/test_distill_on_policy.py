@@ -85,7 +85,6 @@ def test_config_errors(tmp_path, capsys):
 def test_on_policy_distillation_lowers_reverse_kl_on_own_samples(tmp_path):
     """The student (tiny:llama) samples, the larger teacher (tiny:llama-small, same tokenizer) scores: the
     per-token reverse KL on the student's own samples falls over 16 steps (means of the first and last 4)."""
-    from posttrain.distill.on_policy import OnPolicyDistillRun
     from posttrain.distill.run import load_distill_config, run_distill
 
     cfg = load_distill_config("configs/distill_smoke.yaml", [
@@ -99,7 +98,6 @@ def test_on_policy_distillation_lowers_reverse_kl_on_own_samples(tmp_path):
     assert len(kl) == 16 and "reverse KL on own samples" in summary
     assert np.mean(kl[-4:]) < 0.7 * np.mean(kl[:4]), kl
     assert all(r["skipped"] == 0 for r in rows if "skipped" in r)
-    assert OnPolicyDistillRun  # the run class is what the command ran (config.yaml is the distillation's)
     assert "mode: on_policy" in (tmp_path / "op" / "config.yaml").read_text()
 
 

@@ -25,6 +25,7 @@ from posttrain.agent.failures import EnvErrorWatch, EnvironmentFailedError
 from posttrain.agent.rollout import Agent
 from posttrain.rl.ledger import Ledger
 from posttrain.rl.metrics import agent_metrics
+from posttrain.rollout.prompts import PromptSet
 from posttrain.rollout.rollouts import Rollouts, generate_rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
@@ -188,7 +189,7 @@ def test_hanging_reset_is_an_error_at_set_up_and_in_a_trajectory(tok, pool, envs
     assert str(e.value) == f"{data}, line 2: HangingReset.reset ran past its 1s time limit (its thread was abandoned)"
     prompt = agent.prompt_ids(agent.first_messages({}))
     sampler = ScriptedSampler(tok, lambda p, i, k: "a move")
-    ro = generate_rollouts(sampler, [{"hang": True}], [0], [prompt], SamplingParams(max_new_tokens=50),
+    ro = generate_rollouts(sampler, PromptSet.of([{"hang": True}], [prompt]), SamplingParams(max_new_tokens=50),
                            RewardRunner([], num_workers=0), agent=agent)
     assert ro.finish_reasons == ["env_error"] and ro.trajectories[0]["env_error_kind"] == "reset timeout"
     with pytest.raises(EnvCallError, match="HangingReset.reset ran past"):
@@ -211,13 +212,13 @@ def test_more_than_the_allowed_fraction_stops_the_run_with_one_line(tok, pool, e
     assert warnings[0].startswith("environment SometimesRaising: step exception at step 1, the trajectory ended: "
                                   "SometimesRaising.step failed: ValueError: bad record")
 
-    from posttrain.rl.setup import RLRun
+    from posttrain.rl.steps import RLState, check_environment
 
     ledger = Ledger(tmp_path)
-    fake = SimpleNamespace(env_watch=EnvErrorWatch("SometimesRaising", 0.5, warnings.append), ledger=ledger,
-                           cfg=SimpleNamespace(eval=SimpleNamespace(log_samples=1)))
+    parts = SimpleNamespace(env_watch=EnvErrorWatch("SometimesRaising", 0.5, warnings.append),
+                            cfg=SimpleNamespace(eval=SimpleNamespace(log_samples=1)))
     with pytest.raises(EnvironmentFailedError) as e:
-        RLRun.check_environment(fake, 3, ro)
+        check_environment(parts, RLState(ledger=ledger), 3, ro)
     ledger.close()
     assert str(e.value) == ("environment SometimesRaising: 3 of 4 trajectories of step 3 failed, more than "
                             "rollout.max_env_error_fraction=0.5; first error: SometimesRaising.step failed: "

@@ -23,7 +23,8 @@ from posttrain.rl.config import RLConfig
 from posttrain.rl.fleet.cluster import FleetError
 from posttrain.rl.fleet.elastic import node_room, placements, worker_needs
 from posttrain.rl.loop import load_rl_config, run_rl
-from posttrain.rl.sources import RolloutSource
+from posttrain.rl.sources import DynamicSampling, GroupIntake
+from posttrain.rollout.prompts import PromptSet
 
 from fleet_helpers import (_env, _free_port, _ray_pids, _start, _steps_done, _wait_for, ledger, metric_rows,  # noqa: F401
                            toy)
@@ -117,12 +118,10 @@ def _elastic_source(tmp_path, nodes: dict, *overrides):
 
     cfg = load_config(RLConfig, None, ["fleet.worker_cpus=0", "fleet.worker_resources={rollout: 1}", *overrides])
     saved = []
-    run = SimpleNamespace(cfg=cfg, dispatcher=SimpleNamespace(fail=lambda lease, why: None), out=tmp_path,
-                          save=saved.append, ckpt=SimpleNamespace(wait=lambda: None))
-    src = FleetSource.__new__(FleetSource)
-    RolloutSource.__init__(src, run)
-    src.ray, src.fc = _FakeRay(nodes), cfg.fleet
-    src._start_fleet(WorkerSpec(_FakeWorkerClass(), {}, {}, None))
+    intake = GroupIntake(SimpleNamespace(fail=lambda lease, why: None), DynamicSampling(False, 0), lambda ro: {})
+    src = FleetSource(_FakeRay(nodes), intake, cfg.fleet, WorkerSpec(_FakeWorkerClass(), {}, {}, None), PromptSet(()),
+                      events=tmp_path / "fleet_workers.jsonl", save=saved.append,
+                      batch_prompts=cfg.rollout.batch_prompts)
     return src, saved
 
 

@@ -29,6 +29,7 @@ LAYERS = [
     {"rl", "eval"},
     {"distill", "demo"},
     {"cli"},
+    {"api"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

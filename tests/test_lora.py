@@ -1,24 +1,30 @@
-"""LoRA / QLoRA: stacked adapters, only adapters train, merge == adapters, switch-off == base, NF4 base weights."""
+"""LoRA / QLoRA: stacked adapters, only adapters train, merge == adapters, switch-off == base, NF4 base weights;
+attach, quantise and merge one compiled program each, bit for bit what eager per-leaf ops give."""
 
 from __future__ import annotations
 
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compile_counter import count_compiles
 from flax import nnx
 
 from posttrain.algorithms.sft import make_sft_loss, token_logprobs
 from posttrain.models import lora
 from posttrain.models.config import llama_like
+from posttrain.models.moe import Experts
 from posttrain.models.transformer import init_model
 from posttrain.training.trainer import Trainer
 
 CFG = llama_like(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 ALL = r".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-
+MOE = llama_like(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +142,93 @@ def test_nf4_quantisation_blocks():
     # o_proj's inputs are (heads=4, head_dim=16): no input axis of 64, so its output axis (64) is blocked.
     lora.quantize_base(model, target=r".*o_proj")
     assert model.layers.self_attn.o_proj.quant.scale.shape == (2, 4, 16, 1)
+
+
+# ------------------------------------------------------------------ one program per tree, equal to eager leaf-wise ops
+def _bitwise(got, want) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    assert got.tobytes() == want.tobytes()
+
+
+def _at_most_one_program(compiles, name: str) -> None:
+    """`name` compiled at most once (not at all when an earlier case compiled the same shapes), nothing else."""
+    assert set(compiles.names) <= {f"jit({name})"} and compiles.total <= 1, compiles
+
+
+def _site(model, path: str):
+    """(A, B, fan_in) of the adapter at `path` (a Linear's, or an expert weight's `ExpertAdapter`), or (the weight,)
+    where there is none."""
+    *mods, last = path.split(".")
+    owner = functools.reduce(getattr, mods, model)
+    if isinstance(owner, Experts):
+        adapter, w = getattr(owner, last + "_lora"), getattr(owner, last)
+        return (w[...],) if adapter is None else (adapter.lora_a[...], adapter.lora_b[...], w[...].shape[-2])
+    lin = getattr(owner, last)
+    return (lin.kernel[...],) if lin.lora_a is None else (lin.lora_a[...], lin.lora_b[...], math.prod(lin.in_shape))
+
+
+def _eager_merged(model) -> dict:
+    """Every merged weight computed leaf by leaf with eager ops: W (dequantised) + (alpha / r) A @ B."""
+    want = {}
+    for path, lin in lora.linears(model):
+        if lin.lora_a is None and lin.quant is None:
+            continue
+        w = lin.base_kernel().astype(jnp.float32)
+        if lin.lora_a is not None:
+            a, b = lin.lora_a[...], lin.lora_b[...]
+            lead, r = a.shape[:1] if path.startswith("layers.") else (), a.shape[-1]
+            d = jnp.matmul(a.reshape(*lead, -1, r), b.reshape(*lead, r, -1), precision=jax.lax.Precision.HIGHEST)
+            w = w + (lin.lora_scale * d).reshape(w.shape)
+        want[path] = w.astype(lin.quant.dtype if lin.quant is not None else lin.kernel[...].dtype)
+    for path, experts, kind in lora.expert_weights(model):
+        w, adapter = getattr(experts, kind)[...], getattr(experts, kind + "_lora")
+        want[path] = (w.astype(jnp.float32) + adapter.delta(jnp.float32)).astype(w.dtype)
+    return want
+
+
+@pytest.mark.parametrize("init,rank,alpha", [("kaiming", 4, 8.0), ("gaussian", 3, 7.0)])
+def test_attach_quantize_merge_one_program_each_equal_to_eager_leafwise_ops(init, rank, alpha):
+    """A mixture of experts (attention Linears, lm_head, stacked expert weights): adapters, QLoRA's NF4 codes and
+    scales, and the merged weights are each made by one compiled program, bit for bit what eager ops give leaf by
+    leaf (A from fold_in(key(seed), i); qwix's quantize of each kernel; W + (alpha / r) A @ B)."""
+    import qwix
+
+    model = init_model(MOE, seed=0)
+    with count_compiles() as made:
+        paths = lora.attach(model, rank=rank, alpha=alpha, target=ALL + "|lm_head", seed=7, init=init)
+    _at_most_one_program(made, "_lora_init")
+    assert {"layers.moe.experts.down_proj", "layers.self_attn.q_proj", "lm_head"} <= set(paths)
+    key = jax.random.key(7)
+    for i, path in enumerate(paths):
+        a, b, fan_in = _site(model, path)
+        k = jax.random.fold_in(key, i)
+        bound = 1.0 / math.sqrt(fan_in)
+        want = (jax.random.uniform(k, a.shape, jnp.float32, -bound, bound) if init == "kaiming"
+                else jax.random.normal(k, a.shape, jnp.float32) / rank)
+        _bitwise(a, want)
+        _bitwise(b, jnp.zeros(b.shape, jnp.float32))
+
+    kernels = {p: lin.kernel[...] for p, lin in lora.linears(model) if p != "lm_head" and lin.lora_a is not None}
+    with count_compiles() as quantised:
+        assert sorted(lora.quantize_base(model, target=ALL)) == sorted(kernels)
+    _at_most_one_program(quantised, "_nf4_quantize")
+    for path, lin in lora.linears(model):
+        if path in kernels:
+            w = kernels[path]
+            ax, tile = lora._block_axis(w.shape, 1, len(lin.in_shape), 64)
+            q = qwix.quantize(w.astype(jnp.float32), "nf4", channelwise_axes=[i for i in range(w.ndim) if i != ax],
+                              tiled_axes={ax: tile})
+            _bitwise(lin.kernel[...], q.qvalue)
+            _bitwise(lin.quant.scale[...], q.scale)
+
+    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+        if path[-1] == "lora_b":  # B starts at zero: make the merge move every weight
+            var.set_value(0.05 * jax.random.normal(jax.random.fold_in(key, 100 + i), var.get_value().shape))
+    want = _eager_merged(model)
+    with count_compiles() as merged:
+        lora.merge(model)
+    _at_most_one_program(merged, "_lora_merge")
+    assert sorted(want) == sorted(paths) and not lora.has_lora(model)
+    for path in paths:
+        _bitwise(_site(model, path)[0], want[path])

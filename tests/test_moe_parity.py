@@ -302,7 +302,8 @@ def test_router_logits_and_aux_loss_match_transformers(family, scan, checkpoint)
         out = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos),
                  output_router_logits=True)
     model = from_pretrained(path, scan_layers=scan)
-    h, routers = model.hidden_states(ids, attention_mask=mask, router_logits=True)
+    h, _, routing = model.hidden_states(ids, attention_mask=mask, routing=True)
+    routers = routing.logits
     assert _max_diff(model.logits(h), out.logits.numpy(), mask) <= TOL
     ref = np.stack([r.numpy() for r in out.router_logits])
     assert routers.shape == ref.shape

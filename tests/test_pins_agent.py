@@ -1,5 +1,5 @@
-"""Pins of the multi-turn agent's token-in/token-out contract (issue 41): `Trajectory.check` refuses a completion
-whose ids or loss mask differ from its buffer; the trajectory budget (`max_total_tokens`) and the sampler's `room`
+"""Pins of the multi-turn agent's token-in/token-out contract (issues 41, 42): the tokens are recorded once (the
+trajectory's buffer is read from the sampler's completion, and a completion of another length is refused); the trajectory budget (`max_total_tokens`) and the sampler's `room`
 bound an append exactly; the chat-template appender's ids equal the in-context tokenization of the full rendering
 under a SentencePiece-style tokenizer (Metaspace, prepend "first"), not the suffix tokenized alone. No model, no
 tool processes: an in-process tool and the turns written as text."""
@@ -60,33 +60,41 @@ def _trajectory(agent):
     return Trajectory(agent, record, agent.prompt_ids(agent.first_messages(record)))
 
 
-# ---------------------------------------------------------------------- 1. Trajectory.check
-def test_check_refuses_a_flipped_mask_bit_and_a_changed_id(tok, agent):
+# ---------------------------------------------------------------------- 1. one record of the tokens
+def test_the_buffer_is_read_from_the_samplers_record_and_a_wrong_length_is_refused(tok, agent):
+    """The trajectory records no token: its buffer is the sampler's completion read back (prompt, sampled runs with
+    their log-probs, appended runs with NaN and a new turn), exactly what recording each turn built; a completion
+    of another length than the turns and appends it saw is refused."""
+    import math
+
+    from posttrain.agent import TokenBuffer
+    from posttrain.sampling import Completion
+
     traj = _trajectory(agent())
     ids0, lps0 = _turn(tok, CALL)
     app = traj.on_turn(ids0, lps0, "stop", 10_000)
-    assert isinstance(app, list) and app and traj.finish_reason is None
+    assert isinstance(app, list) and app and traj.finish_reason is None and traj.buffer is None
     ids1, lps1 = _turn(tok, "It is 5.", 0.2)
     assert traj.on_turn(ids1, lps1, "stop", 10_000) is None and traj.finish_reason == "stop"
+    assert traj.length == len(ids0) + len(app) + len(ids1)
     # the completion as the sampler hands it over: appended ids with log-prob 0.0 and mask 0
-    token_ids = ids0 + app + ids1
-    logprobs = lps0 + [0.0] * len(app) + lps1
     mask = [1] * len(ids0) + [0] * len(app) + [1] * len(ids1)
-    traj.check(token_ids, logprobs, mask)  # the exact completion passes
-
-    def refused(ids=token_ids, lps=logprobs, m=mask, what="tokens differ"):
-        with pytest.raises(RuntimeError, match=what):
-            traj.check(ids, lps, m)
-
-    last = len(token_ids) - 1  # a sampled token: 1 -> 0 (the log-probs of the other sampled ones still agree)
-    refused(m=mask[:last] + [0])
-    refused(m=mask[:len(ids0)] + [1] + mask[len(ids0) + 1:])  # an appended token: 0 -> 1
-    refused(m=mask[:len(ids0) - 1] + [0] + mask[len(ids0):])  # the first turn's stop token: 1 -> 0
-    k = len(ids0)  # an appended id changed (its log-prob and mask unchanged)
-    refused(ids=token_ids[:k] + [token_ids[k] + 1] + token_ids[k + 1:])
-    refused(ids=[token_ids[0] + 1] + token_ids[1:])  # a sampled id changed
-    refused(ids=token_ids[:-1])  # one token short
-    refused(lps=logprobs[:-1] + [logprobs[-1] - 0.01], what="log-probs differ")
+    done = Completion(0, 0, ids0 + app + ids1, lps0 + [0.0] * len(app) + lps1, None, "stop", mask=mask, turns=2)
+    traj.finish(done)
+    want = TokenBuffer()
+    want.add_prompt(traj.prompt_ids)
+    want.add_sampled(ids0, lps0)
+    want.add_appended(app)
+    want.add_sampled(ids1, lps1)
+    got = traj.buffer
+    assert (got.ids, got.loss_mask, got.turns, got.turn) == (want.ids, want.loss_mask, want.turns, want.turn)
+    assert [p for p, m in zip(got.logprobs, got.loss_mask) if m] == lps0 + lps1
+    assert all(math.isnan(p) for p, m in zip(got.logprobs, got.loss_mask) if not m)
+    assert got.last_turn_ids() == ids1
+    for short in (done.token_ids[:-1], done.token_ids + [0]):
+        n = len(short)
+        with pytest.raises(RuntimeError, match="the sampler's completion has"):
+            traj.finish(Completion(0, 0, short, [0.0] * n, None, "stop", mask=[1] * n, turns=2))
 
 
 # ---------------------------------------------------------------------- 3. budgets: max_total_tokens and room
@@ -108,10 +116,10 @@ def test_an_append_that_exactly_fills_the_budget_fits_and_one_more_does_not(tok,
     exact = len(ids) + n + 1
     traj, _, got = _first_append(tok, agent, max_total_tokens=exact)
     assert got == app and traj.finish_reason is None
-    assert len(traj.buffer) - traj.prompt_len == exact - 1
+    assert traj.length == exact - 1
     traj, _, got = _first_append(tok, agent, max_total_tokens=exact - 1)
     assert got is None and traj.finish_reason == "truncated"
-    assert len(traj.buffer) - traj.prompt_len == len(ids)  # nothing appended
+    assert traj.length == len(ids)  # nothing appended
     assert traj.messages[-1]["role"] == "assistant"  # the messages keep what the model saw
     # the sampler's `room` (the most ids an append may hold): exactly `n` fits, n - 1 does not
     traj, _, got = _first_append(tok, agent, room=n)

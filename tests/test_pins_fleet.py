@@ -17,7 +17,8 @@ from posttrain.rl.config import RLConfig
 from posttrain.rl.dispatcher import Dispatcher
 from posttrain.rl.fleet.shards import assemble, to_wire
 from posttrain.rollout.rollouts import Rollouts
-from posttrain.rl.sources import RolloutSource
+from posttrain.rl.sources import DynamicSampling, GroupIntake
+from posttrain.rollout.prompts import PromptSet
 
 
 def _group(uid: int, version_first: list[int], version_last: list[int]) -> Rollouts:
@@ -100,13 +101,12 @@ def test_a_dropped_workers_leases_are_failed_and_their_prompts_come_back(tmp_pat
     cfg = load_config(RLConfig, None, ["fleet.workers=1..2", "fleet.worker_cpus=0", "fleet.worker_resources={rollout: 1}",
                                        "fleet.lease_groups=1", "fleet.max_staleness=1", "rollout.batch_prompts=2"])
     d = _RecordingDispatcher(16, shuffle=False, batch_groups=2, max_staleness=1)
-    run = SimpleNamespace(cfg=cfg, dispatcher=d, out=tmp_path, lease_items=lambda lease: (),
-                          save=lambda step: None, ckpt=SimpleNamespace(wait=lambda: None))
-    src = FleetSource.__new__(FleetSource)
-    RolloutSource.__init__(src, run)
     workers = _FakeWorkerClass()
-    src.ray, src.fc = _FakeRay({a: {"rollout": 1.0}, b: {"rollout": 1.0}}), cfg.fleet
-    src._start_fleet(WorkerSpec(workers, {}, {}, None))
+    prompts = PromptSet.of([{"prompt": str(i)} for i in range(16)], [[1]] * 16)
+    src = FleetSource(_FakeRay({a: {"rollout": 1.0}, b: {"rollout": 1.0}}),
+                      GroupIntake(d, DynamicSampling(False, 0), lambda ro: {}), cfg.fleet,
+                      WorkerSpec(workers, {}, {}, None), prompts, events=tmp_path / "fleet_workers.jsonl",
+                      save=lambda step: None, batch_prompts=cfg.rollout.batch_prompts)
     pool = src.pool
     on_b = next(n for n, rec in pool.live().items() if rec.node == b)
     for i, rec in enumerate(pool.live().values()):  # every worker serving, in start order

@@ -250,28 +250,34 @@ def test_registry_lookup_and_errors():
 
 def test_presets_match_papers_and_run():
     p = registry.PRESETS
-    assert (p["grpo"]["advantage"], p["grpo"]["aggregation"], p["grpo"]["beta"]) == ("grpo", "seq_mean_token_mean", 0.04)
-    assert (p["dr_grpo"]["advantage"], p["dr_grpo"]["aggregation"], p["dr_grpo"]["beta"]) == ("dr_grpo", "seq_mean_token_sum_norm", 0.0)
-    assert (p["dapo"]["epsilon_low"], p["dapo"]["epsilon_high"], p["dapo"]["aggregation"]) == (0.2, 0.28, "token_mean")
-    assert p["dapo"]["dynamic_sampling"] and p["dapo"]["overlong_filtering"] and p["dapo"]["overlong_penalty"]
-    assert (p["gspo"]["ratio_level"], p["gspo"]["epsilon_low"], p["gspo"]["epsilon_high"]) == ("sequence", 3e-4, 4e-4)
-    assert p["rloo"]["advantage"] == "rloo" and p["rloo"]["aggregation"] == "token_mean"
+    assert (p["grpo"].advantage, p["grpo"].aggregation, p["grpo"].beta) == ("grpo", "seq_mean_token_mean", 0.04)
+    assert (p["dr_grpo"].advantage, p["dr_grpo"].aggregation, p["dr_grpo"].beta) == ("dr_grpo", "seq_mean_token_sum_norm", 0.0)
+    assert (p["dapo"].epsilon_low, p["dapo"].epsilon_high, p["dapo"].aggregation) == (0.2, 0.28, "token_mean")
+    assert p["dapo"].dynamic_sampling and p["dapo"].overlong_filtering and p["dapo"].overlong_penalty
+    assert (p["gspo"].ratio_level, p["gspo"].epsilon_low, p["gspo"].epsilon_high) == ("sequence", 3e-4, 4e-4)
+    assert p["rloo"].advantage == "rloo" and p["rloo"].aggregation == "token_mean"
     ref = LOGP - 0.1
     for name, preset in p.items():
-        assert set(preset) == set(p["grpo"]), name
-        registry.get(registry.ADVANTAGES, preset["advantage"])
+        assert preset.preset == name and type(preset) is registry.PRESET_CLASSES[name]
+        registry.get(registry.ADVANTAGES, preset.advantage)
         loss, _ = policy_loss(LOGP, OLD, ADV, MASK, ref_logp=ref, **registry.loss_kwargs(preset))
         assert np.isfinite(float(loss)), name
 
 
 def test_presets_are_typed_with_one_source_of_defaults():
-    from posttrain.rl.config import AlgorithmConfig
-
+    """The config's `algorithm` section is the typed preset: `GRPOFamily(preset=NAME, **settings)` is NAME's class
+    with the settings given and that class's defaults for the rest (how the config loader builds the section)."""
     assert registry.PRESETS["dapo"] == registry.DAPO() and isinstance(registry.PRESETS["dapo"], registry.GRPOFamily)
-    resolved = AlgorithmConfig(preset="gspo", beta=0.01).resolved()
+    resolved = registry.GRPOFamily(preset="gspo", beta=0.01)
     assert isinstance(resolved, registry.GSPO) and resolved.beta == 0.01 and resolved.epsilon_low == 3e-4
+    assert resolved == registry.get_preset("gspo", beta=0.01)
     assert registry.PRESETS["gspo"].beta == 0.0  # the registry's instance is not changed by an override
-    assert AlgorithmConfig(preset="dapo").resolved() == registry.DAPO()  # None fields keep the class's defaults
+    assert registry.GRPOFamily(preset="dapo") == registry.DAPO()  # unset settings keep the class's defaults
+    assert registry.GRPOFamily() == registry.GRPO()  # no preset named: grpo
+    with pytest.raises(ValueError, match=r"unknown algorithm preset 'ppo'; accepted: \['dapo'"):
+        registry.GRPOFamily(preset="ppo")
+    with pytest.raises(ValueError, match="algorithm.preset='grpo' for the 'dapo' preset's class"):
+        registry.DAPO(preset="grpo")
     with pytest.raises(ValueError, match=r"algorithm.aggregation='seq_sum' is not known; accepted: \['seq_mean_token_mean'"):
         registry.get_preset("grpo", aggregation="seq_sum")
     with pytest.raises(ValueError, match="algorithm.epsilon_low must be >= 0"):

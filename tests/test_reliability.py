@@ -133,7 +133,7 @@ def test_damaged_latest_checkpoint_resumes_from_previous_with_same_losses(tiny, 
     second = run_sft(_sft(tiny, out, *common), log=said.append)
     assert second.start_step == 4
     assert any("skipped step 6" in s for s in said), said
-    # moved aside as the README says (the damaged files kept for a look), and step 6 saved again
+    # moved aside as docs/howto/checkpoints.md says (the damaged files kept for a look), and step 6 saved again
     aside = ckpts / "6.unrestorable" / victim.relative_to(ckpts / "6")
     assert aside.read_bytes() == damaged and (ckpts / "6").is_dir()
     assert any("6.unrestorable" in s for s in said), said

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posttrain.algorithms.registry import get_preset
 from posttrain.models import init_model
 from posttrain.models.config import llama_like
 from posttrain.rl.batch import build_rl_batch
-from posttrain.rl.config import AlgorithmConfig, LearnerConfig
+from posttrain.rl.config import LearnerConfig
 from posttrain.rl.loss import packed_logprobs, rl_loss
 from posttrain.rl.packing import bucket_rows, pack_rl_batch
 from posttrain.rollout.rollouts import Rollouts
@@ -53,7 +54,7 @@ def model():
 
 
 def _kwargs(preset):
-    kw = policy_loss_kwargs(AlgorithmConfig(preset=preset, beta=0.05).resolved(), LearnerConfig(), 16)
+    kw = policy_loss_kwargs(get_preset(preset, beta=0.05), LearnerConfig(), 16)
     return kw
 
 

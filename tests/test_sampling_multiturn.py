@@ -195,6 +195,8 @@ def test_sampled_turns_do_not_depend_on_answer_timing(model, programs):
 @pytest.mark.slow
 def test_slot_count_follows_the_request(model, programs):
     sampler = Sampler(model, program_cache=programs)  # max_slots=32 by default
+    if not sampler.choices.request_sized_slots:
+        pytest.skip("request-sized slots are the cpu kernels' choice (the generic kernels use every slot)")
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     small = sampler.generate(_prompts(lengths=(4, 5, 6)), params)
     assert sampler.last_stats["slots"] == 8 and sampler._state.cache.valid.shape[0] == 8

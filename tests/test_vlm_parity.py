@@ -197,8 +197,8 @@ def test_greedy_generation_with_images_matches_transformers(hf_vlm, vlm):
     text_prompt = [2, 40, 41, 42]
     sampler = Sampler(vlm, max_slots=4, max_len=64)
     params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=[])
-    outs = sampler.generate_with_images([prompts[0], text_prompt, prompts[1]], [[pixels[0]], [], list(pixels[1:])],
-                                        params)
+    outs = sampler.generate([prompts[0], text_prompt, prompts[1]], params,
+                            images=[[pixels[0]], [], list(pixels[1:])])
     for out, prompt, pix in ((outs[0], prompts[0], pixels[:1]), (outs[2], prompts[1], pixels[1:]),
                              (outs[1], text_prompt, None)):
         p = torch.tensor([prompt])
@@ -208,4 +208,4 @@ def test_greedy_generation_with_images_matches_transformers(hf_vlm, vlm):
                                   eos_token_id=None, pad_token_id=0, **kw)
         assert out.token_ids == ref[0, len(prompt):].tolist()
     with pytest.raises(ValueError, match="prompt 0 has 1 image"):
-        sampler.generate_with_images([prompts[0]], [[]], params)
+        sampler.generate([prompts[0]], params, images=[[]])

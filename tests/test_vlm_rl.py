@@ -1,6 +1,8 @@
 """RL on image prompts: the prompts' images reach the sampler's prefill and every log-prob pass of the learner
-(old/proximal, reference, the policy loss), so at step 1 the learner's recomputed log-probs equal the sampler's;
-image prompts for a text-only model, packed batches or the fleet are one-line errors."""
+(old/proximal, reference, the policy loss), padded, packed or in shared-prompt rows, so at step 1 the learner's
+recomputed log-probs equal the sampler's; the fleet's workers get the prompts with their images (one worker at
+staleness 0 reproduces the in-process run); image prompts for a text-only model or with multi-turn tools are
+one-line errors."""
 
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from posttrain.data.errors import DataError
 from posttrain.rl.batch import build_rl_batch, stack_images
 from posttrain.rl.loop import load_rl_config, run_rl
 from posttrain.rollout.rollouts import Rollouts
-from posttrain.rl.setup import RLRun
+from posttrain.rl.setup import build_rl
 
 SMOKE = Path(__file__).parents[1] / "configs" / "vlm_rl_smoke.yaml"
 
@@ -39,21 +41,24 @@ def test_image_batch_holds_each_rows_images_padded_with_blanks():
     assert stack_images([[], [a]]).shape == (2, 1, 3, 2, 2)
 
 
-@pytest.mark.parametrize("override,key", [("learner.pack=true", "learner.pack"), ("fleet.workers=1", "fleet.workers"),
-                                          ("learner.share_prompts=true", "learner.share_prompts")])
-def test_image_prompts_refuse_packing_and_fleet_before_the_model_loads(tmp_path, override, key):
-    with pytest.raises(ConfigError, match=key) as e:
-        RLRun(_cfg(tmp_path / "no-model-here", tmp_path / "out", override))
+def test_image_prompts_refuse_multi_turn_tools_before_the_model_loads(tmp_path):
+    """The one refusal left: the agent renders its first messages and every appended turn as text (no image
+    expansion, no pixels for the extend program), so image prompts stay single-turn."""
+    with pytest.raises(ConfigError, match="rollout.tools") as e:
+        build_rl(_cfg(tmp_path / "no-model-here", tmp_path / "out", "rollout.tools=[calculator]"))
     assert "\n" not in str(e.value) and "image prompts" in str(e.value)
 
 
-@pytest.mark.slow  # two RL steps on the tiny VLM
-def test_rl_on_image_prompts_scores_with_the_images_in_every_pass(tiny_vlm, tmp_path):
+@pytest.mark.slow  # two RL steps on the tiny VLM, per layout
+@pytest.mark.parametrize("layout", ["padded", "learner.pack=true", "learner.share_prompts=true"])
+def test_rl_on_image_prompts_scores_with_the_images_in_every_pass(tiny_vlm, tmp_path, layout):
     """With the old log-probs recomputed and a reference (beta > 0), step 1's recomputed old log-probs equal the
     sampler's (mismatch_kl: KL(sampler || old)), the policy loss's equal the old ones (ratio 1) and the reference's
     equal the policy's (kl): any pass that dropped the images would differ from the sampler, which had them (the
-    random model's float noise: mismatch_kl ~5e-5)."""
-    result = run_rl(_cfg(tiny_vlm, tmp_path / "rl", "learner.old_logprobs=recompute", "algorithm.beta=0.01"))
+    random model's float noise: mismatch_kl ~5e-5). Packed batches (a row's images: its sequences' in row order)
+    and shared-prompt rows (the prompt's images once a row) alike."""
+    extra = [] if layout == "padded" else [layout]
+    result = run_rl(_cfg(tiny_vlm, tmp_path / "rl", "learner.old_logprobs=recompute", "algorithm.beta=0.01", *extra))
     assert result.steps == 2 and len(result.history) == 2 and result.hf_dir is not None
     first = result.history[0]
     # images dropped from the old/reference pass: mismatch_kl 0.017, kl 0.016; from the loss: ratio 1.0125
@@ -67,5 +72,25 @@ def test_rl_on_image_prompts_scores_with_the_images_in_every_pass(tiny_vlm, tmp_
 @pytest.mark.slow  # loads a text-only model
 def test_image_prompts_for_a_text_only_model_name_the_record(tmp_path):
     with pytest.raises(DataError, match=r"shapes:.*text-only") as e:
-        RLRun(_cfg("tiny:llama", tmp_path / "rl", "model.param_dtype=float32"))
+        build_rl(_cfg("tiny:llama", tmp_path / "rl", "model.param_dtype=float32"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # a Ray fleet of one worker on the tiny VLM, and the same run in-process
+def test_fleet_on_image_prompts_reproduces_the_in_process_run(tiny_vlm, tmp_path):
+    """The leases' `Prompt` items carry their images to the worker (Ray): one worker at max_staleness 0 samples
+    what the in-process source samples, so every step's metrics agree (deterministic: same seed, same weights), the
+    sampler's log-probs included (`mismatch_kl` against the learner's recomputed ones: a worker without the images
+    would sample other tokens with other log-probs)."""
+    runs = {}
+    for name, extra in (("sync", []), ("fleet", ["fleet.workers=1", "fleet.max_staleness=0"])):
+        runs[name] = run_rl(_cfg(tiny_vlm, tmp_path / name, "learner.old_logprobs=recompute", *extra))
+    sync, fleet = runs["sync"].history, runs["fleet"].history
+    assert len(sync) == len(fleet) == 2
+    for a, b in zip(sync, fleet):
+        same = [k for k in a if not k.startswith(("time/", "fleet/", "throughput/")) and k in b]
+        assert {"reward/mean", "loss", "pg_loss", "mismatch_kl"} <= set(same)
+        for key in same:
+            np.testing.assert_allclose(b[key], a[key], atol=1e-5, err_msg=key)
+        assert b["fleet/staleness_max"] == 0
+    assert runs["fleet"].evals[-1]["eval/accuracy"] == runs["sync"].evals[-1]["eval/accuracy"]

@@ -93,12 +93,11 @@ def test_vlm_sft_frozen_tower_and_exact_resume(tiny_vlm, tmp_path):
 
 
 def _check_eval_sampler_matches_greedy(folder):
-    """`posttrain eval`'s path for image prompts (the sampler with each prompt's images in its prefill) gives the
+    """`posttrain eval`'s path for image prompts (the sampler given each prompt's images for its prefill) gives the
     greedy answers of the plain uncached decoder."""
     from posttrain.data import read_prompts
     from posttrain.data.vlm import VisionSpec, encode_image_prompt
     from posttrain.demo.vlm_eval import greedy_answers
-    from posttrain.eval.images import ImagePromptSampler
     from posttrain.models import tokenizer as tok_lib
     from posttrain.models.hf_io import from_pretrained
     from posttrain.sampling import Sampler, SamplingParams
@@ -107,8 +106,8 @@ def _check_eval_sampler_matches_greedy(folder):
     spec = VisionSpec.from_checkpoint(folder, tok)
     recs = read_prompts("shapes:?size=6&seed=5")
     enc = [encode_image_prompt(r["prompt"], tok, spec, f"prompt {i}") for i, r in enumerate(recs)]
-    sampler = ImagePromptSampler(Sampler(model, tok, max_slots=8), [list(px) for _, px in enc])
-    outs = sampler.generate([ids for ids, _ in enc], SamplingParams(max_new_tokens=4, temperature=0.0))
+    outs = Sampler(model, tok, max_slots=8).generate([ids for ids, _ in enc], SamplingParams(max_new_tokens=4,
+                                                     temperature=0.0), images=[list(px) for _, px in enc])
     texts = [c.text for c in sorted(outs, key=lambda c: c.prompt_index)]
     assert texts == greedy_answers(model, tok, spec, [r["prompt"] for r in recs], max_new_tokens=4)
 

@@ -4,6 +4,10 @@ Sampled ids (the model's own tokens, with their log-probs) have loss mask 1; app
 results, observations, the next turn's header) have mask 0 and log-prob NaN. `turns[i]` is the assistant
 turn that token i belongs to or follows (0 for the prompt and the first answer, 1 from the first appended
 tool result on...). Nothing in the buffer is ever re-tokenized.
+
+The sampler records a sequence's tokens once (its slot record, handed over as the `Completion`: every id after
+the prompt, log-probs, mask 1 sampled / 0 appended); a trajectory's buffer is read from it when the sequence is
+done (`TokenBuffer.from_completion`), not recorded a second time while it runs.
 """
 
 from __future__ import annotations
@@ -53,6 +57,28 @@ class TokenBuffer:
         if self.loss_mask and self.loss_mask[-1] == 1:
             self.turn += 1
         self._extend(ids, 0, [math.nan] * len(ids))
+
+    @classmethod
+    def from_completion(cls, prompt_ids: Sequence[int], completion) -> TokenBuffer:
+        """The buffer of a finished sequence, read from the sampler's record of it: the prompt (mask 0), then the
+        completion's ids (`token_ids`, every id after the prompt) run by run of equal `mask` (None: all sampled),
+        sampled runs with their `logprobs`, appended runs (mask 0) starting a new turn, as `add_sampled` and
+        `add_appended` would have built it turn by turn."""
+        buf = cls()
+        buf.add_prompt(prompt_ids)
+        ids, lps = list(completion.token_ids), list(completion.logprobs)
+        mask = [1] * len(ids) if completion.mask is None else [int(m) for m in completion.mask]
+        if not len(ids) == len(lps) == len(mask):
+            raise ValueError(f"a completion of {len(ids)} ids with {len(lps)} log-probs and {len(mask)} mask entries")
+        start = 0
+        for end in range(1, len(ids) + 1):
+            if end == len(ids) or mask[end] != mask[start]:
+                if mask[start]:
+                    buf.add_sampled(ids[start:end], lps[start:end])
+                else:
+                    buf.add_appended(ids[start:end])
+                start = end
+        return buf
 
     @property
     def sampled_ids(self) -> list[int]:

@@ -3,8 +3,9 @@
 `Agent` holds what a run sets up once (tools, environment class, chat-template appender, tool-call format,
 limits, the tool worker pool); `AgentRollout` is the `on_turn_end` callback of one `Sampler.generate` call.
 At each turn end the trajectory
-1. records the turn's sampled ids and log-probs (`TokenBuffer`, loss mask 1) and decodes them, only to read
-   them (model text is never encoded again);
+1. counts the turn's sampled ids and decodes them, only to read them (model text is never encoded again); the
+   tokens themselves are recorded once, by the sampler (its slot record, handed over as the `Completion`), and
+   the trajectory's `TokenBuffer` is read from that record when the sequence is done (`finish`);
 2. ends (returns None) when the model stopped without a tool call, ran out of tokens, the environment says
    it is done, or `max_turns` turns were sampled;
 3. otherwise parses the tool calls (`tool_format`), runs them concurrently in the `ToolPool` (a slot waiting
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from posttrain.agent.buffer import TokenBuffer
 from posttrain.agent.environments import EnvCallError, EnvironmentSpec, EnvSession, trajectory_reward
 from posttrain.agent.parsers import parse_error_messages, parse_tool_calls
 from posttrain.agent.templates import ChatTemplateAppender
+from posttrain.config import at_least
 from posttrain.tools import ToolPool, ToolRecord, tool_message
 from posttrain.tools.execution import error_content
 from posttrain.tools.in_process import DeadlineExceeded
@@ -38,22 +40,52 @@ from posttrain.tools.in_process import DeadlineExceeded
 __all__ = ["Agent", "AgentLimits", "AgentRollout", "Trajectory"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class AgentLimits:
-    """Per-trajectory limits: assistant turns, tool calls in all, tokens of one tool output, seconds per call, and
-    tokens after the prompt (sampled and appended; 0: only the sampler's context limit)."""
+    """The per-trajectory limits of multi-turn rollouts: one typed section, the one source of their defaults and
+    checks. The RL config's `rollout` section holds these keys (`rollout.max_turns`, ...: it extends this class)
+    and `posttrain eval` / `generate` fill them from their options; the `Agent` takes them.
+
+    max_turns: assistant turns per trajectory: when the last one calls a tool (or the environment answers it
+      without ending the game), the trajectory ends as `max_turns` instead.
+    max_tool_calls: tool calls per trajectory, all turns together (later ones are refused with an error message).
+    max_tool_output_tokens: tokens of one tool output or environment observation (cut with a marker).
+    tool_timeout_s: seconds per tool call (an environment's `reset`, `step`, `reward` and tool methods too).
+    max_total_tokens: tokens after the prompt, sampled and appended together; an append past it ends the
+      trajectory as `truncated` (0: `budget` resolves it to max_turns x the turn's token budget; an `Agent`
+      given 0 has no budget but the sampler's context).
+    """
+
     max_turns: int = 8
     max_tool_calls: int = 16
     max_tool_output_tokens: int = 512
     tool_timeout_s: float = 10.0
     max_total_tokens: int = 0
 
+    def __post_init__(self):
+        at_least("rollout.max_turns", self.max_turns, 1)
+        at_least("rollout.max_tool_calls", self.max_tool_calls, 0)
+        at_least("rollout.max_tool_output_tokens", self.max_tool_output_tokens, 1)
+        at_least("rollout.max_total_tokens", self.max_total_tokens, 0, "0 = max_turns x max_new_tokens")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"rollout.tool_timeout_s must be > 0, found {self.tool_timeout_s}")
+
+    def budget(self, turn_tokens: int) -> int:
+        """Tokens after the prompt per trajectory: `max_total_tokens`, or max_turns x `turn_tokens` when it is 0."""
+        return self.max_total_tokens or self.max_turns * turn_tokens
+
+    def limits(self, turn_tokens: int) -> AgentLimits:
+        """These limits alone (a section extending this class: its other keys left out), the trajectory budget
+        resolved for turns of `turn_tokens` tokens: what an `Agent` takes."""
+        own = {f.name: getattr(self, f.name) for f in fields(AgentLimits)}
+        return AgentLimits(**{**own, "max_total_tokens": self.budget(turn_tokens)})
+
 
 class Agent:
     """A run's multi-turn set-up: `tools` (name -> Tool), `environment` (or None), the appender, `fmt`, limits."""
 
     def __init__(self, tokenizer, *, tools: dict | None = None, environment: EnvironmentSpec | None = None,
-                 fmt: str = "hermes", limits: AgentLimits = AgentLimits(), stop_ids: Sequence[int] | None = None,
+                 fmt: str = "hermes", limits: AgentLimits | None = None, stop_ids: Sequence[int] | None = None,
                  system_prompt: str | None = None, prompt_field: str = "prompt", pool: ToolPool | None = None,
                  template_name: str | None = None):
         self.tok = tokenizer
@@ -61,7 +93,7 @@ class Agent:
         self.tools = dict(tools or {})
         self.environment = environment
         self.fmt = fmt
-        self.limits = limits
+        self.limits = limits if limits is not None else AgentLimits()
         self.system_prompt = system_prompt
         schemas = [t.schema for t in self.tools.values()] + list(environment.schemas if environment else ())
         self.appender = ChatTemplateAppender(tokenizer, schemas, stop_ids=stop_ids, name=template_name)
@@ -157,10 +189,9 @@ class Trajectory:
         except EnvCallError:  # kept in `self.env.failure`: the trajectory ends at its first turn end
             self.first = []
         self.messages: list[dict] = agent.appender.prompt_messages(self.first) if self.first else []
-        self.tools = {**agent.tools, **(self.env.tools if self.env is not None else {})}
-        self.buffer = TokenBuffer()
-        self.buffer.add_prompt(prompt_ids)
-        self.prompt_len = len(self.buffer)
+        self.prompt_ids = list(prompt_ids)
+        self.length = 0  # tokens after the prompt so far, sampled and appended (the sampler records the tokens)
+        self.buffer: TokenBuffer | None = None  # read from the sampler's record of the sequence (`finish`)
         self.tool_calls: list[dict] = []
         self.tool_results: list[dict] = []
         self.turns = 0
@@ -169,10 +200,19 @@ class Trajectory:
         self.tool_seconds = 0.0
         self.finish_reason: str | None = None
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def tools(self) -> dict:
+        """The tools this trajectory may call: the agent's and its environment session's methods."""
+        return {**self.agent.tools, **(self.env.tools if self.env is not None else {})}
+
     # ------------------------------------------------------------------ one turn end
     def on_turn(self, ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, room: int):
         """The sampler's turn end: None (done), the ids to append, or a Future of either."""
-        self.buffer.add_sampled(ids, logprobs)
+        self.length += len(ids)
         self.turns += 1
         text = self.agent.decode(ids)
         self.messages.append({"role": "assistant", "content": text})
@@ -252,11 +292,11 @@ class Trajectory:
             append = self.agent.appender.append_ids(new, ids[-1] if len(ids) else None)
         budget = self.agent.limits.max_total_tokens
         if budget:  # after the prompt, sampled and appended tokens together, one left for the next turn
-            room = min(room, budget - (len(self.buffer) - self.prompt_len) - 1)
+            room = min(room, budget - self.length - 1)
         if len(append) > room:  # `room`: the most ids an append may hold (the next token's position kept)
             return self._end("truncated")  # the messages keep what the model saw: not these
         self.messages += self.agent.appender.convert(new)
-        self.buffer.add_appended(append)
+        self.length += len(append)
         return append
 
     def _end(self, reason: str) -> None:
@@ -264,16 +304,14 @@ class Trajectory:
         return None
 
     # ------------------------------------------------------------------ the finished trajectory
-    def check(self, token_ids: Sequence[int], logprobs: Sequence[float], mask: Sequence[int]) -> None:
-        """Token-in/token-out: the sampler's completion must be exactly this buffer after the prompt."""
-        b = self.buffer
-        got = (list(map(int, token_ids)), list(map(int, mask)))
-        if got != (b.ids[self.prompt_len:], b.loss_mask[self.prompt_len:]):
-            raise RuntimeError("multi-turn rollout: the sampler's tokens differ from the trajectory's buffer "
-                               f"(prompt {self.prompt_len} tokens, {len(got[0])} vs {len(b) - self.prompt_len} after it)")
-        sampled = [p for p, m in zip(logprobs, mask) if m]
-        if any(abs(a - c) > 1e-6 for a, c in zip(sampled, [p for p, m in zip(b.logprobs, b.loss_mask) if m])):
-            raise RuntimeError("multi-turn rollout: the sampler's log-probs differ from the trajectory's buffer")
+    def finish(self, completion) -> None:
+        """The sequence is done: its token buffer, read from the sampler's record of it (`completion`: every id
+        after the prompt with its log-prob and mask; `TokenBuffer.from_completion`). A completion of another
+        length than the turns and appends this trajectory saw is refused."""
+        if len(completion.token_ids) != self.length:
+            raise RuntimeError(f"multi-turn rollout: the sampler's completion has {len(completion.token_ids)} tokens "
+                               f"after the prompt, the trajectory's turns and appends {self.length}")
+        self.buffer = TokenBuffer.from_completion(self.prompt_ids, completion)
 
     @property
     def final_text(self) -> str:
@@ -319,8 +357,7 @@ class AgentRollout:
         return traj.on_turn(end.token_ids, end.logprobs, end.finish_reason, end.room)
 
     def finished(self, completion) -> Trajectory:
-        """The trajectory of a finished `Completion`, checked against it token for token."""
+        """The trajectory of a finished `Completion`, its token buffer read from it (`Trajectory.finish`)."""
         traj = self.trajectory(completion.prompt_index, completion.sample_index)
-        mask = getattr(completion, "mask", None)
-        traj.check(completion.token_ids, completion.logprobs, mask if mask is not None else [1] * len(completion.token_ids))
+        traj.finish(completion)
         return traj

@@ -1,28 +1,23 @@
 """Building a run's `Agent` from its rollout config section (`rollout.tools`, `rollout.environment`,
-`rollout.tool_format`, `rollout.max_turns`, `rollout.max_tool_calls`, `rollout.max_tool_output_tokens`,
-`rollout.tool_timeout_s`, `rollout.tool_workers`, `rollout.sandbox`), shared by `posttrain rl`, `eval` and `generate`.
-Every problem is a one-line `ConfigError` naming the key (or the file) at fault."""
+`rollout.tool_format`, the agent's limits `rollout.max_turns` ... (`AgentLimits`), `rollout.tool_workers`,
+`rollout.sandbox`), shared by `posttrain rl`, `eval` and `generate`. Every problem is a one-line `ConfigError`
+naming the key (or the file) at fault."""
 
 from __future__ import annotations
 
 from posttrain.agent.environments import EnvironmentSpec, load_environment
-from posttrain.agent.rollout import Agent, AgentLimits
+from posttrain.agent.rollout import Agent
 from posttrain.agent.templates import TemplateError
 from posttrain.config import ConfigError
 from posttrain.tools import ToolPool, load_tools
 from posttrain.tools.python_sandbox import SandboxUnavailable, check_sandbox
 
-__all__ = ["agent_enabled", "build_agent", "load_agent_parts", "total_budget"]
+__all__ = ["agent_enabled", "build_agent", "load_agent_parts"]
 
 
 def agent_enabled(rollout) -> bool:
     """Whether the rollout section asks for multi-turn rollouts (tools or an environment)."""
     return bool(rollout.tools) or bool(rollout.environment)
-
-
-def total_budget(rollout) -> int:
-    """Tokens after the prompt per trajectory: `max_total_tokens`, or max_turns x max_new_tokens."""
-    return rollout.max_total_tokens or rollout.max_turns * rollout.max_new_tokens
 
 
 def load_agent_parts(rollout) -> tuple[dict, EnvironmentSpec | None]:
@@ -43,14 +38,13 @@ def load_agent_parts(rollout) -> tuple[dict, EnvironmentSpec | None]:
 
 def build_agent(rollout, tokenizer, *, system_prompt: str | None = None, prompt_field: str = "prompt",
                 parts: tuple[dict, EnvironmentSpec | None] | None = None) -> Agent:
-    """The `Agent` of a rollout section for `tokenizer` (its chat template checked for tools and appends)."""
+    """The `Agent` of a rollout section for `tokenizer` (its chat template checked for tools and appends), with the
+    section's limits (the trajectory budget resolved for its `max_new_tokens` turns)."""
     tools, env = parts if parts is not None else load_agent_parts(rollout)
-    limits = AgentLimits(max_turns=rollout.max_turns, max_tool_calls=rollout.max_tool_calls,
-                         max_tool_output_tokens=rollout.max_tool_output_tokens, tool_timeout_s=rollout.tool_timeout_s,
-                         max_total_tokens=total_budget(rollout))
     key = "rollout.environment" if env is not None and not tools else "rollout.tools"
     try:
-        return Agent(tokenizer, tools=tools, environment=env, fmt=rollout.tool_format, limits=limits,
+        return Agent(tokenizer, tools=tools, environment=env, fmt=rollout.tool_format,
+                     limits=rollout.limits(rollout.max_new_tokens),
                      stop_ids=rollout.stop_token_ids, system_prompt=system_prompt, prompt_field=prompt_field,
                      pool=ToolPool(num_workers=rollout.tool_workers, sandbox=rollout.sandbox))
     except TemplateError as e:

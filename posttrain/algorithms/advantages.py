@@ -3,18 +3,23 @@
 Layout convention: ``rewards`` has shape ``[B * G]`` where the ``G`` completions of one
 prompt are stored next to each other (``rewards[b * G:(b + 1) * G]`` belong to prompt ``b``).
 Every estimator returns float32 advantages of shape ``[B * G]`` (one scalar per sequence,
-to be broadcast over that sequence's tokens by the policy loss).
+to be broadcast over that sequence's tokens by the policy loss). GRPO's and Dr. GRPO's are one compiled program per
+(batch size, group size), not one per array operation.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["grpo_advantages", "dr_grpo_advantages", "rloo_advantages"]
 
 
 def _grouped(rewards, group_size: int):
-    rewards = jnp.asarray(rewards, dtype=jnp.float32)
+    rewards = np.asarray(rewards, dtype=np.float32)
     if rewards.ndim != 1:
         raise ValueError(f"rewards must be 1-D [B*G], got shape {rewards.shape}")
     if not isinstance(group_size, int) or group_size < 1:
@@ -33,7 +38,11 @@ def grpo_advantages(rewards, group_size: int, eps: float = 1e-6):
     ``G`` completions of the same prompt and ``std`` is the population standard deviation
     (``ddof=0``). A group with identical rewards gets all-zero advantages.
     """
-    r = _grouped(rewards, group_size)
+    return _grpo(_grouped(rewards, group_size), eps)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _grpo(r, eps: float):
     mean = r.mean(axis=1, keepdims=True)
     std = r.std(axis=1, keepdims=True)  # population std (ddof=0)
     return ((r - mean) / (std + eps)).reshape(-1).astype(jnp.float32)
@@ -45,7 +54,11 @@ def dr_grpo_advantages(rewards, group_size: int):
     ``A_i = r_i - mean_g(r)``: GRPO without the per-group std normalisation, which the paper
     shows biases updates towards too-easy / too-hard questions.
     """
-    r = _grouped(rewards, group_size)
+    return _dr_grpo(_grouped(rewards, group_size))
+
+
+@jax.jit
+def _dr_grpo(r):
     return (r - r.mean(axis=1, keepdims=True)).reshape(-1).astype(jnp.float32)
 
 
@@ -58,6 +71,6 @@ def rloo_advantages(rewards, group_size: int):
     """
     if group_size < 2:
         raise ValueError(f"rloo_advantages needs group_size >= 2, got {group_size}")
-    r = _grouped(rewards, group_size)
+    r = jnp.asarray(_grouped(rewards, group_size))  # op by op: one fused program rounds differently here
     loo_mean = (r.sum(axis=1, keepdims=True) - r) / (group_size - 1)
     return (r - loo_mean).reshape(-1).astype(jnp.float32)

@@ -23,7 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.algorithms.protocol import uses_frozen
-from posttrain.algorithms.sft import token_logprobs
+from posttrain.algorithms.sft import (
+    real_tokens,
+    routes_experts,
+    token_logprobs,
+    with_router_terms,
+)
+from posttrain.models.moe_loss import RouterLoss
 
 __all__ = [
     "dpo_sigmoid_loss", "ipo_loss", "hinge_loss", "robust_dpo_loss", "cdpo_loss", "simpo_loss",
@@ -266,12 +272,14 @@ class ReferenceSource(enum.StrEnum):
 REFERENCE_SOURCES = tuple(r.value for r in ReferenceSource)
 
 
-def sequence_logps(model, batch, chunk_size: int | None = None):
-    """(Σ response-token log-probs [R], response lengths [R]) of every row of a preference batch."""
-    lp = token_logprobs(model, batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                        positions=batch.get("positions"), chunk_size=chunk_size)
+def sequence_logps(model, batch, chunk_size: int | None = None, routing: bool = False):
+    """(Σ response-token log-probs [R], response lengths [R], token log-probs [R, T-1]) of every row of a
+    preference batch; with `routing` (a mixture of experts) the pass's `moe.Routing` too."""
+    out = token_logprobs(model, batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                         positions=batch.get("positions"), chunk_size=chunk_size, routing=routing)
+    lp = out[0] if routing else out
     m = batch["loss_mask"][:, 1:].astype(jnp.float32)
-    return jnp.sum(lp * m, axis=-1), jnp.sum(m, axis=-1), lp
+    return (jnp.sum(lp * m, axis=-1), jnp.sum(m, axis=-1), lp) + ((out[1],) if routing else ())
 
 
 def _reference_logps(batch, frozen, spec: PreferenceLoss, reference: ReferenceSource, chunk_size: int | None):
@@ -284,16 +292,18 @@ def _reference_logps(batch, frozen, spec: PreferenceLoss, reference: ReferenceSo
 
 
 def preference_loss(model, batch, frozen, *, spec: PreferenceLoss, reference: str = "reference",
-                    chunk_size: int | None = None, nll_on_prompt: bool = False):
+                    chunk_size: int | None = None, nll_on_prompt: bool = False, router: RouterLoss | None = None):
     """The trainer's loss protocol for the DPO family over a batch of pairs (rows 2i chosen, 2i+1 rejected).
 
     Returns (Σ per-pair losses, number of real pairs, metrics). Reference log-probs come from
     `batch["ref_logps"]` [R] (`reference="precomputed"`), the LoRA base with adapters off ("base"), the
     frozen model "reference", or nowhere ("none", reference-free losses). ORPO adds the chosen NLL with
     per-row weights `batch["nll_weight"]` (see `nll_weights`): its token mean over the whole batch.
-    Empty filler pairs (no response tokens) weigh nothing.
+    Empty filler pairs (no response tokens) weigh nothing. A mixture of experts adds its router terms over the
+    pass's real tokens (`router`, `posttrain.algorithms.sft.with_router_terms`), weighted by the pairs.
     """
-    logps, lengths, lp = sequence_logps(model, batch, chunk_size)
+    moe = routes_experts(model)
+    logps, lengths, lp, *routing = sequence_logps(model, batch, chunk_size, routing=moe)
     ref = None
     if spec.needs_reference:
         ref = _reference_logps(batch, frozen, spec, ReferenceSource.of(reference), chunk_size)
@@ -319,6 +329,9 @@ def preference_loss(model, batch, frozen, *, spec: PreferenceLoss, reference: st
         w = batch["nll_weight"].astype(jnp.float32)
         loss_sum = loss_sum + jnp.sum(row_nll * w)
         metrics["nll_loss"] = (jnp.sum(jax.lax.stop_gradient(row_nll)[0::2]), jnp.sum(mask[0::2]))
+    if moe:
+        real = real_tokens(batch["input_ids"], batch.get("attention_mask"))
+        loss_sum, metrics = with_router_terms(router, model, routing[0], real, loss_sum, n, metrics)
     return loss_sum, n, metrics
 
 
@@ -343,6 +356,7 @@ class PreferenceLossFn:
     reference: ReferenceSource = ReferenceSource.MODEL
     chunk_size: int | None = None
     nll_on_prompt: bool = False
+    router: RouterLoss | None = None
     rows_per_example: ClassVar[int] = 2
 
     def __post_init__(self):
@@ -355,13 +369,14 @@ class PreferenceLossFn:
 
     def __call__(self, model, batch, frozen=None):
         return preference_loss(model, batch, frozen or {}, spec=self.spec, reference=self.reference,
-                               chunk_size=self.chunk_size, nll_on_prompt=self.nll_on_prompt)
+                               chunk_size=self.chunk_size, nll_on_prompt=self.nll_on_prompt, router=self.router)
 
 
 def make_preference_loss(spec: PreferenceLoss, *, reference: str = "reference", chunk_size: int | None = None,
-                         nll_on_prompt: bool = False):
-    """The trainer loss for `spec` (a `uses_frozen` loss when it reads a frozen reference model)."""
+                         nll_on_prompt: bool = False, router: RouterLoss | None = None):
+    """The trainer loss for `spec` (a `uses_frozen` loss when it reads a frozen reference model); `router`: a
+    mixture of experts' router terms."""
     reference = ReferenceSource.of(reference)
     fn = PreferenceLossFn(spec, reference if spec.needs_reference else ReferenceSource.NONE, chunk_size or None,
-                          nll_on_prompt)
+                          nll_on_prompt, router)
     return uses_frozen(fn, *fn.names, rows_per_example=2)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 __all__ = ["LossFn", "UsesFrozen", "reduce_metrics", "uses_frozen"]
@@ -23,7 +24,11 @@ LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array
 
 
 def reduce_metrics(metrics: dict[str, Any]) -> dict[str, jax.Array]:
-    """Turns accumulated metrics into values: a (num, den) pair becomes num / den, a scalar stays."""
+    """Turns accumulated metrics into values: a (num, den) pair becomes num / den, a scalar stays. Inside a
+    compiled step (traced values) this is part of the step; on host values (floats, numpy) it computes with numpy
+    (compiling nothing), with the same float32 arithmetic."""
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(metrics)):
+        return _reduce_on_host(metrics)
     out = {}
     for k, v in metrics.items():
         if isinstance(v, (tuple, list)):
@@ -31,6 +36,17 @@ def reduce_metrics(metrics: dict[str, Any]) -> dict[str, jax.Array]:
             out[k] = jnp.asarray(num, jnp.float32) / jnp.maximum(jnp.asarray(den, jnp.float32), 1e-12)
         else:
             out[k] = jnp.asarray(v, jnp.float32)
+    return out
+
+
+def _reduce_on_host(metrics: dict[str, Any]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, (tuple, list)):
+            num, den = (np.asarray(x, np.float32) for x in v)
+            out[k] = np.float32(num / np.maximum(den, np.float32(1e-12)))
+        else:
+            out[k] = np.asarray(v, np.float32)
     return out
 
 

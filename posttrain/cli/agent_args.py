@@ -1,12 +1,19 @@
 """The multi-turn options `posttrain eval` and `posttrain generate` share (`--tools`, `--environment`, limits):
 they fill the same rollout section `posttrain rl` reads (`rollout.tools`, `rollout.environment`, ...), so the
-three commands run the same multi-turn rollout (`posttrain.agent`)."""
+three commands run the same multi-turn rollout (`posttrain.agent`). A limit left unset keeps the section's
+default (`posttrain.agent.rollout.AgentLimits`: the one place the defaults are)."""
 
 from __future__ import annotations
 
 import argparse
 
 from posttrain.config import ConfigError
+
+# the agent's limits: option, its `AgentLimits` key, type, help
+LIMIT_OPTIONS = (("--max-turns", "max_turns", int, "assistant turns per conversation at most"),
+                 ("--max-tool-calls", "max_tool_calls", int, "tool calls per conversation at most"),
+                 ("--max-tool-output-tokens", "max_tool_output_tokens", int, "a tool result is cut after this many tokens"),
+                 ("--tool-timeout", "tool_timeout_s", float, "seconds per tool call"))
 
 
 def add_agent_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,10 +23,8 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--environment", default=None, help="environment class: module:Class or file.py:Class")
     g.add_argument("--tool-format", default="hermes", choices=["hermes", "llama3", "mistral"],
                    help="how the model writes tool calls (default: hermes <tool_call>)")
-    g.add_argument("--max-turns", type=int, default=8, help="assistant turns per conversation at most")
-    g.add_argument("--max-tool-calls", type=int, default=16, help="tool calls per conversation at most")
-    g.add_argument("--max-tool-output-tokens", type=int, default=512, help="a tool result is cut after this")
-    g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds per tool call")
+    for flag, key, kind, text in LIMIT_OPTIONS:
+        g.add_argument(flag, dest=key, type=kind, default=None, help=f"{text} (default: the rollout section's)")
     g.add_argument("--sandbox", default="namespaces", choices=["namespaces", "remote", "process"],
                    help="where the python tool runs model-written code: this kernel's namespaces (default), a "
                         "SandboxFusion service (--sandbox-url), or an unsafe plain process")
@@ -34,11 +39,12 @@ def rollout_section(args):
     tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else []
     try:
         return RolloutConfig(tools=tools, environment=args.environment, tool_format=args.tool_format,
-                             max_turns=args.max_turns, max_tool_calls=args.max_tool_calls,
-                             max_tool_output_tokens=args.max_tool_output_tokens, tool_timeout_s=args.tool_timeout,
-                             sandbox=SandboxConfig(backend=args.sandbox, url=args.sandbox_url))
+                             sandbox=SandboxConfig(backend=args.sandbox, url=args.sandbox_url),
+                             **{key: getattr(args, key) for _, key, _, _ in LIMIT_OPTIONS
+                                if getattr(args, key) is not None})
     except ValueError as e:
-        msg = str(e).replace("rollout.sandbox.backend", "--sandbox").replace("rollout.sandbox.url", "--sandbox-url")
+        msg = (str(e).replace("rollout.sandbox.backend", "--sandbox").replace("rollout.sandbox.url", "--sandbox-url")
+               .replace("rollout.tool_timeout_s", "--tool-timeout"))
         raise ConfigError(msg.replace("rollout.", "--").replace("_", "-")) from None
 
 

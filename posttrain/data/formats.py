@@ -32,6 +32,12 @@ class DataFormatConfig:
       "prompt_completion" (`prompt_field` + `completion_field`; the prompt may be a
       string or a list of chat messages), "text" (`text_field`), or "auto"
       (detected per record in that order of preference).
+    messages_field: the field of a "messages" record holding its chat list (only the assistant turns get loss).
+    prompt_field: the field of a "prompt_completion" record holding the prompt (no loss on it): a string, or a
+      list of chat messages rendered with the chat template.
+    completion_field: the field holding the completion (the loss): a string (an assistant message when the
+      prompt is a message list), or a list of chat messages after a message-list prompt.
+    text_field: the field of a "text" record holding the plain text, all of it trained on.
     tools_field: the optional field of a "messages" record holding the JSON schemas of the tools the
       conversation may call (a list, or a JSON string of one), as TRL's `tools` column. Assistant turns may
       carry OpenAI-style `tool_calls` (content empty) and results come as `tool` messages; they are rendered

@@ -40,8 +40,15 @@ PAIR_KEYS = ("input_ids", "loss_mask", "attention_mask", "positions")
 class PreferenceFormat:
     """Field names and rendering of preference records (see the module docstring).
 
+    prompt_field: the field holding the prompt (a string or a message list; no loss on it); a record without
+      it has an implicit prompt: the common start of its chosen and rejected responses.
+    chosen_field, rejected_field: the fields holding the preferred and the dispreferred response (strings or
+      message lists).
     chat: render text records with the chat template (prompt = a user turn, response = an assistant turn);
-      conversation records always are. system_prompt: a system turn put first when chat renders text.
+      conversation records always are.
+    system_prompt: a system turn put first when chat renders text (a string prompt rendered with the template).
+    add_eos: append the EOS token to each text response (not rendered with the chat template, whose turns end
+      as the template says).
     """
 
     prompt_field: str = "prompt"

@@ -7,9 +7,10 @@ list of parts: `{"type": "text", "text": ...}`, `{"type": "image"}` (its image i
 flattened to one string per message (text parts stripped, as Gemma 3's template does, and joined; each image
 part becomes the begin-of-image token's text, `<start_of_image>` for Gemma 3), so every chat template renders
 them. After tokenising, each begin-of-image id becomes begin-of-image + `mm_tokens_per_image` image placeholder
-ids + end-of-image (`expand_image_tokens`), none of which is a target. The ids and the count are read from the
-checkpoint's `config.json` (`boi_token_index`, `image_token_index`, `eoi_token_index`, `mm_tokens_per_image`) and
-checked against its tokenizer (`VisionSpec.from_checkpoint`). Unlike transformers' `Gemma3Processor`, no
+ids + end-of-image (`expand_image_tokens`), none of which is a target. The ids and the count are those of the
+checkpoint's `config.json` as the model reads them (`posttrain.models.vision_config.VisionConfig.from_hf`:
+`boi_token_index`, `image_token_index`, `eoi_token_index`, `mm_tokens_per_image`), checked against its tokenizer
+(`VisionSpec.from_checkpoint`). Unlike transformers' `Gemma3Processor`, no
 "\\n\\n" is put around an image's tokens: the expansion is in token space, the same for training, evaluation and
 generation here.
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 from posttrain.data.errors import DataError
 from posttrain.data.images import ImageProcessorConfig, check_image, load_image, preprocess_image
+from posttrain.models.vision_config import VisionConfig
 
 __all__ = ["VisionSpec", "ImageRef", "has_images", "prepare_vlm_record", "expand_image_tokens", "check_images",
            "pixel_values", "encode_image_prompt"]
@@ -58,17 +60,17 @@ class VisionSpec:
             raise DataError(f"{path}: cannot read the model config: {e}") from e
         if not cfg.get("vision_config"):
             return None
-        try:
-            boi, eoi = int(cfg["boi_token_index"]), int(cfg["eoi_token_index"])
-            image, n = int(cfg["image_token_index"]), int(cfg["mm_tokens_per_image"])
-        except KeyError as e:
-            raise DataError(f"{path}: a vision-language config needs {e.args[0]!r}") from e
+        try:  # the model's own reading of the VLM fields (one parser: `VisionConfig.from_hf`)
+            vc = VisionConfig.from_hf(cfg, source=str(path))
+        except ValueError as e:
+            raise DataError(str(e)) from None
+        boi = vc.boi_token_id
         boi_text = tokenizer.hf.convert_ids_to_tokens(boi)
         if not boi_text or tokenizer.encode(boi_text, add_special_tokens=False) != [boi]:
             raise DataError(f"{path}: begin-of-image token {boi} ({boi_text!r}) does not encode as itself "
                             "with the checkpoint's tokenizer")
-        size = cfg["vision_config"].get("image_size")
-        return cls(boi, eoi, image, n, boi_text, ImageProcessorConfig.from_folder(folder, image_size=size))
+        return cls(boi, vc.eoi_token_id, vc.image_token_id, vc.mm_tokens_per_image, boi_text,
+                   ImageProcessorConfig.from_folder(folder, image_size=vc.image_size))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from posttrain.models.tokenizer import build_tokenizer
 from posttrain.models.transformer import init_model
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rl.loop import load_rl_config, run_rl
-from posttrain.rollout.prompts import encode_prompt
+from posttrain.rollout.prompts import PromptStyle, encode_prompts
 from posttrain.sampling import ProgramCache, Sampler
 from posttrain.training.sft import load_sft_config, run_sft
 
@@ -113,9 +113,9 @@ def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int,
     model = from_pretrained(path)
     tok = tok_lib.load(path)
     records = read_prompts(str(heldout))
-    ids = [encode_prompt(tok, r["prompt"], chat=False) for r in records]
+    prompts = encode_prompts(records, tok, PromptStyle(chat=False))
     with RewardRunner([RewardSpec("math_answer")], num_workers=1) as runner:
-        e = evaluate(Sampler(model, tok, max_slots=128, program_cache=program_cache), records, ids, runner,
+        e = evaluate(Sampler(model, tok, max_slots=128, program_cache=program_cache), prompts, runner,
                      correctness="math_answer", max_new_tokens=max_new_tokens)
     greedy = e.pop("_greedy")
     e.pop("_sampled")

@@ -28,6 +28,7 @@ from posttrain.models.hf_io import from_pretrained
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rl.config import RolloutConfig
 from posttrain.rl.loop import load_rl_config, run_rl
+from posttrain.rollout.prompts import encode_prompts
 from posttrain.sampling import ProgramCache, Sampler
 from posttrain.training.sft import load_sft_config, run_sft
 
@@ -90,9 +91,9 @@ def evaluate_checkpoint(path: Path, heldout: Path, s: ToolsDemoSettings,
     records = read_prompts(str(heldout))
     agent = build_agent(RolloutConfig(**ROLLOUT, max_new_tokens=s.turn_tokens, max_turns=s.max_turns), tok)
     try:
-        ids = [agent.prompt_ids(agent.first_messages(r)) for r in records]
+        prompts = encode_prompts(records, tok, agent=agent)
         with RewardRunner([RewardSpec("math_answer")], num_workers=1) as runner:
-            e = evaluate(Sampler(model, tok, max_slots=128, program_cache=program_cache), records, ids, runner,
+            e = evaluate(Sampler(model, tok, max_slots=128, program_cache=program_cache), prompts, runner,
                          correctness="math_answer", max_new_tokens=s.turn_tokens, agent=agent)
     finally:
         agent.close()

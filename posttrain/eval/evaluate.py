@@ -1,6 +1,6 @@
 """The one evaluator: greedy pass@1, sampled pass@k (unbiased estimator) and maj@k with a correctness reward.
 
-Used by RL's periodic held-out evaluation (`RLRun.evaluate`), by `posttrain eval` and by the demo. A
+Used by RL's periodic held-out evaluation (`posttrain.rl.steps.evaluate`), by `posttrain eval` and by the demo. A
 problem's samples are drawn once (n >= max k) and every pass@k / maj@k is the exact expectation over the
 k-subsets of those n samples, so the figures do not depend on the order the samples came in:
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from posttrain.rewards.math_answer import extract_answer, to_number
 from posttrain.rewards.reasoning_gym import extract
+from posttrain.rollout.prompts import PromptSet
 from posttrain.rollout.rollouts import correct, generate_rollouts
 from posttrain.sampling import SamplingParams
 
@@ -104,26 +105,23 @@ def _ks(k: int | Sequence[int]) -> list[int]:
     return ks
 
 
-def evaluate(sampler, records: Sequence[dict[str, Any]], prompt_ids: list[list[int]], reward_runner, *,
-             correctness: str | None, max_new_tokens: int, k: int | Sequence[int] = 0, n_samples: int = 0,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, greedy: bool = True,
-             progress: bool = False, agent=None) -> dict[str, Any]:
-    """Greedy pass@1 (`eval/accuracy`), mean reward and length; with k > 0 (an int or a list) also, from
-    n = max(n_samples, k) draws per problem at `temperature`: `eval/pass@1_sampled`, `eval/pass@k` and
-    `eval/maj@k` for every k > 1.
+def evaluate(sampler, prompts: PromptSet, reward_runner, *, correctness: str | None, max_new_tokens: int,
+             k: int | Sequence[int] = 0, n_samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+             seed: int = 0, greedy: bool = True, progress: bool = False, agent=None) -> dict[str, Any]:
+    """Greedy pass@1 (`eval/accuracy`), mean reward and length of `prompts` (a `PromptSet`: each problem's ids,
+    images and record); with k > 0 (an int or a list) also, from n = max(n_samples, k) draws per problem at
+    `temperature`: `eval/pass@1_sampled`, `eval/pass@k` and `eval/maj@k` for every k > 1.
 
     `correctness` names the reward whose value 1.0 means a correct answer (e.g. "math_answer"); without
     one, a completion is correct when its total reward is positive. Besides the metrics, the dict holds
     `_greedy` and `_sampled` (the `Rollouts`, or None) for sample logs and `per_problem`. `agent`: multi-turn
     rollouts with its tools or environment (`posttrain.agent`), then `eval/turns_mean` and `eval/tool_calls_mean`.
     """
-    idx = list(range(len(records)))
-    out: dict[str, Any] = {"eval/num_prompts": len(records)}
+    out: dict[str, Any] = {"eval/num_prompts": len(prompts)}
     g = None
     if greedy:
-        g = generate_rollouts(sampler, records, idx, prompt_ids,
-                              SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), reward_runner,
-                              progress=progress, agent=agent)
+        g = generate_rollouts(sampler, prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
+                              reward_runner, progress=progress, agent=agent)
         out.update({
             "eval/accuracy": float(correct(g, correctness).mean()),
             "eval/reward_mean": float(g.rewards.mean()),
@@ -137,10 +135,10 @@ def evaluate(sampler, records: Sequence[dict[str, Any]], prompt_ids: list[list[i
     if ks:
         n = max(n_samples, *ks)
         sampled = generate_rollouts(
-            sampler, records, idx, prompt_ids,
+            sampler, prompts,
             SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed),
             reward_runner, progress=progress, agent=agent)
-        ok = correct(sampled, correctness).reshape(len(records), n)
+        ok = correct(sampled, correctness).reshape(len(prompts), n)
         answers = [answer_key(t, correctness) for t in sampled.texts]
         c = ok.sum(axis=1)
         out["eval/pass@1_sampled"] = float(np.mean([pass_at_k(n, int(ci), 1) for ci in c]))
@@ -150,7 +148,7 @@ def evaluate(sampler, records: Sequence[dict[str, Any]], prompt_ids: list[list[i
                 continue
             out[f"eval/pass@{kk}"] = float(np.mean([pass_at_k(n, int(ci), kk) for ci in c]))
             out[f"eval/maj@{kk}"] = float(np.mean([maj_at_k(answers[i * n:(i + 1) * n], ok[i] > 0, kk)
-                                                   for i in range(len(records))]))
+                                                   for i in range(len(prompts))]))
     out["_greedy"] = g
     out["_sampled"] = sampled
     return out

@@ -2,7 +2,9 @@
 
 Both take the tokens x [N, D], the gated MLPs' weights gate/up [E, D, F] and down [E, F, D], and the routing
 (`top_idx` [N, k] expert ids, `top_w` [N, k] float32 gate weights), and return
-sum_j top_w[n, j] * down_e(act(gate_e(x_n)) * up_e(x_n)) for e = top_idx[n, j], in x's dtype.
+sum_j top_w[n, j] * down_e(act(gate_e(x_n)) * up_e(x_n)) for e = top_idx[n, j], in x's dtype. An id equal to E (out
+of range) drops its pair: expert parallelism (`posttrain.models.expert_parallel`) marks so the pairs whose expert
+another device holds.
 
 - `grouped`: the N*k (token, expert) pairs sorted by expert, three grouped matmuls over the sorted rows
   (`jax.lax.ragged_dot`, one group per expert), unsorted and summed over k. Work proportional to k; what an
@@ -48,6 +50,7 @@ def grouped(x, gate, up, down, top_idx, top_w, act: str = "silu"):
     f = activation(act)
     h = f(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
     ys = jax.lax.ragged_dot(h.astype(x.dtype), down, sizes)  # [N*k, D]
+    ys = jnp.where((jnp.take(flat, order) < e)[:, None], ys, 0)  # dropped pairs (id E) sort last, outside the groups
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(n, k, -1)  # back to (token, slot)
     return jnp.einsum("nk,nkd->nd", top_w.astype(y.dtype), y, preferred_element_type=jnp.float32).astype(x.dtype)
 

@@ -24,7 +24,6 @@ import os
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -294,8 +293,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", mesh: Me
         sharding = distributed.sharding_for_axes(var, shape, mesh)
         whole: dict[str, np.ndarray] = {}  # tensors read whole (GGUF, non-contiguous blocks): read once
         full = tuple(slice(0, d) for d in shape)
-        if sharding is None:
-            var.set_value(jnp.asarray(_read_param(index, names, per_shape, stacked, full, pdtype, whole)))
+        if sharding is None:  # a plain transfer: jnp.asarray would compile one program per shape
+            var.set_value(jax.device_put(_read_param(index, names, per_shape, stacked, full, pdtype, whole)))
             continue
         blocks: dict[tuple, np.ndarray] = {}  # replicated shards ask for the same block: read it once
 

@@ -12,8 +12,10 @@ with the generic kernel set (`posttrain.models.kernels`) cached calls of many to
 
 Mixtures of experts (`cfg.num_experts`, Qwen3-MoE, Mixtral, Qwen2-MoE): a block's MLP is the router and experts of
 `posttrain.models.moe`; a model with dense layers too (`cfg.moe_layers`) gives every block both and picks one per
-layer with the layer's flag. `model.hidden_states(..., router_logits=True)` also returns the sparse layers' router
-logits (for the load-balancing loss).
+layer with the layer's flag. With `routing=True` every call above returns one more element, a `moe.Routing`: the
+sparse layers' router logits (for the router losses, `posttrain.models.moe_loss`) and the router's own top-k
+expert ids [B, T, L_sparse, k] (int8/int16, what a sampler records), from the same pass. `replay=` expert ids of
+that shape route every token to the given experts (routing replay, `posttrain.models.moe`).
 
 Vision-language checkpoints (`cfg.vision`, Gemma 3) add a SigLIP tower (`vision_tower`) and the projector
 (`multi_modal_projector`); every call above also takes `pixel_values=` [N, C, H, W] float (the processor's
@@ -38,7 +40,7 @@ from posttrain.models.config import ModelConfig
 from posttrain.models import multimodal
 from posttrain.models.layers import MLP, Embed, Linear, RMSNorm, dtype_of, rope_tables
 from posttrain.models.mm_projector import Gemma3Projector
-from posttrain.models.moe import SparseMoE
+from posttrain.models.moe import Routing, SparseMoE, experts_dtype
 from posttrain.models.siglip import SiglipEncoder
 
 
@@ -63,30 +65,36 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs) if cfg.has_dense_mlp else None
         self.moe = SparseMoE(cfg, rngs) if cfg.is_moe else None
 
-    def ffn(self, x, moe_l=None):
-        """(The dense MLP's or the experts' output, the router logits [B*T, E] or None) per the layer's flag `moe_l`
-        (a bool array under scan; a dense layer of a mixed model gives zero logits)."""
+    def ffn(self, x, moe_l=None, replay=None, mesh=None):
+        """(The dense MLP's or the experts' output, the router's (logits [B*T, E], own ids [B*T, k]) or None) per
+        the layer's flag `moe_l` (a bool array under scan; a dense layer of a mixed model gives zeros)."""
         if self.moe is None:
             return self.mlp(x), None
         if self.mlp is None:
-            return self.moe(x, with_logits=True)
+            y, logits, own = self.moe(x, replay, mesh)
+            return y, (logits, own)
+
+        def sparse(h):
+            y, logits, own = self.moe(h, replay, mesh)
+            return y, (logits, own)
 
         def dense(h):
             y = self.mlp(h)
-            return y, jnp.zeros((h.shape[0] * h.shape[1], self.moe.num_experts), y.dtype)
+            n = h.shape[0] * h.shape[1]
+            return y, (jnp.zeros((n, self.moe.num_experts), y.dtype), jnp.zeros((n, self.moe.top_k), jnp.int32))
 
-        return jax.lax.cond(moe_l, lambda h: self.moe(h, with_logits=True), dense, x)
+        return jax.lax.cond(moe_l, sparse, dense, x)
 
-    def __call__(self, x, moe_l=None, **attn_kw):
-        """(x after the block, the layer's new cache arrays, its router logits or None)."""
+    def __call__(self, x, moe_l=None, replay=None, mesh=None, **attn_kw):
+        """(x after the block, the layer's new cache arrays, its router output (logits, own ids) or None)."""
         h, new_cache = self.self_attn(self.input_layernorm(x), **attn_kw)
         if self.pre_feedforward_layernorm is not None:  # Gemma 2/3
             x = x + self.post_attention_layernorm(h)
-            h, router = self.ffn(self.pre_feedforward_layernorm(x), moe_l)
+            h, router = self.ffn(self.pre_feedforward_layernorm(x), moe_l, replay, mesh)
             h = self.post_feedforward_layernorm(h)
         else:
             x = x + h
-            h, router = self.ffn(self.post_attention_layernorm(x), moe_l)
+            h, router = self.ffn(self.post_attention_layernorm(x), moe_l, replay, mesh)
         return x + h, new_cache, router
 
 
@@ -182,82 +190,116 @@ class Transformer(nnx.Module):
 
     @_traced_at_model_precision
     def hidden_states(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
-                      layer_states=None, pixel_values=None, image_embeds=None, router_logits=False):
-        """Final-norm hidden states [B, T, D] (compute dtype), and the updated cache when one is given.
+                      layer_states=None, pixel_values=None, image_embeds=None, routing=False, replay=None):
+        """(final-norm hidden states [B, T, D] (compute dtype), the updated cache or None without one).
 
         Without a cache the layers run under `lax.scan` (or unrolled, per `cfg.scan_layers`). With a
         `KVCache` (sampling) they are unrolled, each layer updating its own cache arrays in place, except
         that the generic kernel set scans calls of more than one token (prefill; `cfg.scan_layers`);
         `layer_states` (from `layer_states()`) supplies the per-layer weights already sliced.
         `pixel_values` / `image_embeds`: the images of a vision-language model (module docstring).
-        `router_logits` (a mixture of experts, no cache): return (hidden states, the sparse layers' router logits
-        [L_sparse, B*T, E]) instead, e.g. for the load-balancing loss (`posttrain.models.moe_loss`).
+        A mixture of experts: `routing=True` appends a `moe.Routing` (router logits [L_sparse, B*T, E], the
+        router's own ids [B, T, L_sparse, k]); `replay` [B, T, L_sparse, k] int routes to the given experts
+        (`posttrain.models.moe`: gate weights from the current router; a negative entry: the router's own choice).
         """
-        if router_logits and (cache is not None or not self.cfg.is_moe):
-            raise ValueError("router_logits needs a mixture-of-experts model and a call without a cache")
         cfg = self.cfg
+        if (routing or replay is not None) and not cfg.is_moe:
+            raise ValueError(f"routing and replay need a mixture-of-experts model ({cfg.model_type} has no experts)")
         attention_mask, positions = self._inputs(input_ids, attention_mask, positions, segment_ids)
         x, blocks = self._embed_inputs(input_ids, pixel_values, image_embeds)
         x = distributed.constrain(x, ("batch", "seq", "act_embed"), self.mesh)
         glob, loc = self._rope(positions)
-        flags = [jnp.asarray([s, m]) for s, m in zip(cfg.sliding_layers, cfg.moe_layers)]  # per layer: window, experts
+        flags = jnp.asarray([[s, m] for s, m in zip(cfg.sliding_layers, cfg.moe_layers)])  # per layer: window, experts
+        replays = self._layer_replay(replay, input_ids.shape)
         graphdef, layer_state = nnx.split(self.layers)
 
-        def run_layer(h, state_l, flags_l, mask_info, cache_kv):
+        def run_layer(h, state_l, flags_l, mask_info, cache_kv, replay_l):
             block = nnx.merge(graphdef, state_l)
             sliding_l = flags_l[0]
             rope = glob if loc is None else jax.tree.map(lambda g, lo: jnp.where(sliding_l, lo, g), glob, loc)
-            h, new_kv, router = block(h, moe_l=flags_l[1], rope=rope, mask_info=mask_info, sliding=sliding_l,
-                                      positions=positions, cache_kv=cache_kv)
-            return distributed.constrain(h, ("batch", "seq", "act_embed"), self.mesh), new_kv, router
+            h, new_kv, router = block(h, moe_l=flags_l[1], replay=replay_l, mesh=self.mesh, rope=rope,
+                                      mask_info=mask_info, sliding=sliding_l, positions=positions, cache_kv=cache_kv)
+            h = distributed.constrain(h, ("batch", "seq", "act_embed"), self.mesh)
+            return h, new_kv, (router if routing else None)
 
         if cache is not None:
-            cache = cache.mark(positions, attention_mask)
-            cached_info = None
-            if blocks is not None:  # a prefill with images: each image's tokens also see the ones after them
-                kb = multimodal.cache_blocks(blocks, positions, cache.max_len)
-                cached_info = {"image_overlay": multimodal.same_image(blocks, kb)}
-            ks = kernels_lib.get(cfg)
-            if ks.scan_prefill and cfg.scan_layers and input_ids.shape[1] > 1 and layer_states is None:
-                def cached_body(h, xs):
-                    state_l, flags_l, k_l, v_l = xs
-                    h, kv, _ = run_layer(h, state_l, flags_l, cached_info, (k_l, v_l, cache.valid))
-                    return h, kv
+            x, cache, routers = self._cached_layers(run_layer, x, layer_state, flags, replays, layer_states,
+                                                    cache.mark(positions, attention_mask), blocks, positions)
+        else:
+            mask_info = _mask_info(input_ids.shape[1], attention_mask, segment_ids, blocks, positions)
+            x, routers = self._uncached_layers(run_layer, x, layer_state, flags, replays, mask_info)
+        out = (self.norm(x), cache)
+        return out + (self._routing(routers, *input_ids.shape),) if routing else out
 
-                x, (k_all, v_all) = jax.lax.scan(cached_body, x, (layer_state, jnp.stack(flags),
-                                                                  jnp.stack(cache.k), jnp.stack(cache.v)))
-                return self.norm(x), KVCache(tuple(k_all[i] for i in range(cfg.num_layers)),
-                                             tuple(v_all[i] for i in range(cfg.num_layers)), cache.valid)
-            if layer_states is None:
-                layer_states = _unstack(layer_state, cfg.num_layers)
-            ks, vs = list(cache.k), list(cache.v)
-            for i in range(cfg.num_layers):
-                x, (ks[i], vs[i]), _ = run_layer(x, layer_states[i], flags[i], cached_info,
-                                                 (ks[i], vs[i], cache.valid))
-            return self.norm(x), KVCache(tuple(ks), tuple(vs), cache.valid)
+    def _cached_layers(self, run_layer, x, layer_state, flags, replays, layer_states, cache, blocks, positions):
+        """The layers of a cached call (`hidden_states`): (x, the new cache, stacked router outputs or None)."""
+        cfg = self.cfg
+        info = None
+        if blocks is not None:  # a prefill with images: each image's tokens also see the ones after them
+            kb = multimodal.cache_blocks(blocks, positions, cache.max_len)
+            info = {"image_overlay": multimodal.same_image(blocks, kb)}
+        n = cfg.num_layers
+        if kernels_lib.get(cfg).scan_prefill and cfg.scan_layers and x.shape[1] > 1 and layer_states is None:
+            def body(h, xs):
+                state_l, flags_l, k_l, v_l, replay_l = xs
+                h, kv, router = run_layer(h, state_l, flags_l, info, (k_l, v_l, cache.valid), replay_l)
+                return h, (kv, router)
 
-        mask_info = _mask_info(input_ids.shape[1], attention_mask, segment_ids, blocks, positions)
+            x, ((k_all, v_all), routers) = jax.lax.scan(
+                body, x, (layer_state, flags, jnp.stack(cache.k), jnp.stack(cache.v), replays))
+            return x, KVCache(tuple(k_all[i] for i in range(n)), tuple(v_all[i] for i in range(n)),
+                              cache.valid), routers
+        if layer_states is None:
+            layer_states = _unstack(layer_state, n)
+        ks, vs, routers = list(cache.k), list(cache.v), []
+        for i in range(n):
+            x, (ks[i], vs[i]), r = run_layer(x, layer_states[i], flags[i], info, (ks[i], vs[i], cache.valid),
+                                             None if replays is None else replays[i])
+            routers.append(r)
+        return x, KVCache(tuple(ks), tuple(vs), cache.valid), _stack(routers)
+
+    def _uncached_layers(self, run_layer, x, layer_state, flags, replays, mask_info):
+        """The layers of a call without a cache, scanned or unrolled, rematerialised per `cfg.remat`:
+        (x, stacked router outputs or None)."""
+        cfg = self.cfg
 
         def body(h, xs):
-            state_l, flags_l = xs
-            h, _, router = run_layer(h, state_l, flags_l, mask_info, None)
-            return h, (router if router_logits else None)
+            state_l, flags_l, replay_l = xs
+            h, _, router = run_layer(h, state_l, flags_l, mask_info, None, replay_l)
+            return h, router
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=kernels_lib.get(cfg).remat_policy(cfg.remat),
                                   prevent_cse=not cfg.scan_layers)
-        flags = jnp.stack(flags)
         if cfg.scan_layers:
-            x, routers = jax.lax.scan(body, x, (layer_state, flags))
-        else:
-            routers = []
-            for state_l, flags_l in zip(_unstack(layer_state, cfg.num_layers), flags):
-                x, r = body(x, (state_l, flags_l))
-                routers.append(r)
-            routers = jnp.stack(routers) if router_logits else None
-        if router_logits:  # the sparse layers' [L_sparse, B*T, E]
-            return self.norm(x), routers[jnp.asarray([i for i, m in enumerate(cfg.moe_layers) if m])]
-        return self.norm(x), None
+            return jax.lax.scan(body, x, (layer_state, flags, replays))
+        routers = []
+        for i, state_l in enumerate(_unstack(layer_state, cfg.num_layers)):
+            x, r = body(x, (state_l, flags[i], None if replays is None else replays[i]))
+            routers.append(r)
+        return x, _stack(routers)
+
+    def _layer_replay(self, replay, shape) -> jax.Array | None:
+        """Replayed ids [B, T, L_sparse, k] -> per layer [L, B*T, k] int32 (a dense layer's rows unused)."""
+        if replay is None:
+            return None
+        cfg = self.cfg
+        b, t = shape
+        sparse = [i for i, m in enumerate(cfg.moe_layers) if m]
+        want = (b, t, len(sparse), cfg.num_experts_per_tok)
+        if tuple(replay.shape) != want:
+            raise ValueError(f"replay has shape {tuple(replay.shape)}, expected {want} (batch, tokens, sparse "
+                             "layers, experts per token)")
+        per_sparse = jnp.moveaxis(jnp.asarray(replay).reshape(b * t, len(sparse), -1), 1, 0).astype(jnp.int32)
+        return per_sparse[jnp.asarray([sparse.index(i) if m else 0 for i, m in enumerate(cfg.moe_layers)])]
+
+    def _routing(self, routers, b: int, t: int) -> Routing:
+        """The sparse layers' router outputs, stacked over all layers [L, B*T, ...], as a `Routing`."""
+        cfg = self.cfg
+        sparse = jnp.asarray([i for i, m in enumerate(cfg.moe_layers) if m])
+        logits, own = routers[0][sparse], routers[1][sparse]  # [Ls, N, E], [Ls, N, k]
+        experts = jnp.transpose(own.reshape(own.shape[0], b, t, -1), (1, 2, 0, 3))
+        return Routing(logits=logits, experts=experts.astype(experts_dtype(cfg.num_experts)))
 
     def output_kernel(self) -> jax.Array:
         """The LM head as a [D, V] matrix (the embedding transposed when tied)."""
@@ -280,13 +322,17 @@ class Transformer(nnx.Module):
         return out
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None, segment_ids=None, cache=None,
-                 layer_states=None, pixel_values=None, image_embeds=None):
-        h, new_cache = self.hidden_states(
+                 layer_states=None, pixel_values=None, image_embeds=None, routing=False, replay=None):
+        """float32 logits [B, T, V]; with a cache (logits, cache); `routing=True` appends a `moe.Routing`."""
+        h, *rest = self.hidden_states(
             input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids, cache=cache,
-            layer_states=layer_states, pixel_values=pixel_values, image_embeds=image_embeds,
+            layer_states=layer_states, pixel_values=pixel_values, image_embeds=image_embeds, routing=routing,
+            replay=replay,
         )
         logits = self.logits(h)
-        return logits if cache is None else (logits, new_cache)
+        if cache is None:
+            rest = rest[1:]  # the None cache slot
+        return (logits, *rest) if rest else logits
 
 
 def _mask_info(t: int, attention_mask, segment_ids, blocks, positions) -> dict:
@@ -307,6 +353,13 @@ def _mask_info(t: int, attention_mask, segment_ids, blocks, positions) -> dict:
     base = base | (qi == ki)  # a padding query attends to itself only: no empty softmax rows
     # causal: no query sees a later column (images' bidirectional blocks break it)
     return {"base": base, "q_index": positions[:, :, None], "k_index": positions[:, None, :], "causal": blocks is None}
+
+
+def _stack(outputs: list):
+    """Per-layer pytrees (or Nones) stacked on a leading layer axis (None when they are None)."""
+    if outputs[0] is None:
+        return None
+    return jax.tree.map(lambda *a: jnp.stack(a), *outputs)
 
 
 def _unstack(layer_state: nnx.State, n: int) -> list[nnx.State]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from posttrain.rollout.rollouts import Rollouts
 
-__all__ = ["RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs", "stack_images"]
+__all__ = ["RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs", "place_experts", "stack_images"]
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +43,12 @@ class RLBatch:
     pixel_values [N, M, 3, H, W] | None: a vision-language batch's images, row r's in prompt order, blank
       (zero) images after them (`posttrain.algorithms.sft.images_in_order` orders them for the model); None
       for text (the same compiled programs as before).
+    image_counts [N] int32 | None: how many of row r's `pixel_values` are its own (the rest are blanks); what
+      packing (`posttrain.rl.packing`) needs to lay a packed row's images out; None for text.
+    routed_experts [N, T, L_sparse, k] int8/int16 | None: routing replay (a mixture of experts): the experts the
+      sampler routed the token in each column to, aligned with input_ids; -1 where nothing was recorded (padding,
+      and each sequence's last token, which the sampler never fed). The policy's passes route to them
+      (`posttrain.rl.loss`); None without replay.
     """
 
     input_ids: np.ndarray
@@ -55,6 +61,8 @@ class RLBatch:
     ref_logp: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
     pixel_values: np.ndarray | None = None
+    image_counts: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(np.shape(self.input_ids)[0])
@@ -69,13 +77,16 @@ class RLBatch:
         """pi_old's log-probs: `old_logp`, or the behaviour log-probs while it is not set."""
         return self.behaviour_logp if self.old_logp is None else self.old_logp
 
-    def model_inputs(self) -> dict[str, np.ndarray]:
-        """The arrays a forward pass reads (`Trainer.token_logprobs`, `FrozenScorer`), by their model names."""
+    def model_inputs(self, replay: bool = False) -> dict[str, np.ndarray]:
+        """The arrays a forward pass reads (`Trainer.token_logprobs`, `FrozenScorer`), by their model names;
+        with `replay` also the recorded experts as `replay` when the batch has them (the policy's passes)."""
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "positions": self.positions}
         if self.segment_ids is not None:
             out["segment_ids"] = self.segment_ids
         if self.pixel_values is not None:
             out["pixel_values"] = self.pixel_values
+        if replay and self.routed_experts is not None:
+            out["replay"] = self.routed_experts
         return out
 
     def replace(self, **changes) -> "RLBatch":
@@ -99,6 +110,7 @@ def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: n
     rollouts (`rollouts.completion_mask`) have loss mask 1 on sampled tokens only; the trajectory's advantage
     is then spread over them (a per-sequence advantage applies to every token with mask 1).
     `images` (image prompts): row i's prompt images, pixel arrays [3, H, W] (`stack_images`).
+    Rollouts with recorded experts (`rollouts.routed_experts`, routing replay) fill `routed_experts`.
     """
     n = len(rollouts)
     p = bucket_length(max(len(x) for x in rollouts.prompt_ids), multiple)
@@ -119,7 +131,21 @@ def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: n
     positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
     return RLBatch(input_ids=input_ids, attention_mask=attention_mask, positions=positions, loss_mask=loss_mask,
                    advantages=np.asarray(advantages, np.float32), behaviour_logp=behaviour_logp,
-                   pixel_values=None if images is None else stack_images(images))
+                   pixel_values=None if images is None else stack_images(images),
+                   image_counts=None if images is None else np.asarray([len(r) for r in images], np.int32),
+                   routed_experts=place_experts(rollouts, p, p + c) if rollouts.routed_experts else None)
+
+
+def place_experts(rollouts: Rollouts, p: int, t: int) -> np.ndarray:
+    """The rollouts' recorded experts [N, t, L_sparse, k] in the batch layout: sample i's row j (the token at
+    position j of prompt + completion) at column p - len(prompt) + j; -1 elsewhere (module docstring)."""
+    first = np.asarray(rollouts.routed_experts[0])
+    dtype = np.result_type(*(np.asarray(x).dtype for x in rollouts.routed_experts))
+    out = np.full((len(rollouts), t, *first.shape[1:]), -1, dtype)
+    for i, (prompt, experts) in enumerate(zip(rollouts.prompt_ids, rollouts.routed_experts)):
+        start = p - len(prompt)
+        out[i, start: start + len(experts)] = experts
+    return out
 
 
 def stack_images(rows) -> np.ndarray:

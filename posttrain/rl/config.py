@@ -1,17 +1,21 @@
 """Typed config of an RL run (`posttrain rl CONFIG.yaml key=value ...`): the shared run sections (`RunConfig`)
 plus prompts, rollouts, the algorithm, the learner, rewards, evaluation, curation and the fleet.
 
-The algorithm section starts from a named preset (`grpo`, `dr_grpo`, `dapo`, `gspo`, `rloo`: typed classes in
-`posttrain.algorithms.registry`, which hold the defaults) and any field set to a value overrides the preset's.
-How a rollout batch is trained on (epochs, minibatches, old log-probs, off-policy correction) is the learner's.
+The algorithm section is the typed preset itself (`posttrain.algorithms.registry.GRPOFamily`): `preset` names one
+(`grpo`, `dr_grpo`, `dapo`, `gspo`, `rloo`: classes which hold the defaults) and any other key set overrides that
+preset's value. How a rollout batch is trained on (epochs, minibatches, old log-probs, off-policy correction) is
+the learner's. The rollout section holds the agent's limits (`posttrain.agent.rollout.AgentLimits`, whose keys
+and defaults it takes as they are).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
+from posttrain.agent.rollout import AgentLimits
+from posttrain.algorithms.registry import PRESETS, GRPOFamily
 from posttrain.config import at_least
 from posttrain.tools.python_sandbox import SandboxConfig
 from posttrain.training.config import OptimConfig, RunConfig, TrainerConfig
@@ -23,10 +27,21 @@ class PromptData:
     `reasoning_gym:TASK?size=N&seed=S`), with field names.
 
     Every other column (e.g. `answer`) is passed to the rewards as a keyword argument.
+    train: the training prompt set (required).
+    eval: the held-out prompt set of the periodic evaluation (the `eval` section); None = none.
     prompt_field: the column holding the prompt; left at `prompt` and absent from the first record, the first of
       question, problem, messages it has (as `posttrain eval`); with `rollout.environment`, none is needed
       (the environment's `reset` makes the conversation).
     chat: render prompts with the tokenizer's chat template (a `messages` list always is).
+    system_prompt: a system turn put first in a prompt rendered with the chat template that has none (text with
+      `chat`, message lists, the first messages of tool rollouts; not an environment's nor image prompts);
+      None = none.
+    shuffle: draw the training prompts in a random order, a fresh permutation each pass over the set (false:
+      file order).
+    seed: seed of that order (sampling draws from `trainer.seed`).
+    max_prompt_tokens: a prompt longer than this many tokens (as rendered) is a config error naming its file
+      and line.
+    eval_limit: evaluate only the first N held-out prompts; 0 = all of them.
     """
 
     train: str = ""
@@ -37,26 +52,43 @@ class PromptData:
     shuffle: bool = True
     seed: int = 0
     max_prompt_tokens: int = 512
-    eval_limit: int = 0  # 0 = every held-out prompt
+    eval_limit: int = 0
 
 
 @dataclasses.dataclass
-class RolloutConfig:
+class RolloutConfig(AgentLimits):
     """Sampling of the G completions per prompt (G = group_size).
 
-    Multi-turn rollouts (`posttrain.agent`), on when `tools` or `environment` is set: `tools` are references
-    like reward functions (`calculator`, `posttrain.tools:calculator`, `my_tools.py:search`); `environment` a
-    class (`my_env.py:Wordle`) whose public typed methods are tools too. `tool_format`: how the model writes
-    calls (hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`). Limits per trajectory: `max_turns`
-    assistant turns, `max_tool_calls` calls in all, `max_tool_output_tokens` per result (cut with a marker),
-    `tool_timeout_s` per call; `tool_workers` processes run the calls; `sandbox`: where the built-in `python`
-    tool runs model-written code (`posttrain.tools.python_sandbox.SandboxConfig`: the kernel's namespaces by
-    default, a SandboxFusion service, or an explicitly unsafe plain process). `max_new_tokens` is then each turn's
-    budget, and `max_total_tokens` the trajectory's after the prompt, sampled and appended tokens together
-    (0: max_turns x max_new_tokens); an append past it ends the trajectory as `truncated`.
-    An environment's `reset`, `step`, `reward` and tool methods get `tool_timeout_s` too; one that times out,
-    raises or returns the wrong type ends its trajectory (`agent/env_errors`), and when more than
-    `max_env_error_fraction` of one step's trajectories end so, the run stops with an error (1: never).
+    Multi-turn rollouts (`posttrain.agent`) are on when `tools` or `environment` is set. The limits per
+    trajectory (`max_turns`, `max_tool_calls`, `max_tool_output_tokens`, `tool_timeout_s`, `max_total_tokens`)
+    are `AgentLimits`' keys, with its defaults; `max_new_tokens` is then each turn's budget, and
+    `max_total_tokens` (0: max_turns x max_new_tokens) the trajectory's after the prompt: an append past it ends
+    the trajectory as `truncated`.
+
+    batch_prompts: prompts (groups) per trainer step (B): a step trains on B x group_size completions.
+    group_size: completions sampled per prompt (G); their rewards give the group-relative advantages (rloo
+      needs at least 2).
+    max_new_tokens: tokens sampled per completion at most (a multi-turn trajectory's: per assistant turn); the
+      held-out evaluation's budget too.
+    temperature: sampling temperature of the training rollouts (0 = greedy; the held-out pass@k draws have
+      `eval.temperature`).
+    top_p: nucleus sampling: keep the smallest set of most likely tokens whose mass reaches top_p (1 = off).
+    top_k: keep the k most likely tokens (0 = off).
+    max_slots: sequences the sampler decodes at once (its KV cache's batch; every decode step computes all of
+      them, and more sequences wait for a free slot); 0 = batch_prompts x group_size. On the fleet: per worker.
+    stop_token_ids: token ids that end a completion (kept in it); None = the model's end-of-sequence ids; []
+      = always sample max_new_tokens.
+    tools: tool references, like reward functions (`calculator`, `posttrain.tools:calculator`,
+      `my_tools.py:search`); the built-in `python` runs in `sandbox`.
+    environment: an environment class (`my_env.py:Wordle`) whose `reset` makes each conversation and whose
+      public typed methods are tools too; None = none.
+    tool_format: how the model writes calls: hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`.
+    tool_workers: processes that run the tool calls (an environment's methods run in threads of the run).
+    max_env_error_fraction: an environment method that times out, raises or returns the wrong type ends its
+      trajectory (`agent/env_errors`); when more than this fraction of one step's trajectories end so, the run
+      stops with an error (1: never).
+    sandbox: where the built-in `python` tool runs model-written code (`posttrain.tools.python_sandbox.SandboxConfig`:
+      the kernel's namespaces by default, a SandboxFusion service, or an explicitly unsafe plain process).
     """
 
     batch_prompts: int = 8
@@ -65,17 +97,12 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_slots: int = 0  # concurrent sequences in the sampler (0 = all of a step's rollouts)
+    max_slots: int = 0
     stop_token_ids: list[int] | None = None
     tools: list[str] = dataclasses.field(default_factory=list)
     environment: str | None = None
     tool_format: Literal["hermes", "llama3", "mistral"] = "hermes"
-    max_turns: int = 8
-    max_tool_calls: int = 16
-    max_tool_output_tokens: int = 512
-    tool_timeout_s: float = 10.0
     tool_workers: int = 4
-    max_total_tokens: int = 0
     max_env_error_fraction: float = 0.5
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
 
@@ -86,18 +113,11 @@ class RolloutConfig:
     @property
     def completion_budget(self) -> int:
         """Tokens after the prompt at most: max_new_tokens, or a multi-turn trajectory's total."""
-        if not self.multi_turn:
-            return self.max_new_tokens
-        return self.max_total_tokens or self.max_turns * self.max_new_tokens
+        return self.budget(self.max_new_tokens) if self.multi_turn else self.max_new_tokens
 
     def __post_init__(self):
-        at_least("rollout.max_turns", self.max_turns, 1)
-        at_least("rollout.max_tool_calls", self.max_tool_calls, 0)
-        at_least("rollout.max_tool_output_tokens", self.max_tool_output_tokens, 1)
+        super().__post_init__()
         at_least("rollout.tool_workers", self.tool_workers, 1)
-        at_least("rollout.max_total_tokens", self.max_total_tokens, 0, "0 = max_turns x max_new_tokens")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"rollout.tool_timeout_s must be > 0, found {self.tool_timeout_s}")
         if not 0 <= self.max_env_error_fraction <= 1:
             raise ValueError("rollout.max_env_error_fraction must be between 0 and 1 (1: never stop), found "
                              f"{self.max_env_error_fraction}")
@@ -122,6 +142,11 @@ class LearnerConfig:
       takes whichever layout computes least (`posttrain.rl.packing.pack_cheapest`: a longer row pays more
       attention). The loss and its gradient are the padded batch's. None (the default): on, unless the prompts
       carry images (those train on padded batches); `false` with `pack: false` gives padded batches.
+    routing_replay: a mixture of experts' routing replay: the sampler records the experts it routed every token to
+      (in-process and on the fleet, through multi-turn continuations), and the learner's log-prob recomputation
+      and update route each token to them, gate weights from the current router over them
+      (`posttrain.models.moe`); logs `moe/router_agreement` (how often the trainer's own router chose the same
+      experts, in the same pass). The reference model (beta > 0) does not replay. A dense model: a config error.
     """
 
     ppo_epochs: int = 1
@@ -132,6 +157,7 @@ class LearnerConfig:
     max_resample_rounds: int = 3
     pack: bool = False
     share_prompts: bool | None = None
+    routing_replay: bool = False
 
     def __post_init__(self):
         at_least("learner.ppo_epochs", self.ppo_epochs, 1)
@@ -140,39 +166,16 @@ class LearnerConfig:
 
 
 @dataclasses.dataclass
-class AlgorithmConfig:
-    """The GRPO-family algorithm: a preset plus overrides (None = keep the preset's value)."""
-
-    # keys that were here and live elsewhere now: an old config naming one gets a ConfigError naming the new key
-    MOVED_KEYS: ClassVar[dict[str, str]] = {f.name: f"learner.{f.name}" for f in dataclasses.fields(LearnerConfig)}
-
-    preset: Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo"] = "grpo"
-    advantage: Literal["grpo", "dr_grpo", "rloo"] | None = None
-    ratio_level: Literal["token", "sequence"] | None = None
-    epsilon_low: float | None = None
-    epsilon_high: float | None = None
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] | None = None
-    beta: float | None = None
-    kl_estimator: Literal["k1", "k2", "k3"] | None = None
-    dynamic_sampling: bool | None = None
-    overlong_filtering: bool | None = None
-    overlong_penalty: bool | None = None
-
-    def resolved(self):
-        """The typed preset (`posttrain.algorithms.registry.GRPOFamily`, the one source of the defaults) with
-        every field set here applied."""
-        # lazy: algorithms/ loads JAX; the config classes import without it
-        from posttrain.algorithms.registry import get_preset
-
-        settings = dataclasses.asdict(self)
-        name = settings.pop("preset")
-        return get_preset(name, **{k: v for k, v in settings.items() if v is not None})
-
-
-@dataclasses.dataclass
 class RewardConfig:
     """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`, `reasoning_gym`), `module:function`
-    or `file.py:function`."""
+    or `file.py:function`.
+
+    name: which reward: a built-in name (also `exact_answer`), `module:function` or `file.py:function`; a
+      completion's reward is the weighted sum over `rewards.functions`.
+    weight: this reward's factor in that sum.
+    kwargs: settings of a reward factory (e.g. `overlong_penalty`'s max_length and cache_length), or else
+      keyword arguments passed to every call.
+    """
 
     name: str = "math_answer"
     weight: float = 1.0
@@ -181,28 +184,64 @@ class RewardConfig:
 
 @dataclasses.dataclass
 class RewardsSection:
+    """The rewards of the sampled completions (`posttrain.rewards`): their functions, which one says "correct",
+    and how failures and time limits are handled.
+
+    functions: the rewards (a list of `name`, `weight`, `kwargs`); a completion's reward is their weighted sum.
+    correctness: the reward whose value >= 1 means a correct answer (accuracy, pass@k and maj@k, whose answers
+      its extractor reads, and curation's pass rates); None (or a name not among functions): a total reward > 0
+      is correct.
+    timeout_s: seconds for one reward call on one chunk of (8) completions; past it they get failure_value.
+    failure_value: the value a reward gives a completion where it raised, timed out, or returned the wrong
+      length, a NaN or a non-number (counted in `reward/<name>/failures`).
+    num_workers: processes that run the reward calls; 0 = in this process (its time limit then soft).
+    max_failed_steps: stop the run when a reward has failed on every completion in this many scoring calls in
+      a row (one call per sampled batch of groups: a lease's); 0 = never.
+    """
+
     functions: list[RewardConfig] = dataclasses.field(default_factory=lambda: [RewardConfig()])
-    correctness: str | None = "math_answer"  # the reward whose 1.0 means "correct" (accuracy metrics)
+    correctness: str | None = "math_answer"
     timeout_s: float = 10.0
     failure_value: float = 0.0
     num_workers: int = 2
-    max_failed_steps: int = 3  # stop when a reward fails on every completion this many scoring calls in a row (0: never)
+    max_failed_steps: int = 3
 
 
 @dataclasses.dataclass
 class EvalConfig:
-    every: int = 0  # steps between held-out evaluations (0 = only at the start and end)
+    """The held-out evaluation of `data.eval` with the trainer's current weights (`posttrain.eval`): greedy
+    accuracy (`eval/accuracy`), mean reward and length, and optionally sampled pass@k and maj@k.
+
+    every: trainer steps between held-out evaluations; 0 = only at the start and the end (the last step always
+      evaluates).
+    at_start: evaluate before the first step of a fresh run (logged as step 0: the baseline).
+    k: also sample each problem n = max(n_samples, k) times and report `eval/pass@1_sampled` and, for k > 1,
+      `eval/pass@k` and `eval/maj@k` (exact expectations over those n draws); 0 = greedy accuracy only.
+    n_samples: draws per problem for pass@k (at least k); ignored when k is 0.
+    temperature: sampling temperature of the pass@k draws (the greedy pass is at 0).
+    log_samples: greedy completions written to samples.jsonl per evaluation; also how many multi-turn
+      trajectories (plus as many the environment failed) go to trajectories.jsonl per logged training step.
+    """
+
+    every: int = 0
     at_start: bool = True
-    k: int = 0  # pass@k with n_samples draws (0 = greedy pass@1 only)
+    k: int = 0
     n_samples: int = 0
     temperature: float = 1.0
-    log_samples: int = 4  # completions written to samples.jsonl per evaluation and logged as text
+    log_samples: int = 4
 
 
 @dataclasses.dataclass
 class CurationConfig:
     """Skip prompts that no longer teach anything (RLAX): a prompt whose last `window` trained groups were all
-    solved (or all unsolved) is not sampled again. window 0 = off."""
+    solved (or all unsolved) is not sampled again. window 0 = off.
+
+    window: trained groups of a prompt looked at (its last ones); 0 = curation off. When every prompt is
+      curated, they are sampled anyway until one leaves curation (counted in curation/exhausted_passes).
+    skip_always_solved: skip a prompt whose every completion was correct (`rewards.correctness`) in each of its
+      last `window` groups.
+    skip_never_solved: skip a prompt none of whose completions was correct in those groups.
+    """
 
     window: int = 0
     skip_always_solved: bool = True
@@ -240,12 +279,23 @@ class FleetConfig:
 
     max_staleness: versions a trained group may lag the weights it updates (0 = synchronous RL).
     publish_every: trainer steps between weight publications (at most max_staleness + 1).
+    keep_versions: published weight versions the parameter server holds (the newest ones; older ones are
+      dropped); workers always pull the newest.
     lease_groups: prompt groups per worker request (0 = batch_prompts / workers, rounded up).
+    lease_timeout_s: a lease not completed within this many seconds goes back to the queue and its worker is
+      killed (Ray restarts it).
     transfer_dtype: "bfloat16" halves the published weights (floating arrays) on the wire.
     ray_address: None starts a local Ray; "auto" or HOST:PORT joins a running cluster (`ray start`).
     worker_resources: Ray resources each worker asks for besides its CPUs/GPUs (e.g. {"rollout": 1}).
     stall_timeout_s: no result from any worker for this long stops the run (after a checkpoint);
       start_timeout_s applies instead until the first result arrives (model loads and compiles).
+    start_timeout_s: that limit until the first result (at least stall_timeout_s).
+    max_restarts: restarts Ray makes of each worker (-1: without limit); in an elastic fleet, a worker that
+      failed more often than this is dropped and its node gets no new worker.
+    worker_cpus, worker_gpus: CPUs and GPUs each worker asks Ray for (fractions share a device; 0 GPUs = none);
+      a local Ray started for the run gets at least (most workers) x worker_cpus CPUs.
+    connect_timeout_s: seconds to reach the Ray head at a HOST:PORT `ray_address` before that is an error (a
+      multi-process trainer's other processes also wait this much longer for one joining Ray).
     heartbeat_timeout_s: a worker that answers no heartbeat for this long (or pulls weights that long) is
       restarted and its leases re-queued.
     swap: when a worker takes newer published weights: "lease" (at the start of each lease) or "segment"
@@ -308,16 +358,23 @@ class FleetConfig:
 
 @dataclasses.dataclass
 class RLConfig(RunConfig):
-    """A GRPO-family RL run: everything `posttrain rl CONFIG.yaml` needs (the shared sections: `RunConfig`)."""
+    """A GRPO-family RL run: everything `posttrain rl CONFIG.yaml` needs (the shared sections: `RunConfig`).
+
+    algorithm: the GRPO-family algorithm (`posttrain.algorithms.registry.GRPOFamily`): `preset` names one (grpo,
+      dr_grpo, dapo, gspo, rloo), whose defaults the section's other keys override.
+    """
 
     output_dir: str = "outputs/rl"
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6, decay="constant"))
     trainer: TrainerConfig = dataclasses.field(default_factory=lambda: TrainerConfig(log_every=1, save_every=50))
     data: PromptData = dataclasses.field(default_factory=PromptData)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    # the typed preset; a default, not a factory: a section given in part starts from its own preset's defaults
+    algorithm: GRPOFamily = dataclasses.field(default=PRESETS["grpo"])
     learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
     rewards: RewardsSection = dataclasses.field(default_factory=RewardsSection)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     curation: CurationConfig = dataclasses.field(default_factory=CurationConfig)
     fleet: FleetConfig = dataclasses.field(default_factory=FleetConfig)
+
+

@@ -222,6 +222,10 @@ class Dispatcher:
         self.counts["completed"] += len(lease.uids) - len(missing)
         return len(lease.uids) - len(missing)
 
+    def ready_group(self, uid: int):
+        """The ready result of `uid` (a one-group `Rollouts`), or None when it is not ready."""
+        return self.ready.get(uid)
+
     def drop(self, uid: int, reason: str) -> None:
         """A ready group that will not be trained (e.g. no learning signal), with its reason."""
         self.ready.pop(uid)
@@ -255,6 +259,19 @@ class Dispatcher:
                 self.curation.add(int(g.record_index[0]), pass_rates[u])
         self.counts["trained"] += len(uids)
         return uids
+
+    # ------------------------------------------------------------------ figures
+    def figures(self) -> dict[str, float]:
+        """The groups ready, leased and queued now, and the running counts a step logs: re-queues, drops and
+        duplicates (`fleet/...`) and curation's (`curation/...`)."""
+        out = {"fleet/ready_groups": float(len(self.ready)), "fleet/leased_groups": float(len(self.leased)),
+               "fleet/queued_groups": float(len(self.queue))}
+        for k, v in self.counts.items():
+            if k.startswith(("requeued/", "dropped/")) or k == "duplicates":
+                out[f"fleet/{k}"] = float(v)
+            elif k.startswith("curation/"):
+                out[k] = float(v)
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -12,6 +12,10 @@ and the log-probs equal the padded batch's, the forward computes only the rows t
 still split the batch by sequences, as without packing. With `learner.share_prompts` (the RL default for text
 prompts) a row may hold one prompt and several of its completions (the prompt computed once a row), whenever
 that layout computes less.
+
+Routing replay (a mixture of experts; a batch with `routed_experts`, `learner.routing_replay`): the policy's
+log-prob recomputation routes every token to the sampler's recorded experts, as the update does
+(`posttrain.rl.loss`); the reference (beta > 0) does not replay: it scores with its own router.
 """
 
 from __future__ import annotations
@@ -27,15 +31,32 @@ from flax import nnx
 from posttrain import distributed
 from posttrain.algorithms.sft import token_logprobs
 from posttrain.rl.batch import RLBatch
-from posttrain.rl.loss import packed_logprobs
+from posttrain.rl.loss import packed_logprobs, routed_experts
 from posttrain.rl.packing import PackedRLBatch, pack_cheapest, pack_rl_batch
 
 __all__ = ["Learner", "FrozenScorer", "TrainerScorer"]
 
 
-def _packed_fn(graphdef, chunk_size):
-    """jit of (states, packed batch) -> its slots' log-probs [R*S, C] under nnx.merge(graphdef, *states)."""
-    return jax.jit(lambda states, pb: packed_logprobs(nnx.merge(graphdef, *states), pb, chunk_size)[0])
+def _packed_fn(graphdef, chunk_size, replay: bool = False):
+    """jit of (states, packed batch) -> its slots' log-probs [R*S, C] under nnx.merge(graphdef, *states); with
+    `replay`, routed to the batch's recorded experts when it has them."""
+    def lp(states, pb):
+        return packed_logprobs(nnx.merge(graphdef, *states), pb, chunk_size,
+                               replay=routed_experts(pb) if replay else None)[0]
+
+    return jax.jit(lp)
+
+
+def _replayed_fn(graphdef, chunk_size):
+    """jit of (states, model inputs with `replay`, last) -> per-token log-probs (`token_logprobs`) routed to the
+    recorded experts `replay` [B, T, L_sparse, k] (what `Trainer.token_logprobs` computes, replayed)."""
+    def lp(states, inputs, last):
+        return token_logprobs(nnx.merge(graphdef, *states), inputs["input_ids"],
+                              attention_mask=inputs["attention_mask"], positions=inputs["positions"],
+                              segment_ids=inputs.get("segment_ids"), chunk_size=chunk_size, last=last,
+                              pixel_values=inputs.get("pixel_values"), replay=inputs["replay"])
+
+    return jax.jit(lp, static_argnums=2)
 
 
 class FrozenScorer:
@@ -56,7 +77,8 @@ class FrozenScorer:
         self._packed = _packed_fn(graphdef, chunk_size)
 
     def __call__(self, inputs: dict[str, np.ndarray], last: int | None = None) -> np.ndarray:
-        """Scores `inputs` (`RLBatch.model_inputs()`: input_ids, attention_mask, positions[, pixel_values])."""
+        """Scores `inputs` (`RLBatch.model_inputs()`: input_ids, attention_mask, positions[, pixel_values]; a
+        `replay` entry is ignored: a frozen model routes with its own router)."""
         dev = self.put_batch({k: inputs[k] for k in ("input_ids", "attention_mask", "positions", "pixel_values")
                               if k in inputs})
         return distributed.to_host(self._fn(self.state, dev["input_ids"], dev["attention_mask"], dev["positions"],
@@ -69,20 +91,31 @@ class FrozenScorer:
 
 class TrainerScorer:
     """Per-token log-probs under the trainer's current weights (`adapters=False`: a LoRA model's base, RL's
-    reference without a second copy of the weights), padded (`(inputs, last=C)`) or packed (`packed`)."""
+    reference without a second copy of the weights), padded (`(inputs, last=C)`) or packed (`packed`). The policy
+    (`adapters=True`) routes to recorded experts when given them (inputs' `replay`, a packed batch's
+    `routed_experts`: routing replay); the base never does (it is the reference)."""
 
     def __init__(self, trainer, *, adapters: bool = True):
         self.trainer, self.adapters = trainer, adapters
         self._packed = None  # compiled on the first packed call
+        self._replayed = None  # ... and on the first padded call with recorded experts
 
     def __call__(self, inputs: dict[str, np.ndarray], last: int | None = None) -> np.ndarray:
+        t = self.trainer
+        if "replay" in inputs:
+            if self.adapters:
+                if self._replayed is None:
+                    self._replayed = _replayed_fn(t.graphdef, t.logprob_chunk_size)
+                return distributed.to_host(self._replayed((t.params, t.rest), t.put_batch(inputs), last))
+            inputs = {k: v for k, v in inputs.items() if k != "replay"}
         kw = {} if self.adapters else {"adapters": False}
-        return distributed.to_host(self.trainer.token_logprobs(inputs, last=last, **kw))
+        return distributed.to_host(t.token_logprobs(inputs, last=last, **kw))
 
     def packed(self, batch: PackedRLBatch) -> np.ndarray:
         t = self.trainer
         if self._packed is None:
-            self._packed = _packed_fn(t.graphdef if self.adapters else t.graphdef_base, t.logprob_chunk_size)
+            self._packed = _packed_fn(t.graphdef if self.adapters else t.graphdef_base, t.logprob_chunk_size,
+                                      replay=self.adapters)
         return distributed.to_host(self._packed((t.params, t.rest), t.put_batch(batch)))
 
 
@@ -157,7 +190,8 @@ class Learner:
             run = lambda scorer: layout.unpack(scorer.packed(packed))  # noqa: E731
         else:
             c = batch.completion_len  # the vocabulary is projected at the completion columns only
-            run = lambda scorer: distributed.to_host(scorer(batch.model_inputs(), last=c))  # noqa: E731
+            # the policy replays recorded experts (routing replay); the reference ignores them
+            run = lambda scorer: distributed.to_host(scorer(batch.model_inputs(replay=True), last=c))  # noqa: E731
         old = run(self.policy) if recompute else batch.behaviour_logp
         ref = run(self.ref_fn) if self.ref_fn is not None else None
         return batch.replace(old_logp=old, ref_logp=ref)

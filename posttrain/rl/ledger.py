@@ -40,10 +40,13 @@ class Ledger:
         self.trained.flush()
 
     def record_samples(self, step: int, kind: str, ro: Rollouts, n: int) -> None:
-        """The first `n` samples of `ro` (prompt, completion, reward) under `kind` ("train" or "eval")."""
+        """The first `n` samples of `ro` (prompt, completion, reward) under `kind` ("train" or "eval"); a multi-turn
+        sample's row has the whole conversation too (`messages`: the prompt's, every assistant turn, tool results)."""
         for i in range(min(n, len(ro))):
+            conversation = {"messages": ro.trajectories[i]["messages"]} if i < len(ro.trajectories) else {}
             self.samples.write(json.dumps({"step": step, "kind": kind, "prompt": ro.prompts_text[i],
-                                           "completion": ro.texts[i], "reward": float(ro.rewards[i])}) + "\n")
+                                           "completion": ro.texts[i], "reward": float(ro.rewards[i]),
+                                           **conversation}, ensure_ascii=False) + "\n")
         self.samples.flush()
 
     def record_trajectories(self, step: int, kind: str, ro: Rollouts, n: int) -> None:

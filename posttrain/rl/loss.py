@@ -9,6 +9,12 @@ tokens for token-mean, sequences otherwise), so summing over micro-batches and d
 aggregate over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
 A packed batch (`posttrain.rl.packing`) runs the forward over its rows and projects only its loss tokens; its
 per-token fields, read per sequence slot, go through the same `policy_loss`.
+
+A mixture of experts adds its router terms (`posttrain.models.moe_loss.RouterLoss`: load-balancing and z-losses,
+the moe/* metrics) from the routing of the same forward pass. Routing replay: a batch whose `routed_experts` field
+([rows, columns, L_sparse, k] int, aligned with input_ids; negative = not recorded) is set routes every token to
+the recorded experts (`posttrain.models.moe`), and `moe/router_agreement` reports how often the trainer's own
+router chose the same experts.
 """
 
 from __future__ import annotations
@@ -19,7 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.algorithms.policy import Aggregation, policy_loss
-from posttrain.algorithms.sft import images_in_order, logprobs_and_entropy
+from posttrain.algorithms.sft import (
+    images_in_order,
+    logprobs_and_entropy,
+    real_tokens,
+    routes_experts,
+    with_router_terms,
+)
+from posttrain.models.moe_loss import RouterLoss
 from posttrain.rl.batch import RLBatch
 from posttrain.rl.packing import PackedRLBatch
 
@@ -43,23 +56,33 @@ def _logp_and_entropy(model, h, targets, chunk_size: int | None):
     return tgt.reshape(-1)[:n].reshape(b, s), ent.reshape(-1)[:n].reshape(b, s)
 
 
-def padded_logprobs(model, batch: RLBatch, chunk_size: int | None = None):
+def routed_experts(batch):
+    """The batch's recorded experts for routing replay ([rows, columns, L_sparse, k]), None when it has none."""
+    return getattr(batch, "routed_experts", None)
+
+
+def padded_logprobs(model, batch: RLBatch, chunk_size: int | None = None, *, routing: bool = False, replay=None):
     """(log-probs, entropies) [N, C] of a padded batch's completion tokens under `model` (an image batch's
-    `pixel_values` to the model in placeholder order)."""
+    `pixel_values` to the model in placeholder order); with `routing` the pass's `moe.Routing` third;
+    `replay`: recorded experts to route to (a mixture of experts)."""
     c = batch.completion_len  # completions fill the last C columns; column P-1+j predicts completion token j
     ids = batch.input_ids
     extra = {} if batch.pixel_values is None else {"pixel_values": images_in_order(batch.pixel_values, ids, model)}
-    h, _ = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions, **extra)
-    return _logp_and_entropy(model, h[:, -c - 1:-1], ids[:, -c:], chunk_size)
+    h, _, *rest = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions,
+                                      routing=routing, replay=replay, **extra)
+    return (*_logp_and_entropy(model, h[:, -c - 1:-1], ids[:, -c:], chunk_size), *rest)
 
 
-def packed_logprobs(model, batch: PackedRLBatch, chunk_size: int | None = None):
+def packed_logprobs(model, batch: PackedRLBatch, chunk_size: int | None = None, *, routing: bool = False,
+                    replay=None):
     """(log-probs, entropies) [R*S, C] of a packed batch's slots (`posttrain.rl.packing`): one forward over the
     rows (segments kept apart; a shared prompt seen by its row's completions), the vocabulary projected at the
-    [R, M] compact tokens only, placed in their slots (0 where nothing was projected)."""
+    [R, M] compact tokens only, placed in their slots (0 where nothing was projected). `routing`, `replay`: as
+    `padded_logprobs`."""
     ids, src = batch.input_ids, batch.token_src
-    h, _ = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions,
-                               segment_ids=batch.segment_ids)
+    extra = {} if batch.pixel_values is None else {"pixel_values": images_in_order(batch.pixel_values, ids, model)}
+    h, _, *rest = model.hidden_states(ids, attention_mask=batch.attention_mask, positions=batch.positions,
+                                      segment_ids=batch.segment_ids, routing=routing, replay=replay, **extra)
     hs = jnp.take_along_axis(h, src[..., None], axis=1)  # [R, M, D]: the states that predict the tokens
     logp, ent = _logp_and_entropy(model, hs, batch.token_tgt, chunk_size)
     r, s, c = batch.loss_mask.shape
@@ -68,7 +91,7 @@ def packed_logprobs(model, batch: PackedRLBatch, chunk_size: int | None = None):
     def place(x):
         return jnp.zeros((r, s * c), x.dtype).at[rows, batch.token_dst].set(x, mode="drop").reshape(r * s, c)
 
-    return place(logp), place(ent)
+    return (place(logp), place(ent), *rest)
 
 
 def _per_sequence(batch):
@@ -80,11 +103,16 @@ def _per_sequence(batch):
     return {k: getattr(batch, k) for k in ("loss_mask", "advantages", "behaviour_logp", "old_logp", "ref_logp")}, None
 
 
-def rl_loss(model, batch: RLBatch | PackedRLBatch, *, loss_kwargs: dict, chunk_size: int | None = None):
+def rl_loss(model, batch: RLBatch | PackedRLBatch, *, loss_kwargs: dict, chunk_size: int | None = None,
+            router: RouterLoss | None = None):
     """Policy loss of one (micro-)batch (an `RLBatch`: `posttrain.rl.batch.build_rl_batch`, its old log-probs
-    set by the learner; or the same packed, `posttrain.rl.packing.PackedRLBatch`)."""
+    set by the learner; or the same packed, `posttrain.rl.packing.PackedRLBatch`); a mixture of experts adds its
+    router terms (`router`) and replays the batch's `routed_experts` when it has them (module docstring)."""
     packed = isinstance(batch, PackedRLBatch)
-    logp, ent = (packed_logprobs if packed else padded_logprobs)(model, batch, chunk_size)
+    moe = routes_experts(model)
+    replay = routed_experts(batch) if moe else None
+    logp, ent, *routing = (packed_logprobs if packed else padded_logprobs)(model, batch, chunk_size, routing=moe,
+                                                                           replay=replay)
     f, n_seq = _per_sequence(batch)
     mask = f["loss_mask"]
     old = f["behaviour_logp"] if f["old_logp"] is None else f["old_logp"]
@@ -95,10 +123,14 @@ def rl_loss(model, batch: RLBatch | PackedRLBatch, *, loss_kwargs: dict, chunk_s
     # (numerator, denominator) pairs: the trainer reports Σ num / Σ den over micro-batches
     out = {k: (v * w, w) for k, v in metrics.items()}
     out["entropy"] = (jnp.sum(ent * mask), tokens)
-    return loss * w, w, out
+    loss_sum = loss * w
+    if moe:
+        real = real_tokens(batch.input_ids, batch.attention_mask)
+        loss_sum, out = with_router_terms(router, model, routing[0], real, loss_sum, w, out, replay)
+    return loss_sum, w, out
 
 
-def make_rl_loss(loss_kwargs: dict, chunk_size: int | None = None):
+def make_rl_loss(loss_kwargs: dict, chunk_size: int | None = None, router: RouterLoss | None = None):
     """`rl_loss` bound to the keyword arguments of `policy_loss` (with `is_level`/`is_cap`: the learner's
-    off-policy correction) and the vocabulary chunk size."""
-    return functools.partial(rl_loss, loss_kwargs=dict(loss_kwargs), chunk_size=chunk_size)
+    off-policy correction), the vocabulary chunk size and a mixture of experts' router terms."""
+    return functools.partial(rl_loss, loss_kwargs=dict(loss_kwargs), chunk_size=chunk_size, router=router)

@@ -24,6 +24,17 @@ positions continuing from the prompt's), so a group's prompt goes through the la
 of every member is predicted from the prompt's last column, so each projected entry carries its target token
 (`token_tgt`). `pack_cheapest` picks, per batch, the layout (sequence rows or shared rows of some `per_row`) that
 computes least by `row_cost`.
+
+Image prompts (a vision-language batch: `RLBatch.pixel_values` and `image_counts`): a packed row's images are the
+images of its sequences in row (column) order, blank images after them, [R, I, 3, H, W]: the model's placeholders
+take a row's images in order (`posttrain.algorithms.sft.images_in_order`, `posttrain.models.multimodal`), so
+each sequence's placeholders get its own images, and a shared-prompt row holds its prompt's images once. Prompts
+share a row only when their tokens and their images are equal (one text with different pictures are different
+prompts). I, the images a row, is a power of two that only grows (a fourth entry of `PackLayout.sizes`).
+
+Routing replay (`RLBatch.routed_experts`): the recorded experts are columns like the input ids, so they move with
+their tokens ([R, L, L_sparse, k], -1 on padding); a shared-prompt row takes its prompt's from the row's first
+sequence (equal tokens at equal positions: the same routing, up to the sampler's numerics).
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ class PackedRLBatch:
     token_tgt [R, M] int32: the token predicted there.
     loss_mask, behaviour_logp, old_logp, ref_logp [R, S, C]; advantages [R, S] or [R, S, C].
     seq_valid [R, S] float: 1 where a slot holds a sequence.
+    pixel_values [R, I, 3, H, W] | None: an image batch's images, row r's sequences' own in column order (a shared
+      prompt's once), blanks after them (module docstring); None for text.
+    routed_experts [R, L, L_sparse, k] | None: routing replay's recorded experts, aligned with input_ids (-1: none).
     """
 
     input_ids: np.ndarray
@@ -68,6 +82,8 @@ class PackedRLBatch:
     seq_valid: np.ndarray
     old_logp: np.ndarray | None = None
     ref_logp: np.ndarray | None = None
+    pixel_values: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(np.shape(self.input_ids)[0])
@@ -93,11 +109,13 @@ class PackLayout:
     tokens: int          # real tokens in the rows (prompt + completion; a shared prompt once a row)
     packed_cells: int    # R * L: what the packed forward computes
     padded_cells: int    # N * (P + C): what the padded forward computes
+    images: int = 0      # I, images per row (image batches; 0 for text)
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        """(L, S, M): row length, sequence slots and projected tokens per row (`pack_rl_batch`'s `at_least`)."""
-        return self.row_len, self.slots, self.proj
+    def sizes(self) -> tuple[int, ...]:
+        """(L, S, M): row length, sequence slots and projected tokens per row (`pack_rl_batch`'s `at_least`), and
+        for an image batch I, the images a row: (L, S, M, I)."""
+        return (self.row_len, self.slots, self.proj) + ((self.images,) if self.images else ())
 
     def unpack(self, slots: np.ndarray) -> np.ndarray:
         """[R*S, C] or [R, S, C] per-slot values -> the padded batch's [N, C] (0 where nothing was projected)."""
@@ -127,7 +145,8 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
 
     `row_multiple`: the row count is a multiple of it (the trainer's micro-batches x data shards);
     `multiple`: row length L and projected tokens per row M are multiples of it; `at_least`: lower bounds of
-    (L, S, M) (`PackLayout.sizes` of earlier batches: sizes that only grow compile a run's step a few times).
+    (L, S, M) or, for image batches, (L, S, M, I) (`PackLayout.sizes` of earlier batches: sizes that only grow
+    compile a run's step a few times).
     """
     n, t = np.shape(batch.input_ids)
     c = batch.completion_len
@@ -145,9 +164,10 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
             first_completion = col + (t - c) - start[i]  # the column of completion token 0 in the packed row
             out.place(ri, si, col, i, start[i], end[i], k, first_completion - 1 + proj[i], si * c + proj[i])
             col, k = col + lengths[i], k + len(proj[i])
+    pixels = _row_images(batch, bins, r, at_least)
     layout = PackLayout(row=row, slot=slot, slots=s, row_len=row_len, proj=m, tokens=int(lengths.sum()),
-                        packed_cells=r * row_len, padded_cells=n * t)
-    return out.build(), layout
+                        packed_cells=r * row_len, padded_cells=n * t, images=_images_per_row(pixels))
+    return out.build(pixels), layout
 
 
 def _allocate(batch: RLBatch, rows: list[list[int]], row_len: int, row_multiple: int, multiple: int,
@@ -163,14 +183,55 @@ def _allocate(batch: RLBatch, rows: list[list[int]], row_len: int, row_multiple:
 
 
 def prompt_groups(batch: RLBatch) -> list[list[int]]:
-    """The sequences of `batch` grouped by identical prompt tokens (in order of first appearance)."""
+    """The sequences of `batch` grouped by identical prompts (in order of first appearance): equal prompt tokens
+    and, in an image batch, equal images."""
     ids = np.asarray(batch.input_ids)
     p = ids.shape[1] - batch.completion_len
     start, _ = _spans(batch.attention_mask)
-    groups: dict[bytes, list[int]] = {}
+    by_tokens: dict[bytes, list[list[int]]] = {}
+    groups: list[list[int]] = []
     for i in range(len(ids)):
-        groups.setdefault(ids[i, start[i]:p].tobytes(), []).append(i)
-    return list(groups.values())
+        same = by_tokens.setdefault(ids[i, start[i]:p].tobytes(), [])
+        g = next((g for g in same if _same_images(batch, g[0], i)), None)
+        if g is None:
+            g = []
+            same.append(g)
+            groups.append(g)
+        g.append(i)
+    return groups
+
+
+def _own_images(batch: RLBatch, i: int) -> np.ndarray:
+    """Sequence i's own images [k, 3, H, W] (its row of `pixel_values` without the blanks)."""
+    if batch.image_counts is None:
+        raise ValueError("an image batch without image_counts cannot be packed (`build_rl_batch` sets them)")
+    return np.asarray(batch.pixel_values)[i, : int(np.asarray(batch.image_counts)[i])]
+
+
+def _same_images(batch: RLBatch, a: int, b: int) -> bool:
+    """Whether sequences a and b have the same images (always, in a text batch)."""
+    return batch.pixel_values is None or np.array_equal(_own_images(batch, a), _own_images(batch, b))
+
+
+def _row_images(batch: RLBatch, rows: list[list[int]], r: int, at_least: tuple[int, ...]) -> np.ndarray | None:
+    """[r, I, 3, H, W]: row ri holds the own images of the sequences `rows[ri]` in order, blanks after them (rows
+    past `rows` only blanks); I the most a row holds, rounded up to a power of two, at least `at_least[3]` when
+    given. None for a text batch."""
+    if batch.pixel_values is None:
+        return None
+    own = [[_own_images(batch, i) for i in members] for members in rows]
+    most = max(sum(len(x) for x in row) for row in own)
+    size = max(1 << max(0, (most - 1).bit_length()), at_least[3] if len(at_least) > 3 else 0)
+    out = np.zeros((r, size, *np.shape(batch.pixel_values)[2:]), np.float32)
+    for ri, row in enumerate(own):
+        if row:
+            x = np.concatenate(row)
+            out[ri, : len(x)] = x
+    return out
+
+
+def _images_per_row(pixels: np.ndarray | None) -> int:
+    return 0 if pixels is None else int(pixels.shape[1])
 
 
 def attention_span(cfg) -> float:
@@ -211,9 +272,10 @@ def pack_shared_prompts(batch: RLBatch, per_row: int, *, groups: list[list[int]]
             src = np.where(proj[i] == 0, plen - 1, col + proj[i] - 1)
             out.place(ri, si, col, i, p, end[i], k, src, si * c + proj[i], pos0=plen)
             col, k = col + int(end[i]) - p, k + len(proj[i])
+    pixels = _row_images(batch, [members[:1] for members in rows], r, at_least)  # the prompt's images, once
     layout = PackLayout(row=row, slot=slot, slots=s, row_len=row_len, proj=m, tokens=int(sum(lengths)),
-                        packed_cells=r * row_len, padded_cells=n * t)
-    return out.build(), layout
+                        packed_cells=r * row_len, padded_cells=n * t, images=_images_per_row(pixels))
+    return out.build(pixels), layout
 
 
 def _shared_rows(batch: RLBatch, groups: list[list[int]], per_row: int) -> tuple[list[list[int]], list[int]]:
@@ -258,6 +320,8 @@ class _Rows:
         names = ["loss_mask", "behaviour_logp", "old_logp", "ref_logp"]
         self.tok = {k: np.zeros((r, s, c), np.float32) for k in names if getattr(batch, k) is not None}
         self.adv = np.zeros((r, s, *adv.shape[1:]), np.float32)
+        exp = batch.routed_experts
+        self.experts = None if exp is None else np.full((r, row_len, *np.shape(exp)[2:]), -1, np.asarray(exp).dtype)
 
     def place(self, ri, si, col, i, a, b, k, src, dst, seg=None, pos0=0):
         """Columns a:b of sequence i's padded row at column `col` of row ri (segment `seg`, default slot si + 1;
@@ -268,6 +332,8 @@ class _Rows:
         self.ids[ri, col: col + n] = ids[i, a:b]
         self.seg[ri, col: col + n] = si + 1 if seg is None else seg
         self.pos[ri, col: col + n] = pos0 + np.arange(n)
+        if self.experts is not None:
+            self.experts[ri, col: col + n] = np.asarray(self.batch.routed_experts)[i, a:b]
         if src is None:
             return
         self.src[ri, k: k + len(src)] = src
@@ -278,10 +344,10 @@ class _Rows:
             arr[ri, si] = np.asarray(getattr(self.batch, name))[i]
         self.adv[ri, si] = np.asarray(self.batch.advantages)[i]
 
-    def build(self) -> PackedRLBatch:
-        return PackedRLBatch(
+    def build(self, pixel_values: np.ndarray | None = None) -> PackedRLBatch:
+        return PackedRLBatch(pixel_values=pixel_values,
             input_ids=self.ids, attention_mask=(self.seg != 0).astype(np.int32), positions=self.pos,
             segment_ids=self.seg, token_src=self.src, token_dst=self.dst, token_tgt=self.tgt,
             loss_mask=self.tok["loss_mask"],
             advantages=self.adv, behaviour_logp=self.tok["behaviour_logp"], seq_valid=self.valid,
-            old_logp=self.tok.get("old_logp"), ref_logp=self.tok.get("ref_logp"))
+            old_logp=self.tok.get("old_logp"), ref_logp=self.tok.get("ref_logp"), routed_experts=self.experts)

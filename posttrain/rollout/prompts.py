@@ -38,17 +38,20 @@ class PromptStyle:
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """One encoded prompt: its token ids, its images (pixel arrays [3, H, W]; none for a text prompt), its record
-    and where the record came from."""
+    """One encoded prompt: its token ids, its images (pixel arrays [3, H, W], one per run of image placeholders
+    in `ids`, in order; none for a text prompt), its record, the record's `index` in its data set and where the
+    record came from (`FILE, line N`)."""
     ids: list[int]
     images: list[np.ndarray]
     record: dict
     where: str
+    index: int
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptSet(Sequence):
-    """Encoded prompts in record order; `ids` and `images` are the columns the sampler takes."""
+    """Encoded prompts (record order for `encode_prompts`' sets, the order asked for a `select`ion); `ids` and
+    `images` are the columns the sampler takes."""
     items: tuple[Prompt, ...]
 
     def __getitem__(self, i):
@@ -56,6 +59,17 @@ class PromptSet(Sequence):
 
     def __len__(self) -> int:
         return len(self.items)
+
+    @classmethod
+    def of(cls, records: Sequence[dict], ids: Sequence[Sequence[int]],
+           images: Sequence[Sequence[np.ndarray]] | None = None) -> PromptSet:
+        """Prompts encoded elsewhere: record i with token ids ids[i] (and images[i]), index i."""
+        if len(ids) != len(records) or (images is not None and len(images) != len(records)):
+            raise ValueError(f"{len(records)} records, {len(ids)} id lists"
+                             + ("" if images is None else f", {len(images)} image lists"))
+        return cls(tuple(Prompt(ids=[int(t) for t in x], images=list(images[i]) if images is not None else [],
+                                record=r, where=f"record {i}", index=i)
+                         for i, (r, x) in enumerate(zip(records, ids))))
 
     @property
     def ids(self) -> list[list[int]]:
@@ -66,6 +80,26 @@ class PromptSet(Sequence):
         """Every prompt's images, or None when no prompt has any."""
         out = [p.images for p in self.items]
         return out if any(out) else None
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any prompt has images."""
+        return any(p.images for p in self.items)
+
+    @property
+    def records(self) -> list[dict]:
+        return [p.record for p in self.items]
+
+    def select(self, indices: Sequence[int]) -> PromptSet:
+        """The prompts of records `indices` (record indices, `Prompt.index`; in that order, repeats allowed)."""
+        items = self.items
+        if all(0 <= i < len(items) and items[i].index == i for i in indices):  # a whole set: position = index
+            return PromptSet(tuple(items[i] for i in indices))
+        by_index = {p.index: p for p in items}
+        missing = [i for i in indices if i not in by_index]
+        if missing:
+            raise IndexError(f"record {missing[0]} is not in this prompt set")
+        return PromptSet(tuple(by_index[i] for i in indices))
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool, system_prompt: str | None = None) -> list[int]:
@@ -82,7 +116,7 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
-def _encode_one(record: dict, where: str, tok, style: PromptStyle, agent, vision) -> Prompt:
+def _encode_one(record: dict, index: int, where: str, tok, style: PromptStyle, agent, vision) -> Prompt:
     images: list[np.ndarray] = []
     try:
         if agent is not None:
@@ -100,11 +134,12 @@ def _encode_one(record: dict, where: str, tok, style: PromptStyle, agent, vision
         raise PromptError(f"{where}: {_one_line(e)}") from None
     if not ids:
         raise PromptError(f"{where}: the prompt is empty")
-    return Prompt(ids=list(ids), images=images, record=record, where=where)
+    return Prompt(ids=list(ids), images=images, record=record, where=where, index=index)
 
 
 def encode_prompts(records: Sequence[dict], tok, style: PromptStyle = PromptStyle(), *, agent=None, vision=None,
                    where: Callable[[int], str] | None = None) -> PromptSet:
-    """Every record's `Prompt` (see the module docstring); `where(i)` names record i (default `records.where`)."""
+    """Every record's `Prompt` (see the module docstring), record i's with `index` i; `where(i)` names record i
+    (default `records.where`)."""
     where = where or records.where
-    return PromptSet(tuple(_encode_one(r, where(i), tok, style, agent, vision) for i, r in enumerate(records)))
+    return PromptSet(tuple(_encode_one(r, i, where(i), tok, style, agent, vision) for i, r in enumerate(records)))

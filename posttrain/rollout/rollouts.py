@@ -13,18 +13,26 @@ mask (1 on sampled tokens, 0 on appended tool results, observations and turn hea
 reward functions score the last assistant message (`texts`) and may take the whole conversation as the
 `messages` field; an environment's reward (per-turn rewards summed plus its `reward(...)`) is the
 `environment` reward, added to the total with weight 1.
+
+Routing replay (a mixture of experts, `learner.routing_replay`): with `record_experts` the sampler records the
+experts its router chose at every position it fed, and each sample carries them in `routed_experts`: an int8/int16
+array [len(prompt) + len(completion) - 1, L_sparse, k], row t for the token at position t of prompt + completion
+ids (the last token is never fed, so it has no row; multi-turn: appended tokens too). They travel with the
+rollouts to the fleet's trainer and into checkpoints (`to_json`: compact base64 rows).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from posttrain import distributed
 from posttrain.agent.rollout import Agent, AgentRollout
+from posttrain.rollout.prompts import Prompt
 from posttrain.sampling import Sampler, SamplingParams
 
 
@@ -52,9 +60,12 @@ class Rollouts:
     token_versions: list[list[int]] = dataclasses.field(default_factory=list)  # [N] per completion token
     completion_mask: list[list[int]] = dataclasses.field(default_factory=list)  # [N] multi-turn: 1 = sampled
     trajectories: list[dict] = dataclasses.field(default_factory=list)  # [N] multi-turn: `Trajectory.summary()`
+    # [N] routing replay: [len(prompt) + len(completion) - 1, L_sparse, k] expert ids (module docstring)
+    routed_experts: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     _PER_SAMPLE = ("record_index", "prompt_ids", "completion_ids", "logprobs", "finish_reasons", "texts",
-                   "prompts_text", "uid", "version_first", "version_last", "token_versions", "completion_mask", "trajectories")
+                   "prompts_text", "uid", "version_first", "version_last", "token_versions", "completion_mask", "trajectories",
+                   "routed_experts")
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -104,6 +115,7 @@ class Rollouts:
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in self._PER_SAMPLE}
+        out["routed_experts"] = [_array_to_json(a) for a in self.routed_experts]
         out.update(group_size=self.group_size, rewards=self.rewards.tolist(),
                    per_reward={k: v.tolist() for k, v in self.per_reward.items()}, reward_stats=dict(self.reward_stats))
         return out
@@ -111,6 +123,7 @@ class Rollouts:
     @staticmethod
     def from_json(d: dict) -> "Rollouts":
         lists = {k: list(d.get(k, [])) for k in Rollouts._PER_SAMPLE}
+        lists["routed_experts"] = [_array_from_json(a) for a in lists["routed_experts"]]
         return Rollouts(group_size=int(d["group_size"]), rewards=np.asarray(d["rewards"], np.float32),
                         per_reward={k: np.asarray(v, np.float32) for k, v in d["per_reward"].items()},
                         reward_stats=dict(d["reward_stats"]), **lists)
@@ -128,6 +141,16 @@ class Rollouts:
             else:
                 out[key] = float(sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1) if total else 0.0)
         return out
+
+
+def _array_to_json(a: np.ndarray) -> dict:
+    """A small integer array as JSON: dtype, shape and its bytes in base64 (expert ids: 1-2 bytes each)."""
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def _array_from_json(d: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(d["b64"]), np.dtype(d["dtype"])).reshape(d["shape"]).copy()
 
 
 def prompt_text(prompt: str | list[dict]) -> str:
@@ -155,73 +178,59 @@ def score_once(reward_runner, prompts: list[str], texts: list[str], fields: dict
 
 def generate_rollouts(
     sampler: Sampler,
-    records: Sequence[dict[str, Any]] | Mapping[int, dict[str, Any]],
-    record_indices: list[int],
-    prompt_ids: list[list[int]],
+    prompts: Sequence[Prompt],
     params: SamplingParams,
     reward_runner,
     *,
     uids: list[int] | None = None,
-    progress: bool = False,
     agent: Agent | None = None,
-    images: list[list] | None = None,
+    progress: bool = False,
     between_segments=None,
+    record_experts: bool = False,
 ) -> Rollouts:
     """Samples `params.n` completions per prompt and scores them with `reward_runner` (a `RewardRunner`).
 
-    `records[i]` for i in `record_indices` (a list, or a dict holding only those records). With `uids`
-    (one per prompt: the groups' stream positions), a group's samples are drawn from keys of (seed, uid),
-    so they do not depend on which other groups share the call, and each sample is stamped with the
-    sampler's weights version. `progress` shows the sampler's progress bar. `agent`: multi-turn rollouts
-    (the sampler calls its trajectories at every turn end; see the module docstring). `images` (image prompts):
-    prompt p's pixel arrays [3, H, W] in order, handed to its prefill (`Sampler.generate_with_images`).
+    `prompts`: `Prompt` items (a `PromptSet` or a selection of one): each gives its token ids, its images (image
+    prompts: handed to its prefill, `Sampler.generate(images=...)`), its record (the reward fields) and its
+    record index (`Rollouts.record_index`). With `uids` (one per prompt: the groups' stream positions), a group's
+    samples are drawn from keys of (seed, uid), so they do not depend on which other groups share the call, and
+    each sample is stamped with the sampler's weights version. `agent`: multi-turn rollouts (the sampler calls
+    its trajectories at every turn end; see the module docstring). `progress` shows the sampler's progress bar.
     `between_segments`: newer weights between decode segments (`Sampler.generate`; partial rollouts): each
-    token is stamped with the version that produced it."""
-    kwargs: dict[str, Any] = {"progress": True} if progress else {}
-    if between_segments is not None:
-        kwargs["between_segments"] = between_segments
-    rollout = None
-    if agent is not None:
-        rollout = AgentRollout(agent, [records[r] for r in record_indices], prompt_ids)
-        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
-    if images is not None:
-        completions = sampler.generate_with_images(prompt_ids, images, params, key_ids=uids, **kwargs)
-    else:
-        completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
-    trajs = [rollout.finished(c) for c in completions] if rollout is not None else None
-    g = params.n
+    token is stamped with the version that produced it. `record_experts` (a mixture of experts, routing replay):
+    each sample's `routed_experts` (module docstring)."""
+    prompts = list(prompts)
+    completions, trajs = _sample(sampler, prompts, params, uids, agent, progress, between_segments, record_experts)
     n = len(completions)
-    rec_idx = [record_indices[c.prompt_index] for c in completions]
+    records = [p.record for p in prompts]
+    prompt_ids = [p.ids for p in prompts]
+    recs = [records[c.prompt_index] for c in completions]
     if trajs is None:
         texts = [c.text if c.text is not None else "" for c in completions]
     else:
         texts = [t.final_text for t in trajs]
     # a record without a prompt (an environment's `reset` made the conversation): its first messages
-    prompts = [prompt_text(records[i]["prompt"] if "prompt" in records[i] else trajs[k].first)
-               for k, i in enumerate(rec_idx)]
-    fields: dict[str, list] = {}
-    for key in records[record_indices[0]]:
-        if key != "prompt":
-            fields[key] = [records[i].get(key) for i in rec_idx]
+    prompts_text = [prompt_text(r["prompt"] if "prompt" in r else trajs[k].first) for k, r in enumerate(recs)]
+    fields: dict[str, list] = {key: [r.get(key) for r in recs] for key in records[0] if key != "prompt"}
     fields["completion_lengths"] = [len(c.token_ids) for c in completions]
     if trajs is not None:
         fields["messages"] = [t.messages for t in trajs]
-    total, per_reward, stats = score_once(reward_runner, prompts, texts, fields)
+    total, per_reward, stats = score_once(reward_runner, prompts_text, texts, fields)
     if trajs is not None:
         total, per_reward = _add_env_rewards(trajs, total, per_reward)
     version = int(getattr(sampler, "version", None) or 0)  # the weights' policy version (`Sampler.load_weights`)
     versions = [_token_versions(c, version) for c in completions]
     assert len(total) == n
     return Rollouts(
-        group_size=g,
-        record_index=rec_idx,
+        group_size=params.n,
+        record_index=[prompts[c.prompt_index].index for c in completions],
         prompt_ids=[list(prompt_ids[c.prompt_index]) for c in completions],
         completion_ids=[list(c.token_ids) for c in completions],
         logprobs=[list(c.logprobs) for c in completions],
         finish_reasons=[c.finish_reason for c in completions] if trajs is None else [t.summary()["finish_reason"]
                                                                                      for t in trajs],
         texts=texts,
-        prompts_text=prompts,
+        prompts_text=prompts_text,
         rewards=np.asarray(total, np.float32),
         per_reward={k: np.asarray(v, np.float32) for k, v in per_reward.items()},
         reward_stats=dict(stats),
@@ -229,9 +238,43 @@ def generate_rollouts(
         version_first=[min(v, default=version) for v in versions],  # versions only grow within a call
         version_last=[max(v, default=version) for v in versions],
         token_versions=versions,
-        completion_mask=[] if trajs is None else [list(t.buffer.loss_mask[t.prompt_len:]) for t in trajs],
+        completion_mask=[] if trajs is None else [list(c.mask) for c in completions],
         trajectories=[] if trajs is None else [t.summary() for t in trajs],
+        routed_experts=[_recorded_experts(c, prompt_ids[c.prompt_index]) for c in completions] if record_experts
+        else [],
     )
+
+
+def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uids, agent: Agent | None,
+            progress: bool, between_segments, record_experts: bool = False):
+    """The sampler's completions of `prompts` (their ids, and their images when any has some; with
+    `record_experts`, the experts routed to), and with an `agent` each completion's finished `Trajectory` (None
+    without one)."""
+    prompt_ids = [p.ids for p in prompts]
+    kwargs: dict[str, Any] = {"progress": True} if progress else {}
+    if between_segments is not None:
+        kwargs["between_segments"] = between_segments
+    if record_experts:
+        kwargs["record_experts"] = True
+    if any(p.images for p in prompts):
+        kwargs["images"] = [p.images for p in prompts]
+    rollout = None
+    if agent is not None:
+        rollout = AgentRollout(agent, [p.record for p in prompts], prompt_ids)
+        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
+    completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
+    return completions, [rollout.finished(c) for c in completions] if rollout is not None else None
+
+
+def _recorded_experts(c, prompt_ids) -> np.ndarray:
+    """A completion's recorded experts [len(prompt) + len(completion) - 1, L_sparse, k], checked for that length."""
+    experts = getattr(c, "routed_experts", None)
+    want = len(prompt_ids) + len(c.token_ids) - 1
+    if experts is None or np.shape(experts)[0] != want:
+        got = None if experts is None else np.shape(experts)
+        raise RuntimeError(f"routing replay: the sampler recorded experts of shape {got} for a sequence of "
+                           f"{len(prompt_ids)} prompt and {len(c.token_ids)} completion tokens ({want} positions fed)")
+    return np.asarray(experts)
 
 
 def _token_versions(c, default: int) -> list[int]:

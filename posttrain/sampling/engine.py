@@ -30,7 +30,20 @@ the number of prompt rows is rounded up to a power of two, so new prompt lengths
 compiled program. The rows are run through the model into a small temporary cache [rows, bucket]; its rows
 are then scattered into the slots assigned to them (one prompt row to the `n` slots of its samples, which
 is how a GRPO group shares one prefill), the rest of each slot's `valid` row is cleared, and the first
-token of every sample is drawn from the prompt's last logits.
+token of every sample is drawn from the prompt's last logits. Prefill shapes: every prefill of a call uses the
+length bucket of the call's longest prompt; its first prefill (every slot free: up to slots / n prompts) its own
+rows; a later one (a refill) the first one's rows when they hold its own with little padding (at most `pad_ratio`
+times as many rows and `pad_positions` positions: `BackendChoices`), else the call's refill rows (the prompts of
+one refill quantum), in several calls when more prompts are admitted at once. So a call compiles at most two
+prefill programs whatever its prompt lengths and refill sizes (before: one per (rows, bucket) met, 5 and 12 for
+80 prompts of 3-300 characters through 16 slots at n = 1 and 3), and a run whose evaluation and rollouts share
+a slot count and a bucket two in all (RL smoke: 4 before; tests/test_sampling_compiles.py). Padding changes the
+log-probs of the padded calls by float rounding only (the tokens are the same); a call whose prompts all fit its
+first prefill (an RL step's rollouts) runs exactly as before. Measured on CPU, the longer bucket of refills cost
+no time within the noise (a 0.1 B Llama, 48 prompts of 8-250 tokens, 16 slots: 19.1-20.1 s a call both ways).
+Image prompts (`generate(images=...)`, a vision-language model): the call's own record (`Request`) holds each
+prompt's pixel arrays, and a prefill whose rows have images runs the vision tower on them (their count padded to a
+power of two with blank images); the sampler keeps nothing of a call on itself.
 
 Decode. A `lax.while_loop` runs whole decode steps on device (all slots, one token each; the state is
 donated): feed each slot's last token at its position, draw the next token, record it in a per-segment
@@ -39,14 +52,27 @@ ends when every slot is done, when enough slots are free to admit waiting prompt
 full, or after `segment_steps` steps; only then does the host look at the results (one transfer per
 segment, none per token).
 
+Decode blocks. `segment_steps` (k) is the block: k tokens per dispatch at most, the same tokens and log-probs as
+step-by-step decoding (k = 1) bit for bit (tests/test_decode_blocks.py). Its default follows the kernel set
+(`backend_choices`), measured with benchmarks/bench_decode_blocks.py (16 prompts x 64 ids,
+128 new, greedy, 16 slots, tokens/s for k = 1 / 8 / 32 / 128; 2-core CPU, shared, 2026-11-28): cpu kernels,
+tiny:llama's shape 21,320 / 48,958 / 61,661 / 71,265, a 0.1 B Llama 64 / 146 / 178 / 181 (each dispatch slices
+the per-layer weights once: a copy of the weights); the generic kernels on that CPU, tiny shape 16,712 / 31,043 /
+37,216 / 40,610. Larger blocks only make the host see progress less often (progress bars; weight swaps between
+segments have their own bound, `fleet.segment_steps`).
+
 Continuous batching. The host loop (`posttrain.sampling.scheduler.SlotScheduler`) alternates prefill of
 waiting prompts into free slots with decode segments, so a few long completions do not hold the other slots
 idle: a finished slot takes the next prompt. Prompts are admitted in order; a prompt's samples are admitted
 together (up to the slot count).
 
-Slot count. A call uses `slots_for(sequences)` slots: the next power of two from 8, at most `max_slots`
-(rounded to the mesh), so a small request never computes empty slots and the few sizes a workload meets
-are each compiled once (the decode state is kept for the last (slots, cache length) used).
+Slot count. With the cpu kernels a call uses `slots_for(sequences)` slots: the next power of two from 8, at most
+`max_slots` (rounded to the mesh), so a small request never computes empty slots (on CPU a 0.1 B model's decode of
+16 sequences took 2.3-3.4x as long in 64 slots as in 16), and the few sizes a workload meets are each compiled
+once (the decode state is kept for the last (slots, cache length) used): `posttrain eval --n 4` decodes its greedy
+pass in fewer slots than its sampled one, two decode programs. With the generic kernels (accelerators) every
+call uses the sampler's `slots`: one decode program per cache capacity (issue 40's H200 figures: a decode step
+1.41 / 2.19 ms at 16 / 64 sequences, while a decode program compiled in 4-8 s).
 
 Continuation (multi-turn). When a turn ends and `on_turn_end` appends ids, the extend program (`_extend`)
 computes only those ids, plus the turn's last sampled token (sampled but not yet fed), against the slot's
@@ -55,14 +81,26 @@ slots' cache rows gathered (attention reads them) with a scratch tail for the pa
 computed positions are scattered back into the donated cache (in place, not whole rows); the next token
 is drawn from the last appended id's logits. See the scheduler's docstring for parking and multi-process.
 
-Compilation. What is static: slots, the cache capacity, the prefill (rows, bucket) shape, greedy-or-not,
-top_k, top-p on or off and segment_steps. Temperature, top_p's value, min_p, seed, max_new_tokens and the
-stop ids are traced values, so a sampler compiles one decode program per cache capacity and one prefill
-program per (rows, bucket, capacity) it meets, for each sampling mode it meets (greedy; sampling; sampling
-with top-p). A greedy program holds no sampling code and compiles in ~40% less time; compilation is
-most of a first call's cost on CPU. The programs live in the sampler's `ProgramCache` (shared with the samplers
-given the same cache, for models of the same structure), and the weights are read from the model at every call
-(RL updates them in place between calls). A test counts compiles with JAX's compile events (tests/compile_counter.py).
+Compilation. What is static: slots, the cache capacity, the prefill (rows, bucket) shape, top_k, top-p on or
+off and segment_steps. Greedy-or-not, temperature, top_p's value, min_p, seed, max_new_tokens and the stop ids
+are traced values, so a sampler compiles one decode program per cache capacity and one prefill program per
+(rows, bucket, capacity) it meets, for each sampling mode it meets (top-k, top-p); greedy calls (evaluation) and
+sampled ones (rollouts) share their programs (`filters.choose_tokens`: `lax.cond`, same tokens and log-probs bit
+for bit). That costs a greedy-only run's first call the sampling code's compile (benchmarks/bench_first_call.py's
+generate worker: first call 4.4-5.1 s -> 6.0-6.6 s on CPU) and saves a mixed run a decode and a prefill program
+(RL smoke, 4 steps: 10 programs -> 7). Compilation is most of a first call's cost on CPU. The programs live in
+the sampler's `ProgramCache` (shared with the samplers given the same cache, for models of the same structure),
+and the weights are read from the model at every call (RL updates them in place between calls). A test counts
+compiles with JAX's compile events (tests/compile_counter.py).
+
+Expert recording (routing replay, a mixture of experts). `generate(record_experts=True)` builds the programs
+with `record` on (a static flag; off, they are exactly the plain programs): the prefill, extend and every decode
+step also return the experts the router chose (`model(..., routing=True)`), and the scheduler appends them, per
+sequence and in order, to its slot record: the prompt's positions from the prefill (a shared-prefill group's
+samples each get the prompt row's), then each fed token (a decode step's active slot feeds its previous sampled
+token; an extend feeds the pending token and the appended ids). `Completion.routed_experts` [n_positions,
+L_sparse, k] (int8, int16 above 128 experts) thus covers len(prompt) + len(token_ids) - 1 positions (the last
+sampled token is never fed), the experts a single uncached forward of prompt + token_ids[:-1] would choose.
 
 Weight swaps within a call (partial rollouts). `generate(between_segments=f)` calls f between decode
 segments; when it returns newer weights (`(weights, version)`) they are loaded into the model in place and the
@@ -104,6 +142,7 @@ from posttrain import distributed
 from posttrain.models import kernels as kernels_lib
 from posttrain.models import multimodal
 from posttrain.models.attention import KVCache
+from posttrain.models.moe import experts_dtype
 from posttrain.models.weights import flat_weights, load_flat_weights
 from posttrain.sampling.filters import choose_tokens
 from posttrain.sampling.params import Completion, SamplingParams, TurnEnd
@@ -111,6 +150,38 @@ from posttrain.sampling.scheduler import MIN_BUCKET, Programs, Request, Setup, S
 from posttrain.sampling.scheduler import pow2 as _pow2
 
 MIN_CACHE_STEP = 256  # default cache growth step at least (see "Cache growth")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoices:
+    """What the sampler chooses by backend, behind the one backend switch (the model's kernel set,
+    `posttrain.models.kernels`): see "Decode blocks", "Slot count" and "Prefill shapes".
+
+    segment_steps: the default decode block. request_sized_slots: a call uses `slots_for(its sequences)` slots
+    (else always the sampler's `slots`: one decode program per cache capacity). pad_ratio, pad_positions: a
+    refill runs at the rows of the call's first prefill when they are at most pad_ratio times its own rows and
+    that shape holds at most pad_positions positions (else at the call's refill rows)."""
+
+    segment_steps: int
+    request_sized_slots: bool
+    pad_ratio: float
+    pad_positions: int
+
+
+#: cpu: compute is dear (4x the slots: a 0.1 B model's decode 2.3-3.4x slower; refills of an n=4 evaluation padded
+#: from 1 row to 4 rows of 128 positions: +30-50% on a 0.1 B model, +25% on a tiny one whose first shape is 4 x 32)
+#: and a compile costs 1-3 s: request-sized slots, paddings of small prefills only.
+CPU_CHOICES = BackendChoices(segment_steps=128, request_sized_slots=True, pad_ratio=4.0, pad_positions=256)
+#: generic (accelerators): a compile costs seconds to tens of seconds (XLA's autotuning; issue 40's H200 figures:
+#: 27.8 s for three prefills) while idle slots and padded rows cost little (a decode step 1.41 / 2.19 ms at 16 / 64
+#: sequences): every call at the full slot count, refills at the call's first shape. The decode block: measured
+#: on CPU (the module docstring's figures); on an accelerator fewer host round trips can only help (not measured).
+GENERIC_CHOICES = BackendChoices(segment_steps=128, request_sized_slots=False, pad_ratio=8.0, pad_positions=1 << 30)
+
+
+def backend_choices(kernels: str = "auto") -> BackendChoices:
+    """The choices for a model of kernel set `kernels` (its `cfg.kernels`; `auto` resolved once)."""
+    return CPU_CHOICES if kernels_lib.resolve(kernels) == "cpu" else GENERIC_CHOICES
 
 
 @jax.tree_util.register_dataclass
@@ -193,13 +264,16 @@ def _seq_index(axis: int, rows, n: int):
 
 
 def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
-             stop_ids, temperature, top_p, min_p, pixels=None, *, top_k: int, greedy: bool, nucleus: bool):
+             stop_ids, temperature, top_p, min_p, pixels=None, *, top_k: int, greedy, nucleus: bool,
+             record: bool = False):
     """Prefills prompt rows ids [P, Lb] (real lengths `lens`) and installs them in the assigned slots.
 
     Assignment a copies prompt row asg_row[a] into slot asg_slot[a] (slot index S = padding, dropped) as
     sample (asg_prompt[a], asg_sample[a]) and draws its first token. Returns the new state and the first
     tokens, their log-probs and sampling log-probs [A]. `pixels` [N, C, H, W]: the images of the rows'
-    image placeholders, in order (vision-language models; None = text, the text-only program).
+    image placeholders, in order (vision-language models; None = text, the text-only program). `record`
+    (a mixture of experts): the first values also hold the experts the router chose at every prompt row's
+    position [P, Lb, L_sparse, k] (see "Expert recording").
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
@@ -210,7 +284,8 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     tmp = KVCache.create(cfg, n_rows, lb, dtype=cache.k[0].dtype)
     pos = jnp.broadcast_to(jnp.arange(lb, dtype=jnp.int32), (n_rows, lb))
     mask = pos < lens[:, None]
-    h, tmp = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp, pixel_values=pixels)
+    h, tmp, *routing = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp, pixel_values=pixels,
+                                           routing=record)
     h_last = h[jnp.arange(n_rows), lens - 1]  # [P, D]: logits only where they are needed
     logits = model.logits(h_last[:, None])[:, 0]
 
@@ -241,7 +316,7 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
         key=put(ds.key, jax.random.key_data(keys)),
     )
     ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:], cfg.kernels))
-    return ds, (tok, lp, slp)
+    return ds, (tok, lp, slp, *(r.experts for r in routing))
 
 
 def _gather_rows(cache: KVCache, rows, extra: int, ks) -> KVCache:
@@ -268,7 +343,7 @@ def _put_columns(c, t, axis: int, rows, slot, pos):
 
 
 def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new, stop_ids, temperature, top_p, min_p,
-            *, top_k: int, greedy: bool, nucleus: bool):
+            *, top_k: int, greedy, nucleus: bool, record: bool = False):
     """Continues slots after a turn: computes only their new tokens against the slots' kept caches.
 
     Row r [Lb] of `ids` is for slot `slot[r]` (index S = padding row, dropped): column 0 is ignored and
@@ -277,7 +352,8 @@ def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new,
     positions past the cache (a scratch extension of the gathered rows, never written back). The next token
     is drawn from the last real column's logits with the sample's key at sequence index n_after[r] (the
     tokens after the prompt so far, appended ones included); max_new[r] is the slot's new total budget.
-    Returns the state and the first tokens, log-probs and sampling log-probs [R].
+    Returns the state and the first tokens, log-probs and sampling log-probs [R] (with `record`, and the experts
+    chosen at every column [R, Lb, L_sparse, k]).
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
@@ -292,7 +368,7 @@ def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new,
     start = ds.position[src]
     pos = jnp.where(real, start[:, None] + col, cap + col)
     sub = _gather_rows(cache, src, lb, ks)
-    h, sub = model.hidden_states(ids, attention_mask=real, positions=pos, cache=sub)
+    h, sub, *routing = model.hidden_states(ids, attention_mask=real, positions=pos, cache=sub, routing=record)
     logits = model.logits(h[jnp.arange(n_rows), lens - 1][:, None])[:, 0]
     keys = lambda: _step_keys(ds.key[src], n_after)  # noqa: E731
     tok, lp, slp = choose_tokens(logits, keys, top_k, greedy, temperature, top_p, min_p, nucleus=nucleus,
@@ -313,16 +389,18 @@ def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new,
         active=put(ds.active, ~done), n_generated=put(ds.n_generated, n_after + 1), max_new=put(ds.max_new, max_new),
     )
     ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:], cfg.kernels))
-    return ds, (tok, lp, slp)
+    return ds, (tok, lp, slp, *(r.experts for r in routing))
 
 
 def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, temperature, top_p, min_p, *,
-            top_k: int, greedy: bool, nucleus: bool, budget: int):
+            top_k: int, greedy, nucleus: bool, budget: int, record: bool = False):
     """Decode steps in one `while_loop` until no slot is active, `min_free` slots are free, or
     min(`max_steps`, `budget`) steps (`max_steps`, traced: the steps left before the cache is full).
 
     Returns the state and the segment's record: tokens, log-probs, sampling log-probs and an `emitted`
-    flag, each [budget, S] (row t = step t; only the first `steps` rows are filled), and `steps`.
+    flag, each [budget, S] (row t = step t; only the first `steps` rows are filled), and `steps`. With
+    `record` (a mixture of experts) the record also holds the experts chosen for the token each slot fed at
+    each step [budget, S, L_sparse, k] (see "Expert recording").
     """
     model = nnx.merge(graphdef, state)
     slots = ds.active.shape[0]
@@ -331,12 +409,12 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
     # The cpu kernel set slices the per-layer weights once per call, outside the loop (on CPU a slice inside
     # the loop is a copy every step); elsewhere the fused dynamic slices of the stacked weights cost nothing.
     layer_states = model.layer_states() if ks.preslice_decode_weights else None
-    record = (
+    buffers = (
         jnp.zeros((budget, slots), jnp.int32),
         jnp.zeros((budget, slots), jnp.float32),
         jnp.zeros((budget, slots), jnp.float32),
         jnp.zeros((budget, slots), bool),
-    )
+    ) + ((_experts_buffer(model.cfg, budget, slots),) if record else ())
     ones = jnp.ones((slots, 1), jnp.int32)
 
     def cond(carry):
@@ -345,9 +423,9 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
         return (step < jnp.minimum(budget, max_steps)) & jnp.any(ds.active) & (n_free < min_free)
 
     def body(carry):
-        ds, (r_tok, r_lp, r_slp, r_emit), step = carry
-        logits, cache = model(ds.last_token[:, None], attention_mask=ones, positions=ds.position[:, None],
-                              cache=ds.cache, layer_states=layer_states)
+        ds, (r_tok, r_lp, r_slp, r_emit, *r_exp), step = carry
+        logits, cache, *routing = model(ds.last_token[:, None], attention_mask=ones, positions=ds.position[:, None],
+                                        cache=ds.cache, layer_states=layer_states, routing=record)
         keys = lambda: _step_keys(ds.key, ds.n_generated)  # noqa: E731
         tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p,
                                      nucleus=nucleus, kernels=model.cfg)
@@ -367,10 +445,16 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
         r_lp = jax.lax.dynamic_update_index_in_dim(r_lp, lp, step, 0)
         r_slp = jax.lax.dynamic_update_index_in_dim(r_slp, slp, step, 0)
         r_emit = jax.lax.dynamic_update_index_in_dim(r_emit, act, step, 0)
-        return new, (r_tok, r_lp, r_slp, r_emit), step + 1
+        r_exp = [jax.lax.dynamic_update_index_in_dim(r_exp[0], routing[0].experts[:, 0], step, 0)] if record else []
+        return new, (r_tok, r_lp, r_slp, r_emit, *r_exp), step + 1
 
-    ds, record, steps = jax.lax.while_loop(cond, body, (ds, record, jnp.int32(0)))
-    return ds, record, steps
+    ds, buffers, steps = jax.lax.while_loop(cond, body, (ds, buffers, jnp.int32(0)))
+    return ds, buffers, steps
+
+
+def _experts_buffer(cfg, steps: int, slots: int) -> jax.Array:
+    """An empty record of chosen experts [steps, slots, L_sparse, k] (the model's compact expert-id dtype)."""
+    return jnp.zeros((steps, slots, sum(cfg.moe_layers), cfg.num_experts_per_tok), experts_dtype(cfg.num_experts))
 
 
 _init_jit = jax.jit(_init_state, static_argnums=(0, 1, 2, 3, 4))
@@ -442,12 +526,12 @@ class ProgramCache:
                 self._entries.append(self._entries.pop(i))
                 return entry[1]
         jitted = _Jitted(
-            prefill=jax.jit(functools.partial(_prefill, graphdef), static_argnames=("top_k", "greedy", "nucleus"),
-                            donate_argnames=("ds",)),
+            prefill=jax.jit(functools.partial(_prefill, graphdef),
+                            static_argnames=("top_k", "nucleus", "record"), donate_argnames=("ds",)),
             decode=jax.jit(functools.partial(_decode, graphdef),
-                           static_argnames=("top_k", "greedy", "nucleus", "budget"), donate_argnames=("ds",)),
-            extend=jax.jit(functools.partial(_extend, graphdef), static_argnames=("top_k", "greedy", "nucleus"),
-                           donate_argnames=("ds",)),
+                           static_argnames=("top_k", "nucleus", "budget", "record"), donate_argnames=("ds",)),
+            extend=jax.jit(functools.partial(_extend, graphdef),
+                           static_argnames=("top_k", "nucleus", "record"), donate_argnames=("ds",)),
         )
         self._entries.append((graphdef, jitted))
         del self._entries[:-self.size]
@@ -488,7 +572,8 @@ class Sampler:
       data x fsdp size). Every decode step computes all slots, so on CPU keep it near the request size.
     max_len: cache length (prompt + completion); None = chosen per call as the next power of two of the
       longest prompt plus max_new_tokens (at most the model's max_position_embeddings).
-    segment_steps: decode steps per compiled segment at most (the host sees progress after each).
+    segment_steps: decode steps per compiled segment at most, the decode block (the host sees progress after
+      each); None = the kernel set's default (`backend_choices`).
     refill_fraction: a decode segment stops to admit waiting prompts once this fraction of the slots
       (at least one, at least the next prompt's samples) is free; larger values batch more prefills.
     cache_step: the cache grows in steps of this many positions up to max_len (see "Cache growth" in the
@@ -500,12 +585,14 @@ class Sampler:
     """
 
     def __init__(self, model, tokenizer=None, *, max_slots: int = 32, max_len: int | None = None,
-                 segment_steps: int = 128, refill_fraction: float = 0.125, cache_step: int | None = None,
+                 segment_steps: int | None = None, refill_fraction: float = 0.125, cache_step: int | None = None,
                  program_cache: ProgramCache | None = None):
         if max_slots < 1:
             raise ValueError(f"max_slots={max_slots} must be >= 1")
         if max_len is not None and max_len < 2:
             raise ValueError(f"max_len={max_len} must be >= 2")
+        if segment_steps is None:
+            segment_steps = backend_choices(model.cfg.kernels).segment_steps
         if segment_steps < 1:
             raise ValueError(f"segment_steps={segment_steps} must be >= 1")
         if not 0.0 <= refill_fraction <= 1.0:
@@ -525,6 +612,7 @@ class Sampler:
         self.last_stats: dict = {}
         self.version: int | None = None  # the policy version of the loaded weights (see `load_weights`)
         self.profile = False  # block after each compiled call to time prefill and decode separately
+        self.choices = backend_choices(model.cfg.kernels)  # slot count and prefill padding by backend
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -620,12 +708,18 @@ class Sampler:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams | None = None, *,
+                 images: Sequence[Sequence] | None = None,
                  progress: bool | Callable[[int, int, int, float], None] = False,
                  key_ids: Sequence[int] | None = None,
                  on_turn_end: Callable[[TurnEnd], object] | None = None,
-                 max_len: int | None = None, between_segments: Callable | None = None) -> list[Completion]:
+                 max_len: int | None = None, between_segments: Callable | None = None,
+                 record_experts: bool = False) -> list[Completion]:
         """One `Completion` per prompt and sample: prompt order, the `n` samples of a prompt in a row.
 
+        images: a vision-language model's image prompts: images[p] holds prompt p's preprocessed images, pixel
+          arrays [C, H, W] (the processor's `pixel_values` rows), one per run of image placeholder tokens in the
+          prompt, in order ([] for a text prompt). They stay in this call's own record (`Request`): only the
+          prefill differs, running the vision tower on the prefilled rows' images. None: text prompts only.
         progress: True for a rich progress bar, or a callable(done, total, generated_tokens, seconds).
         key_ids: one integer per prompt that replaces its position in the sampling keys: sample i of prompt p
           draws from keys of (seed, key_ids[p], i), so a prompt's samples do not depend on which other
@@ -644,10 +738,14 @@ class Sampler:
           sampler's max_len, else (multi-turn) the model's max_position_embeddings or (single turn) the
           next power of two of the longest prompt plus max_new_tokens.
         between_segments: partial rollouts: () -> None | (weights, version), loaded before the next decode segment.
+        record_experts: a mixture of experts: each `Completion` gets `routed_experts` [n_positions, L_sparse, k],
+          the experts the router chose at every position the sampler ran through the model (see "Expert
+          recording"). Ignored for a dense model (`routed_experts` stays None); off, the programs are unchanged.
         """
         params = params or SamplingParams()
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         limit, _ = self._validate(prompts, params, max_len)
+        images = self._check_images(prompts, images)
         if key_ids is not None:
             key_ids = [int(k) for k in key_ids]
             if len(key_ids) != len(prompts) or any(not 0 <= k < 2**31 for k in key_ids):
@@ -664,13 +762,16 @@ class Sampler:
         cache_len = next((c for c in caps if c >= min(length_bucket(longest, max_len) + 1, max_len)), max_len)
         ds = self._ensure_state(slots, cache_len)
         self._state = None  # donated below; restored when the call completes
+        record = bool(record_experts) and self.cfg.is_moe
         request = Request(prompts, params, stop, key_ids=key_ids, on_turn_end=on_turn_end,
-                          progress=_Progress(progress, total) if progress else None)
+                          progress=_Progress(progress, total) if progress else None, images=images,
+                          record_experts=record)
         setup = Setup(slots=slots, max_len=max_len, caps=tuple(caps), vocab_size=self.cfg.vocab_size,
-                      quantum=max(1, math.ceil(self.refill_fraction * slots)), profile=self.profile,
+                      quantum=max(1, math.ceil(self.refill_fraction * slots)), pad_ratio=self.choices.pad_ratio,
+                      pad_positions=self.choices.pad_positions, profile=self.profile,
                       decode_text=self.tokenizer.decode if self.tokenizer is not None else None)
-        sched = SlotScheduler(self._programs(params, stop), ds, request, setup,
-                              swap=self._swapper(between_segments, params, stop))
+        sched = SlotScheduler(self._programs(params, stop, record), ds, request, setup,
+                              swap=self._swapper(between_segments, params, stop, record))
         try:
             out = sched.run()
         finally:  # the latest state, also after an error (every slot is free again at the next call's start)
@@ -681,7 +782,7 @@ class Sampler:
         self.last_stats = dict(sched.stats, slots=slots, max_len=max_len, cache_len=sched.cache_len)
         return out
 
-    def _swapper(self, between_segments, params: SamplingParams, stop: list[int]):
+    def _swapper(self, between_segments, params: SamplingParams, stop: list[int], record: bool):
         """The scheduler's hook between segments (None without `between_segments`): newer weights, loaded in
         place, and the programs bound to them (the same compiled programs: the weights keep their shapes)."""
         if between_segments is None:
@@ -694,68 +795,56 @@ class Sampler:
             if new is None:
                 return None
             self.load_weights(*new)
-            return self._programs(params, stop)
+            return self._programs(params, stop, record)
 
         return swap
 
     def slots_for(self, total: int) -> int:
-        """The slot count of a call of `total` sequences: the next power of two from 8 at least (so that a
-        few static sizes cover every request), at most max_slots, rounded up to a multiple of the mesh's data
-        x fsdp size."""
+        """The slot count of a call of `total` sequences: with request-sized slots (`BackendChoices`, the cpu
+        kernels) the next power of two from 8 at least (so that a few static sizes cover every request), at most
+        max_slots; else `slots`. Rounded up to a multiple of the mesh's data x fsdp size."""
+        if not self.choices.request_sized_slots:
+            return self.slots
         return self._mesh_round(min(self.max_slots, max(8, _pow2(total))))
 
     # ------------------------------------------------------------------ images (vision-language models)
-    def generate_with_images(self, prompt_token_ids: Sequence[Sequence[int]], images: Sequence[Sequence],
-                             params: SamplingParams | None = None, **kwargs) -> list[Completion]:
-        """`generate` for prompts with images: images[p] holds prompt p's preprocessed images, pixel arrays
-        [C, H, W] (the processor's `pixel_values` rows), one per run of image placeholder tokens in the prompt,
-        in order. Only the prefill differs: it runs the vision tower on the prompt rows' images."""
+    def _check_images(self, prompts: list[list[int]], images) -> list[list[np.ndarray]] | None:
+        """`images` as float32 arrays, one list per prompt, each prompt's count that of its placeholder runs;
+        None for a text-only call (`images` None)."""
+        if images is None:
+            return None
         vc = self.cfg.vision
         if vc is None:
             raise ValueError(f"this {self.cfg.model_type} model has no vision tower: it cannot take images")
-        if len(images) != len(prompt_token_ids):
-            raise ValueError(f"images: one list per prompt expected ({len(prompt_token_ids)}), got {len(images)}")
-        prepared = []
-        for i, (p, imgs) in enumerate(zip(prompt_token_ids, images)):
-            want = multimodal.count_placeholders(np.asarray([list(p)], np.int64), vc)
+        if len(images) != len(prompts):
+            raise ValueError(f"images: one list per prompt expected ({len(prompts)}), got {len(images)}")
+        out = []
+        for i, (p, imgs) in enumerate(zip(prompts, images)):
+            want = multimodal.count_placeholders(np.asarray([p], np.int64), vc)
             if want != len(imgs):
                 raise ValueError(f"prompt {i} has {want} image(s) in its tokens but {len(imgs)} image(s) were given")
-            prepared.append([np.asarray(x, np.float32) for x in imgs])
-        self._prompt_images = prepared
-        try:
-            return self.generate(prompt_token_ids, params, **kwargs)
-        finally:
-            self._prompt_images = None
+            out.append([np.asarray(x, np.float32) for x in imgs])
+        return out
 
-    def _prefill_pixels(self, rows: Sequence[int]):
-        """The pixel values of the images of prompt rows `rows` (in row order), the count padded to a power of
-        two with blank images (ignored: placeholders take images in order), or None for text-only rows."""
-        images = getattr(self, "_prompt_images", None)
-        if images is None:
-            return None
-        pix = [x for p in rows for x in images[p]]
-        if not pix:
-            return None
-        pix += [np.zeros_like(pix[0])] * (_pow2(len(pix)) - len(pix))
-        return np.stack(pix)
-
-    def _programs(self, params: SamplingParams, stop: list[int]) -> Programs:
-        """The compiled programs with the model state, its version and this call's sampling values bound."""
+    def _programs(self, params: SamplingParams, stop: list[int], record: bool = False) -> Programs:
+        """The compiled programs with the model state, its version and this call's sampling values bound;
+        `record`: the programs that also return the chosen experts (without it, exactly the plain programs)."""
         stop_arr = np.full(max(8, _pow2(len(stop))), -1, np.int32)
         stop_arr[: len(stop)] = stop
         greedy = bool(params.greedy)
         top_k = 0 if greedy or params.top_k >= self.cfg.vocab_size else params.top_k
-        kw = dict(top_k=top_k, greedy=greedy, nucleus=not greedy and params.top_p < 1.0,
+        kw = dict(top_k=top_k, greedy=np.bool_(greedy), nucleus=not greedy and params.top_p < 1.0,
                   temperature=np.float32(params.temperature if not greedy else 1.0),
                   top_p=np.float32(params.top_p), min_p=np.float32(params.min_p))
+        if record:
+            kw["record"] = True
         graphdef, state = nnx.split(self.model)
         prefill_fn, decode_fn, extend_fn = self.program_cache.get(graphdef)
         seed = np.uint32(params.seed)
         mesh, kernels = self.model.mesh, kernels_lib.resolve(self.cfg.kernels)
         return Programs(
-            prefill=lambda ds, ids, lens, a_row, a_slot, a_prompt, a_sample, max_new, rows=(): prefill_fn(
-                state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, seed, max_new, stop_arr,
-                pixels=self._prefill_pixels(rows), **kw),
+            prefill=lambda ds, ids, lens, a_row, a_slot, a_prompt, a_sample, max_new, pixels=None: prefill_fn(
+                state, ds, ids, lens, a_row, a_slot, a_prompt, a_sample, seed, max_new, stop_arr, pixels=pixels, **kw),
             decode=lambda ds, min_free, max_steps: decode_fn(state, ds, min_free, max_steps, stop_arr, **kw,
                                                              budget=self.segment_steps),
             extend=lambda ds, ids, lens, slot, n_after, max_new: extend_fn(state, ds, ids, lens, slot, n_after,

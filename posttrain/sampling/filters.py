@@ -1,11 +1,12 @@
 """Token choice inside compiled code: temperature, top-k / top-p / min-p filtering, sampling and log-probs.
 
 Everything works on float32 logits [rows, vocab]. Filters set removed tokens to -inf. What changes the
-program is static: greedy-or-not (a greedy program holds no sampling code at all: its decode program
-compiled in 0.58 s instead of 1.02 s on the benchmark model), the k of top-k (`lax.top_k` needs it) and
-whether top-p is on at all (its sort and cumulative sum over the vocabulary are among the costliest parts
-to compile); temperature, the top_p value and min_p are traced, so changing them reuses the compiled
-program.
+program is static: the k of top-k (`lax.top_k` needs it) and whether top-p is on at all (its sort and cumulative
+sum over the vocabulary are among the costliest parts to compile); temperature, the top_p value and min_p are
+traced, so changing them reuses the compiled program. Greedy-or-not is traced too (`lax.cond` picks the argmax
+or the sampling code at run time), so a run that decodes greedily (evaluation) and by sampling (rollouts)
+compiles one program, not two (issue 40's budget); a greedy-only program (a Python bool) holds no sampling code
+and compiled in 0.58 s instead of 1.02 s on the benchmark model, and gives the same tokens and log-probs.
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(idx, axis=-1), x.shape[-1] - 1).astype(jnp.int32)
 
 
-def choose_tokens(logits: jax.Array, keys, top_k: int, greedy: bool, temperature, top_p, min_p, *,
+def choose_tokens(logits: jax.Array, keys, top_k: int, greedy, temperature, top_p, min_p, *,
                   nucleus: bool = True, kernels="auto"):
     """Picks one token per row of float32 logits [R, V].
 
     keys: a function returning typed PRNG keys [R] (one per row; only called when sampling).
-    greedy (a Python bool: static) takes the argmax of the raw logits; no sampling code is traced.
+    greedy takes the argmax of the raw logits: a Python bool (static: the other code is not traced) or a traced
+    scalar bool (both codes compiled, `lax.cond` runs one).
     nucleus (static): whether top-p may be on (see `filter_logits`).
     Sampling draws exactly from softmax(filtered logits / temperature) with the kernel set's sampler
     (`kernels`: a name or a `ModelConfig`; `posttrain.models.kernels`: Gumbel-max for generic, an
@@ -69,10 +71,19 @@ def choose_tokens(logits: jax.Array, keys, top_k: int, greedy: bool, temperature
     0 when greedy).
     """
     logits = logits.astype(jnp.float32)
-    if greedy:
+
+    def argmax(logits, _):
         tok = first_argmax(logits)  # its max is merged by XLA with the log-prob's own
         return tok, logprobs_from_logits(logits, tok), jnp.zeros(tok.shape, jnp.float32)
-    x = filter_logits(logits / temperature, top_k, top_p, min_p, nucleus=nucleus)
-    tok, lse = kernels_lib.get(kernels).categorical(x, keys)
-    slp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - lse
-    return tok, logprobs_from_logits(logits, tok), slp
+
+    def sample(logits, scaled):
+        x = filter_logits(scaled, top_k, top_p, min_p, nucleus=nucleus)
+        tok, lse = kernels_lib.get(kernels).categorical(x, keys)
+        slp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - lse
+        return tok, logprobs_from_logits(logits, tok), slp
+
+    if isinstance(greedy, bool):
+        return (argmax if greedy else sample)(logits, logits / temperature)
+    # the temperature's division stays outside the branches: inside, XLA rounded it differently (sampling log-probs
+    # differed from the static program's in the last bit); outside, both programs give the same bits
+    return jax.lax.cond(greedy, argmax, sample, logits, logits / temperature)

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Literal
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -84,6 +86,12 @@ class Completion:
     Plain single-turn calls leave mask None and turns 1. versions[i]: the policy version of the weights that
     produced token_ids[i] (`Sampler.load_weights`; None for unversioned weights); it changes within a sequence
     only when `generate(between_segments=...)` swapped weights between decode segments.
+
+    routed_experts (`generate(record_experts=True)` with a mixture of experts; else None): np.ndarray
+    [len(prompt) + len(token_ids) - 1, L_sparse, k], int8 (int16 above 128 experts): row i holds, for sequence
+    position i (the prompt's positions, then token_ids[:-1]; the last token is never fed to the model), the top-k
+    experts (largest router probability first) each sparse layer's router chose when the sampler ran that
+    position; what a learner replays (`model(..., replay=...)`).
     """
 
     prompt_index: int
@@ -96,6 +104,7 @@ class Completion:
     mask: list[int] | None = None
     turns: int = 1
     versions: list[int | None] | None = None
+    routed_experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass

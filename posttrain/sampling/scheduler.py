@@ -5,7 +5,9 @@ One `SlotScheduler` serves one call. It owns the slots (one `_Slot` record per b
 its tokens and log-probs, where it writes next, whether it decodes or waits for its continuation), the waiting
 queue, and the decode state while the call runs. What it is given comes in a few records: the compiled programs
 with their weights' version (`Programs`: prefill, decode, extend, cache growth of `posttrain.sampling.engine`),
-what the call asks (`Request`) and what the sampler fixes for it (`Setup`).
+what the call asks (`Request`: prompts, sampling parameters, the prompts' images...) and what the sampler fixes
+for it (`Setup`). The slot records are the one record of the tokens: a finished slot becomes its `Completion`
+(a multi-turn trajectory reads its token buffer from it, `posttrain.agent.buffer.TokenBuffer.from_completion`).
 
 Loop (one iteration; every step below is skipped when it has nothing to do):
 1. settle: decide the parked slots whose continuation is known (see "Multi-turn"); blocks only when nothing
@@ -85,7 +87,7 @@ class Programs(NamedTuple):
     model state and the call's traced sampling values bound (see `Sampler.generate`), and the policy version
     of those weights (what every token they produce is recorded with)."""
 
-    prefill: Callable  # (ds, ids, lens, a_row, a_slot, a_prompt, a_sample, max_new, rows) -> (ds, first)
+    prefill: Callable  # (ds, ids, lens, a_row, a_slot, a_prompt, a_sample, max_new, pixels) -> (ds, first)
     decode: Callable  # (ds, min_free, max_steps) -> (ds, record, steps)
     extend: Callable  # (ds, ids, lens, slot, n_after, max_new) -> (ds, first)
     grow: Callable  # (ds, new_len) -> ds
@@ -96,7 +98,9 @@ class Programs(NamedTuple):
 class Request:
     """What one `generate` call passes: its prompts (token id lists), `SamplingParams` and stop ids; key_ids:
     per-prompt ids replacing the prompt index in the sampling keys, or None; on_turn_end: the multi-turn
-    callback or None; progress: a `_Progress`-like object or None."""
+    callback or None; progress: a `_Progress`-like object or None; images: prompt p's pixel arrays [C, H, W]
+    (float32, one per run of image placeholders in its ids, in order), or None for a text-only call;
+    record_experts: the programs return the chosen experts and each completion gets `routed_experts`."""
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -104,6 +108,20 @@ class Request:
     key_ids: list[int] | None = None
     on_turn_end: Callable[[TurnEnd], object] | None = None
     progress: object = None
+    images: list[list[np.ndarray]] | None = None
+    record_experts: bool = False
+
+    def pixels(self, rows: list[int]) -> np.ndarray | None:
+        """The pixel values of the images of prompt rows `rows` (in row order: the prefill's placeholders take
+        images in order), the count padded to a power of two with blank images (computed, then ignored), or None
+        when those rows have no image (the text-only prefill program)."""
+        if self.images is None:
+            return None
+        pix = [x for p in rows for x in self.images[p]]
+        if not pix:
+            return None
+        pix += [np.zeros_like(pix[0])] * (pow2(len(pix)) - len(pix))
+        return np.stack(pix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +129,17 @@ class Setup:
     """What the sampler fixes for a call: `slots` (sequences at once), `max_len` (the context limit of every
     sequence, prompt and all turns), `caps` (the cache capacities the call may grow through), `quantum` (free
     slots that end a segment early for waiting prompts or, in multi-turn calls with none waiting, turns that
-    end one), the model's `vocab_size` (appended ids are checked against it), `profile` (time prefill and
-    extend apart) and `decode_text` (the tokenizer's decode, for `Completion.text`, or None)."""
+    end one), the model's `vocab_size` (appended ids are checked against it), `pad_ratio` and `pad_positions`
+    (when a later prefill runs at the call's first prefill shape: `SlotScheduler._prefill_shape`), `profile`
+    (time prefill and extend apart) and `decode_text` (the tokenizer's decode, for `Completion.text`, or None)."""
 
     slots: int
     max_len: int
     caps: tuple[int, ...]
     vocab_size: int
     quantum: int = 1
+    pad_ratio: float = 1.0
+    pad_positions: int = 0
     profile: bool = False
     decode_text: Callable[[list[int]], str] | None = None
 
@@ -128,7 +149,8 @@ class _Slot:
     """A busy slot (one record per slot; None = free): the sequence it holds (prompt, sample, what it sampled
     and was appended, where its current turn starts) and where that sequence stands: `pos` (where its pending
     last token goes, the slot's next write), `decoding` (active on device: neither parked nor done) and, while
-    parked, on_turn_end's `answer` (ids, None or a Future of either)."""
+    parked, on_turn_end's `answer` (ids, None or a Future of either). `experts`: with expert recording, the
+    chosen experts [n, L_sparse, k] of the positions fed so far, in chunks (prompt, then each fed token)."""
 
     prompt: int
     sample: int
@@ -139,6 +161,7 @@ class _Slot:
     slps: list[float] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
     versions: list[int | None] = dataclasses.field(default_factory=list)
+    experts: list[np.ndarray] = dataclasses.field(default_factory=list)
     turn: int = 0
     turn_start: int = 0
     reason: str = "length"
@@ -174,6 +197,10 @@ class SlotScheduler:
         self.finished: dict[tuple[int, int], Completion] = {}
         self.stats: collections.Counter = collections.Counter()
         self.generated = 0
+        self.first_shape: tuple[int, int] | None = None  # (rows, bucket) of the call's first prefill
+        longest = max((len(p) for p in request.prompts), default=1)
+        # the shape of later prefills that do not fit the first one at a small cost (see `_prefill_shapes`)
+        self.refill_shape = (pow2(max(1, -(-setup.quantum // self.n))), length_bucket(longest, setup.max_len))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> list[Completion]:
@@ -181,16 +208,16 @@ class SlotScheduler:
         t0 = time.perf_counter()
         while self.waiting or self._busy():
             self._settle(block=self._stalled())
-            first = self._admit()
+            admitted = self._admit()  # [(assignments, first tokens)] per prefill call
             ext = self._resume()
             t_dec = time.perf_counter()
             record, steps = self._decode()
-            if first is None and ext is None and record is None:
+            if not admitted and ext is None and record is None:
                 continue
             # one read per segment; on a multi-host mesh a collective that every process runs alike
-            host = distributed.to_host((first and first[1], ext and ext[1], record, steps, self.ds.active))
+            host = distributed.to_host(([f for _, f in admitted], ext and ext[1], record, steps, self.ds.active))
             self.stats["decode_seconds"] += time.perf_counter() - t_dec
-            self._collect(first and first[0], host[0], ext and ext[0], host[1], host[2], int(host[3]), host[4])
+            self._collect([a for a, _ in admitted], host[0], ext and ext[0], host[1], host[2], int(host[3]), host[4])
             if self.request.progress is not None:
                 self.request.progress.update(len(self.finished), self.generated, time.perf_counter() - t0)
             self._swap()
@@ -239,11 +266,12 @@ class SlotScheduler:
         return not (self.waiting and min(self.n - self.waiting[0][1], self.setup.slots) <= len(self._free()))
 
     # ------------------------------------------------------------------ admission (prefill)
-    def _admit(self):
-        """Prefills waiting prompts into free slots when enough are free (or nothing else decodes)."""
+    def _admit(self) -> list:
+        """Prefills waiting prompts into free slots when enough are free (or nothing else decodes): a list of
+        (assignments, first tokens) per prefill call."""
         free = self._free()
         if not self.waiting or not (len(free) >= self._target() or not self._decoding()):
-            return None
+            return []
         prompts = self.request.prompts
         rows, asg = [], []  # asg: (row, slot, prompt, sample)
         while self.waiting:
@@ -262,14 +290,34 @@ class SlotScheduler:
             else:
                 self.waiting[0][1] = nxt + chunk
         if not asg:
-            return None
-        self._grow_to(length_bucket(max(len(prompts[p]) for p in rows), self.setup.max_len) + 1)
-        return asg, self._run_prefill(rows, asg)
+            return []
+        shape = self._prefill_shape(rows)
+        self._grow_to(shape[1] + 1)
+        out = []
+        for lo in range(0, len(rows), shape[0]):  # chunks of the shape's rows (one chunk unless a refill shape)
+            part = [(r - lo, s, p, i) for r, s, p, i in asg if lo <= r < lo + shape[0]]
+            out.append((part, self._run_prefill(rows[lo: lo + shape[0]], part, shape)))
+        return out
 
-    def _run_prefill(self, rows, asg):
+    def _prefill_shape(self, rows: list[int]) -> tuple[int, int]:
+        """(rows, length bucket) of the prefill of prompt rows `rows` (see "Prefill shapes" in
+        `posttrain.sampling.engine`), always at the bucket of the call's longest prompt: the call's first prefill
+        at its rows (to a power of two; with all of a call's prompts, its own shape); a later one at the first
+        shape's rows when they hold its rows with at most `Setup.pad_ratio` times as many and at most
+        `Setup.pad_positions` positions, else at the call's refill rows (the prompts of one refill quantum), in as
+        many calls as its rows need."""
+        need, bucket = min(pow2(len(rows)), self.setup.slots), self.refill_shape[1]
+        first = self.first_shape
+        if first is None:
+            self.first_shape = (need, bucket)
+            return self.first_shape
+        if need <= first[0] <= self.setup.pad_ratio * need and first[0] * bucket <= self.setup.pad_positions:
+            return first
+        return min(self.refill_shape[0], first[0]), bucket
+
+    def _run_prefill(self, rows, asg, shape):
         slots, prompts, key_ids = self.setup.slots, self.request.prompts, self.request.key_ids
-        n_rows = min(pow2(len(rows)), slots)
-        lb = length_bucket(max(len(prompts[p]) for p in rows), self.setup.max_len)
+        n_rows, lb = shape
         ids = np.zeros((n_rows, lb), np.int32)
         lens = np.ones((n_rows,), np.int32)
         for r, p in enumerate(rows):
@@ -284,7 +332,8 @@ class SlotScheduler:
             a_prompt[a] = p if key_ids is None else key_ids[p]
         t = time.perf_counter()
         self.ds, first = self.programs.prefill(self.ds, ids, lens, a_row, a_slot, a_prompt, a_sample,
-                                               np.int32(self.request.params.max_new_tokens), rows)
+                                               np.int32(self.request.params.max_new_tokens),
+                                               self.request.pixels(rows))
         if self.setup.profile:
             jax.block_until_ready(first)
             self.stats["prefill_seconds"] += time.perf_counter() - t
@@ -325,7 +374,7 @@ class SlotScheduler:
         self.stats["continuation_tokens"] += int(lens.sum() - n_rows)
         self.stats["continuation_positions"] += int(lens[: len(ready)].sum())
         self.stats["continuation_padded_positions"] += n_rows * lb
-        return [s for s, _ in ready], first
+        return [(s, len(ids) + 1) for s, ids in ready], first
 
     # ------------------------------------------------------------------ decode
     def _decode(self):
@@ -350,14 +399,19 @@ class SlotScheduler:
         """Records a segment's tokens; slots that stopped decoding end their turn."""
         self.stats["decode_steps"] += steps
         version = self.programs.version
-        if admitted:
-            f_tok, f_lp, f_slp = (x.tolist() for x in first)
-            for a, (_, s, _, _) in enumerate(admitted):
-                self.slot[s].add([f_tok[a]], [f_lp[a]], [f_slp[a]], version)
-            self.generated += len(admitted)
+        for asg, f in zip(admitted, first):
+            f_tok, f_lp, f_slp = (x.tolist() for x in f[:3])
+            for a, (r, s, _, _) in enumerate(asg):
+                sl = self.slot[s]
+                if self.request.record_experts:  # the prompt's positions (row r of the prefill)
+                    sl.experts.append(f[3][r, : sl.prompt_len])
+                sl.add([f_tok[a]], [f_lp[a]], [f_slp[a]], version)
+            self.generated += len(asg)
         if extended:
-            f_tok, f_lp, f_slp = (x.tolist() for x in ext_first)
-            for r, s in enumerate(extended):
+            f_tok, f_lp, f_slp = (x.tolist() for x in ext_first[:3])
+            for r, (s, n_fed) in enumerate(extended):
+                if self.request.record_experts:  # the pending token and the appended ids
+                    self.slot[s].experts.append(ext_first[3][r, :n_fed])
                 self.slot[s].add([f_tok[r]], [f_lp[r]], [f_slp[r]], version)
             self.generated += len(extended)
         for s, sl in enumerate(self.slot):
@@ -367,6 +421,8 @@ class SlotScheduler:
             if steps and emit.any():
                 sl.add(record[0][:steps, s][emit].tolist(), record[1][:steps, s][emit].tolist(),
                        record[2][:steps, s][emit].tolist(), version)
+                if self.request.record_experts:  # each step's fed token (the slot's previous one)
+                    sl.experts.append(record[4][:steps, s][emit])
                 n = int(emit.sum())
                 sl.pos += n
                 self.generated += n
@@ -398,6 +454,7 @@ class SlotScheduler:
             finish_reason=sl.reason, text=decode_text(sl.tokens) if decode_text is not None else None,
             mask=sl.mask if self.request.on_turn_end is not None else None, turns=sl.turn + 1,
             versions=sl.versions,
+            routed_experts=np.concatenate(sl.experts) if self.request.record_experts else None,
         )
         self.slot[s] = None
 

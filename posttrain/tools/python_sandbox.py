@@ -51,13 +51,24 @@ class PythonLimits:
 class SandboxConfig:
     """Where the built-in `python` tool runs model-written code (`rollout.sandbox`).
 
-    `backend`: `namespaces` (the kernel's sandbox on this machine; needs Linux user namespaces), `remote` (an
-    HTTP service speaking SandboxFusion's `/run_code` API at `url`; `request_timeout_s` seconds of slack past the
-    run's wall limit per request, `retries` after a connection error, time-out or 5xx answer, at most
-    `max_concurrency` requests at once from a process) or `process` (rlimits and an audit hook only: not a
-    security boundary; opt in where user namespaces are off). Limits per call: `wall_s`, `cpu_s`, `memory_mb`
-    (per process, and for all of a call's processes where cgroups allow), `file_mb` (any file, output
-    included), `max_processes`, `work_mb` (its private writable folder)."""
+    backend: `namespaces` (the kernel's sandbox on this machine; needs Linux user namespaces), `remote` (an
+      HTTP service speaking SandboxFusion's `/run_code` API at `url`) or `process` (rlimits and an audit hook
+      only: not a security boundary; opt in where user namespaces are off).
+    url: the remote service's base address (e.g. http://127.0.0.1:8080); required with backend remote.
+    request_timeout_s: remote: seconds of slack past the run's wall limit per request.
+    retries: remote: retries after a connection error, time-out or 5xx answer (short back-off).
+    max_concurrency: remote: requests in flight at once from one process, at most.
+
+    Limits per call (the remote service gets only `wall_s` and `memory_mb`; the process backend all but
+    `max_processes` and `work_mb`):
+
+    wall_s: seconds of wall-clock time; past it the code is stopped.
+    cpu_s: seconds of CPU time.
+    memory_mb: MiB of memory (address space per process, and for all of a call's processes where cgroups allow).
+    file_mb: MiB of any file it writes, stdout and stderr included.
+    max_processes: processes of one call at once.
+    work_mb: MiB of its private writable folder.
+    """
     backend: Literal["namespaces", "remote", "process"] = "namespaces"
     url: str | None = None
     request_timeout_s: float = 30.0

@@ -9,8 +9,8 @@ the global mesh and written by process 0.
 Losses and presets: `posttrain.algorithms.preference`. Data formats: `posttrain.data.preference`.
 
 Metrics (TRL's names): loss, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
-logps/chosen, logps/rejected, logps/accuracies (policy log-prob of chosen > rejected), pairs; on the
-eval split the same under eval/.
+logps/chosen, logps/rejected, logps/accuracies (policy log-prob of chosen > rejected), pairs (a mixture of
+experts adds moe/*: `posttrain.models.moe_loss`); on the eval split the same under eval/.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from posttrain.algorithms.preference import (ReferenceSource, make_preference_lo
 from posttrain.config import ConfigError, load_config
 from posttrain.data.preference import PreferenceFormat, build_preference_dataset, encode_pairs, stack_pairs
 from posttrain.data.sources import DataError, read_records, source_name
+from posttrain.models.moe_loss import RouterLoss
 from posttrain.training.config import (DataSplits, LoraConfig, ModelSection, OptimConfig, RunConfig,
                                        TrainerConfig)
 from posttrain.training.run import Run
@@ -56,6 +57,9 @@ class PreferenceData(DataSplits):
 class PreferenceAlgorithm:
     """The loss (a preset of `posttrain.algorithms.preference.PRESETS`) and its reference.
 
+    loss: the preference loss: sigmoid (DPO), ipo, hinge, robust, cdpo, simpo (reference-free) or orpo
+      (reference-free, with an NLL term).
+    reference_path: the checkpoint of the frozen reference (default: model.path).
     beta, label_smoothing, gamma: None = the preset's default (sigmoid/ipo/hinge/robust/cdpo/orpo β=0.1,
       simpo β=2.0 γ=1.0, robust/cdpo ε=0.1); setting one the loss does not take is an error.
     reference: auto = the LoRA base with adapters off when training LoRA, else a frozen copy of
@@ -84,13 +88,18 @@ class PreferenceAlgorithm:
 
 @dataclasses.dataclass
 class DPOConfig(RunConfig):
-    """Preference tuning run: everything `posttrain dpo CONFIG.yaml` needs (the shared sections: `RunConfig`)."""
+    """Preference tuning run: everything `posttrain dpo CONFIG.yaml` needs (the shared sections: `RunConfig`).
+
+    data: the preference pairs (`PreferenceData`).
+    algorithm: the loss and its reference (`PreferenceAlgorithm`).
+    eval_at_start: evaluate the eval split before training (logged as step 0: the baseline).
+    """
 
     output_dir: str = "outputs/dpo"
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-6))
     data: PreferenceData = dataclasses.field(default_factory=PreferenceData)
     algorithm: PreferenceAlgorithm = dataclasses.field(default_factory=PreferenceAlgorithm)
-    eval_at_start: bool = True  # evaluate the eval split before training (logged as step 0: the baseline)
+    eval_at_start: bool = True
 
 
 @dataclasses.dataclass
@@ -226,7 +235,8 @@ class DPORun:
         extra, eval_extra = self.attach_reference()
         self.trainer.loss_fn = make_preference_loss(self.spec, reference=self.reference,
                                                     chunk_size=tc.loss_chunk_size or None,
-                                                    nll_on_prompt=cfg.algorithm.nll_on_prompt)
+                                                    nll_on_prompt=cfg.algorithm.nll_on_prompt,
+                                                    router=RouterLoss(**dataclasses.asdict(cfg.moe)))
         self.train_ds = build_preference_dataset(self.train_pairs, self.tok, seq_len=d.seq_len,
                                                  batch_pairs=d.batch_size, seed=d.seed, shuffle=d.shuffle,
                                                  num_epochs=None, extra=extra)

@@ -22,7 +22,8 @@ processes' devices and writes config.yaml once; `batch_rows` are this process's 
 (with `build_trainer(process_local_batches=True)` the trainer assembles them); the logger, samples and the
 HF export write on process 0, checkpoints on all. The command ends with `distributed.finish()` (the CLI). The config is
 any `RunConfig` (`posttrain.training.config`: output_dir, model, optim, trainer, lora, mesh, distributed, export_hf,
-export_dtype); config.yaml is written whole.
+export_dtype); config.yaml is written whole. A config's `compile` section (`posttrain.compile_cache.CompileConfig`:
+the GPU autotune level) is applied first, before JAX's backend starts.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from posttrain import distributed
+from posttrain import compile_cache, distributed
 from posttrain.config import ConfigError, save_config
 from posttrain.models import lora as lora_lib
 from posttrain.models import tokenizer as tokenizer_lib
@@ -121,17 +122,19 @@ class Run:
     """
 
     def __init__(self, cfg: RunConfig, command: str, *, log: Callable[[str], None] | None = None, lock: bool = True):
+        self.cfg = cfg
+        self.command = command
+        self._log = log
+        self.logger = None
+        # before anything touches a device: XLA reads its flags when JAX's backend starts
+        self._compile_settings(getattr(cfg, "compile", None))
         # before anything touches a device (the lock names its process): a no-op on one process
         distributed.initialize(cfg.distributed)
         distributed.check_same_config(cfg)
-        self.cfg = cfg
-        self.command = command
         self.out = Path(cfg.output_dir)
-        self._log = log
         self.lock = RunLock(self.out).acquire() if lock else None
         self.trainer = None
         self.ckpt = None
-        self.logger = None
         self.tok = None
         self.folder: Path | None = None
         self.start_step = 0
@@ -154,6 +157,13 @@ class Run:
         self.close()
 
     # ------------------------------------------------------------------ set-up
+    def _compile_settings(self, section: compile_cache.CompileConfig | None) -> None:
+        """Applies the config's `compile` section (`posttrain.compile_cache.CompileConfig`), saying so when it
+        cannot (JAX's backend started earlier in this process, or XLA_FLAGS set the level at launch)."""
+        if section is not None and not compile_cache.configure(section):
+            self.say(f"{self.command}: compile.gpu_autotune_level={section.gpu_autotune_level} not applied: XLA "
+                     "already started with another level in this process, or XLA_FLAGS sets it (which wins)")
+
     def _make_mesh(self):
         if jax.device_count() == 1:
             return None

@@ -19,6 +19,7 @@ from posttrain.config import ConfigError, load_config  # noqa: E402
 from posttrain.data import build_sft_dataset  # noqa: E402
 from posttrain.data.pipeline import too_long_warning  # noqa: E402
 from posttrain.data.vlm import VisionSpec  # noqa: E402
+from posttrain.models.moe_loss import RouterLoss
 from posttrain.training.config import DataSection, SFTConfig  # noqa: E402
 from posttrain.training.errors import ResumeError, TrainingDivergedError  # noqa: E402  (re-exported)
 from posttrain.training.run import Run, build_model  # noqa: E402  (build_model re-exported)
@@ -83,7 +84,8 @@ def run_sft(cfg: SFTConfig, *, stop_after: int | None = None, batch_hook: Callab
         if (warning := too_long_warning(train_ds.stats, d.seq_len)) is not None:
             run.say(f"warning: data.train: {warning}")
         eval_data = eval_batches(d, tc.eval_batches, tok, rows, vision) if (d.eval and tc.eval_every > 0) else []
-        trainer = run.build_trainer(make_sft_loss(tc.loss_chunk_size or None), process_local_batches=True)
+        trainer = run.build_trainer(make_sft_loss(tc.loss_chunk_size or None, RouterLoss(**dataclasses.asdict(cfg.moe))),
+                                    process_local_batches=True)
         it = iter(train_ds)
         run.restore(it)
         start = run.start_step

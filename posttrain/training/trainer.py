@@ -47,6 +47,7 @@ either the whole global batch on every process (RL: each process holds all rollo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -63,7 +64,8 @@ from posttrain.algorithms.sft import token_logprobs
 from posttrain.models import lora as lora_lib
 from posttrain.models.weights import path_names
 
-__all__ = ["LossFn", "Trainer", "reduce_metrics", "flops_per_token", "uses_frozen", "UsesFrozen"]
+__all__ = ["FrozenModels", "LossFn", "Programs", "SplitModel", "StepSettings", "TrainState", "Trainer", "UsesFrozen",
+           "flops_per_token", "reduce_metrics", "uses_frozen"]
 
 
 def _as_f32(tree):
@@ -79,6 +81,113 @@ def flops_per_token(cfg, seq_len: int) -> float:
     """
     n = cfg.num_layers * cfg.layer_matmul_params() + cfg.vocab_size * cfg.hidden_size
     return 6.0 * n + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """How every step runs: the optimizer and the schedule it reports as `lr`, micro-batches per step, the mesh
+    (None: the default device), tokens per vocabulary chunk of the log-prob programs, donated buffers, and
+    whether batches hold only this process's rows (multi-host data loading)."""
+
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule | None = None
+    grad_accum: int = 1
+    mesh: Mesh | None = None
+    logprob_chunk_size: int | None = None
+    donate: bool = True
+    process_local_batches: bool = False
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a checkpoint holds: the trained parameters, the optimizer state, the step count, the RNG key data."""
+
+    params: Any
+    opt_state: Any
+    step: int
+    rng: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitModel:
+    """The model split once (`nnx.split`): its graph definition (and the one with LoRA adapters off), which
+    variables are trained (`wrt`), the rest (frozen weights, quantised kernels), the model's config, and the
+    shardings the parameters and optimizer state keep through every step and restore."""
+
+    graphdef: Any
+    graphdef_base: Any
+    rest: Any
+    wrt: Any
+    has_lora: bool
+    cfg: Any
+    param_shardings: Any
+    opt_shardings: Any
+
+
+@dataclasses.dataclass
+class Programs:
+    """The compiled programs, by what they were built for: steps by (loss, rows per example), evaluations by
+    loss, log-prob functions by (adapters, last) or ("frozen", name, last)."""
+
+    steps: dict[Any, Callable] = dataclasses.field(default_factory=dict)
+    evals: dict[Any, Callable] = dataclasses.field(default_factory=dict)
+    logprobs: dict[tuple, Callable] = dataclasses.field(default_factory=dict)
+
+    def forget_frozen(self, name: str | None = None) -> None:
+        """Drops the programs that take the frozen models as arguments (their set changed): steps and
+        evaluations, and the log-prob function of the frozen model `name`."""
+        self.steps.clear()
+        self.evals.clear()
+        if name is not None:
+            self.logprobs = {k: v for k, v in self.logprobs.items() if k[:2] != ("frozen", name)}
+
+
+@dataclasses.dataclass
+class FrozenModels:
+    """Frozen models by name, split: graph definitions and states (the states are arguments of the programs)."""
+
+    graphdefs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    states: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _field(record: str, name: str, *, settable: bool = False) -> property:
+    """A Trainer attribute that reads (and, if `settable`, writes) the field `name` of its record `record`."""
+
+    def get(self):
+        return getattr(getattr(self, record), name)
+
+    def put(self, value):
+        setattr(getattr(self, record), name, value)
+
+    return property(get, put if settable else None, doc=f"`{record}.{name}`")
+
+
+def _init_state(settings: StepSettings, params, seed: int):
+    """The optimizer state and the RNG key data of a fresh run, made by one compiled program (not one small
+    program per leaf, as the eager `tx.init` would), committed to their devices as the parameters are. With a mesh,
+    optimizer moments take their parameter's sharding and the other leaves (counts, the key) are replicated."""
+    tx, mesh = settings.tx, settings.mesh
+
+    def init_train_state(params):
+        return tx.init(params), jax.random.key_data(jax.random.key(seed))
+
+    if mesh is None:
+        return jax.jit(init_train_state, out_shardings=jax.tree.leaves(params)[0].sharding)(params)
+    abstract = jax.eval_shape(tx.init, params)
+    flat_params = {tuple(p): x for p, x in _flat_with_names(params)}
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def pick(path, leaf):
+        names = tuple(path_names(path))
+        # An optimizer-state leaf whose path ends with a parameter's path mirrors that parameter.
+        for n in range(len(names)):
+            x = flat_params.get(names[n:])
+            if x is not None and x.shape == leaf.shape:
+                return x.sharding
+        return rep
+
+    shardings = jax.tree_util.tree_map_with_path(pick, abstract)
+    return jax.jit(init_train_state, out_shardings=(shardings, rep))(params)
 
 
 class Trainer:
@@ -97,7 +206,26 @@ class Trainer:
       frozen: name -> model held frozen (no optimizer state) for losses marked with `uses_frozen`.
       process_local_batches: batches hold only this process's rows of the global batch (multi-host data
         loading); otherwise every process passes the whole batch.
+
+    Its state lives in small records: `settings` (`StepSettings`), `split` (`SplitModel`), `state`
+    (`TrainState`), `programs` (`Programs`) and `frozen` (`FrozenModels`); the attributes below read them.
     """
+
+    mesh = _field("settings", "mesh")
+    grad_accum = _field("settings", "grad_accum")
+    logprob_chunk_size = _field("settings", "logprob_chunk_size")
+    process_local_batches = _field("settings", "process_local_batches")
+    graphdef = _field("split", "graphdef")
+    graphdef_base = _field("split", "graphdef_base")
+    rest = _field("split", "rest")
+    has_lora = _field("split", "has_lora")
+    cfg = _field("split", "cfg")
+    params = _field("state", "params", settable=True)
+    opt_state = _field("state", "opt_state", settable=True)
+    step_count = _field("state", "step", settable=True)
+    rng = _field("state", "rng", settable=True)
+    frozen_graphdefs = _field("frozen", "graphdefs")
+    frozen_states = _field("frozen", "states")
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, loss_fn: LossFn | None = None,
                  grad_accum: int = 1, mesh: Mesh | None = None, wrt=None, schedule: optax.Schedule | None = None,
@@ -105,37 +233,31 @@ class Trainer:
                  frozen: dict[str, nnx.Module] | None = None, process_local_batches: bool = False):
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, found {grad_accum}")
-        self.tx = tx
         self.loss_fn = loss_fn
-        self.grad_accum = int(grad_accum)
-        self.mesh = mesh
-        self.schedule = schedule
-        self.logprob_chunk_size = logprob_chunk_size
-        self.donate = donate
-        self.process_local_batches = process_local_batches and mesh is not None and jax.process_count() > 1
-        self.has_lora = lora_lib.has_lora(model)
-        self.wrt = wrt if wrt is not None else (nnx.LoRAParam if self.has_lora else nnx.Param)
-        self.cfg = getattr(model, "cfg", None)
+        self.settings = StepSettings(
+            tx=tx, schedule=schedule, grad_accum=int(grad_accum), mesh=mesh, logprob_chunk_size=logprob_chunk_size,
+            donate=donate, process_local_batches=process_local_batches and mesh is not None and jax.process_count() > 1)
+        has_lora = lora_lib.has_lora(model)
+        wrt = wrt if wrt is not None else (nnx.LoRAParam if has_lora else nnx.Param)
         if mesh is not None:
             distributed.shard_model(model, mesh)
-        self.graphdef, self.params, self.rest = nnx.split(model, self.wrt, ...)
-        if self.has_lora:
+        graphdef, params, rest = nnx.split(model, wrt, ...)
+        graphdef_base = graphdef
+        if has_lora:
             with lora_lib.disabled(model):
-                self.graphdef_base = nnx.split(model, self.wrt, ...)[0]
-        else:
-            self.graphdef_base = self.graphdef
-        if not jax.tree.leaves(self.params):
-            raise ValueError(f"the model has no trainable parameters of kind {self.wrt}")
-        self.opt_state = self._init_opt_state(self.params)
-        self.step_count = 0
-        self.rng = jax.random.key_data(jax.random.key(seed))
-        self._param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
-        self._opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        self._step_fns: dict[Any, Callable] = {}
-        self._eval_fns: dict[Any, Callable] = {}
-        self._logprob_fns: dict[tuple, Callable] = {}
-        self.frozen_graphdefs: dict[str, Any] = {}
-        self.frozen_states: dict[str, Any] = {}
+                graphdef_base = nnx.split(model, wrt, ...)[0]
+        if not jax.tree.leaves(params):
+            raise ValueError(f"the model has no trainable parameters of kind {wrt}")
+        if mesh is None:  # committed to their device as restored arrays are: a restore keeps the step's signature
+            params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, params))
+        opt_state, rng = _init_state(self.settings, params, seed)
+        self.state = TrainState(params=params, opt_state=opt_state, step=0, rng=rng)
+        sharding = lambda x: x.sharding  # noqa: E731
+        self.split = SplitModel(graphdef=graphdef, graphdef_base=graphdef_base, rest=rest, wrt=wrt, has_lora=has_lora,
+                                cfg=getattr(model, "cfg", None), param_shardings=jax.tree.map(sharding, params),
+                                opt_shardings=jax.tree.map(sharding, opt_state))
+        self.programs = Programs()
+        self.frozen = FrozenModels()
         for name, m in (frozen or {}).items():
             self.add_frozen(name, m)
 
@@ -146,17 +268,14 @@ class Trainer:
             raise ValueError("'base' names the LoRA model with adapters off; choose another name")
         if self.mesh is not None:
             distributed.shard_model(model, self.mesh)
-        self.frozen_graphdefs[name], self.frozen_states[name] = nnx.split(model)
-        self._step_fns.clear()
-        self._eval_fns.clear()
+        self.frozen.graphdefs[name], self.frozen.states[name] = nnx.split(model)
+        self.programs.forget_frozen()
 
     def remove_frozen(self, name: str) -> None:
         """Drops the frozen model `name` (frees its memory once nothing else holds it)."""
-        self.frozen_states.pop(name)
-        self.frozen_graphdefs.pop(name)
-        self._step_fns.clear()
-        self._eval_fns.clear()
-        self._logprob_fns = {k: v for k, v in self._logprob_fns.items() if k[:2] != ("frozen", name)}
+        self.frozen.states.pop(name)
+        self.frozen.graphdefs.pop(name)
+        self.programs.forget_frozen(name)
 
     def _frozen_args(self, loss_fn) -> dict[str, Any]:
         """The frozen states a loss needs (the arguments of its compiled step)."""
@@ -167,42 +286,22 @@ class Trainer:
                 if not self.has_lora:
                     raise ValueError("the frozen model 'base' (adapters off) needs a LoRA model")
                 continue
-            if n not in self.frozen_states:
+            if n not in self.frozen.states:
                 raise ValueError(f"the loss needs the frozen model {n!r}; the trainer holds "
-                                 f"{sorted(self.frozen_states) or 'none'} (add it with add_frozen)")
-            out[n] = self.frozen_states[n]
+                                 f"{sorted(self.frozen.states) or 'none'} (add it with add_frozen)")
+            out[n] = self.frozen.states[n]
         return out
 
     def _call_loss(self, loss_fn, model, params, rest, frozen_states, mb):
         """Calls a loss with its frozen models rebuilt from their states (no gradients into them)."""
         if not isinstance(loss_fn, UsesFrozen):
             return loss_fn(model, mb)
-        frozen = {n: nnx.merge(self.frozen_graphdefs[n], jax.lax.stop_gradient(st)) for n, st in frozen_states.items()}
+        frozen = {n: nnx.merge(self.frozen.graphdefs[n], jax.lax.stop_gradient(st)) for n, st in frozen_states.items()}
         if "base" in loss_fn.names:
             frozen["base"] = nnx.merge(self.graphdef_base, jax.lax.stop_gradient(params), rest)
         return loss_fn(model, mb, frozen)
 
     # ------------------------------------------------------------------ state
-    def _init_opt_state(self, params):
-        if self.mesh is None:
-            return self.tx.init(params)
-        # Optimizer moments take their parameter's sharding; scalars (counts) are replicated.
-        abstract = jax.eval_shape(self.tx.init, params)
-        flat_params = {tuple(p): x for p, x in _flat_with_names(params)}
-        rep = NamedSharding(self.mesh, PartitionSpec())
-
-        def pick(path, leaf):
-            names = tuple(path_names(path))
-            # An optimizer-state leaf whose path ends with a parameter's path mirrors that parameter.
-            for n in range(len(names)):
-                x = flat_params.get(names[n:])
-                if x is not None and x.shape == leaf.shape:
-                    return x.sharding
-            return rep
-
-        shardings = jax.tree_util.tree_map_with_path(pick, abstract)
-        return jax.jit(self.tx.init, out_shardings=shardings)(params)
-
     @property
     def num_trainable(self) -> int:
         return int(sum(math.prod(x.shape) for x in jax.tree.leaves(self.params)))
@@ -225,24 +324,25 @@ class Trainer:
                 "step": np.asarray(self.step_count, np.int64), "rng": np.asarray(self.rng)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), state["params"], self._param_shardings)
-        self.opt_state = jax.tree.map(lambda x, s: jax.device_put(x, s), state["opt_state"], self._opt_shardings)
+        """Puts a checkpoint's state in place, each tree in its live shardings (transfers, nothing compiled)."""
+        self.params = jax.device_put(state["params"], self.split.param_shardings)
+        self.opt_state = jax.device_put(state["opt_state"], self.split.opt_shardings)
         self.step_count = int(state["step"])
-        self.rng = jnp.asarray(state["rng"], jnp.uint32)
+        self.rng = jax.device_put(np.asarray(state["rng"], np.uint32))
 
     # ------------------------------------------------------------------ batches
     def put_batch(self, batch):
         """Moves a host batch (a dict of arrays, or a typed pytree of them such as `RLBatch`; None fields stay
-        None) to the devices (sharded over data+fsdp when a mesh is set)."""
-        if self.mesh is None:
-            return _map_arrays(jnp.asarray, batch)
+        None) to the devices (sharded over data+fsdp when a mesh is set); plain transfers, nothing compiled."""
+        mesh = self.mesh
+        if mesh is None:
+            return _map_arrays(_to_device, batch)
         if self.process_local_batches:  # this process's rows -> the global array (every process calls this)
             n = jax.process_count()
             return _map_arrays(lambda v: jax.make_array_from_process_local_data(
-                distributed.batch_sharding(self.mesh, np.ndim(v)), np.asarray(v),
+                distributed.batch_sharding(mesh, np.ndim(v)), np.asarray(v),
                 (np.shape(v)[0] * n, *np.shape(v)[1:])), batch)
-        return _map_arrays(lambda v: jax.device_put(np.asarray(v), distributed.batch_sharding(self.mesh, np.ndim(v))),
-                           batch)
+        return _map_arrays(lambda v: jax.device_put(np.asarray(v), distributed.batch_sharding(mesh, np.ndim(v))), batch)
 
     def _split(self, x: jax.Array, rows_per_example: int = 1) -> jax.Array:
         """[B, ...] -> [k, B/k, ...] with micro-batch j = examples j, j+k, j+2k, ... (an example = g consecutive
@@ -256,8 +356,29 @@ class Trainer:
         return y
 
     # ------------------------------------------------------------------ the step
+    def _grads(self, grad_fn, micro, params, rest, frozen, batch, rows_per_example: int):
+        """Σ over the micro-batches of (loss_sum, weight, metrics) and of the float32 gradients of loss_sum."""
+        if self.grad_accum == 1:
+            (loss_sum, (weight, metrics)), grads = grad_fn(params, rest, frozen, batch)
+            return _as_f32(grads), loss_sum, weight, metrics
+        mbs = jax.tree.map(lambda x: self._split(x, rows_per_example), batch)
+        first = jax.tree.map(lambda x: x[0], mbs)
+        _, (w_shape, m_shape) = jax.eval_shape(micro, params, rest, frozen, first)
+        zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)  # noqa: E731
+        init = (zeros(jax.eval_shape(lambda p: p, params)), jnp.zeros((), jnp.float32), zeros(w_shape), zeros(m_shape))
+
+        def body(carry, mb):
+            g_acc, l_acc, w_acc, m_acc = carry
+            (ls, (w, m)), g = grad_fn(params, rest, frozen, mb)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            m_acc = jax.tree.map(jnp.add, m_acc, m)
+            return (g_acc, l_acc + ls, w_acc + w, m_acc), None
+
+        (grads, loss_sum, weight, metrics), _ = jax.lax.scan(body, init, mbs)
+        return grads, loss_sum, weight, metrics
+
     def _build_step(self, loss_fn: LossFn, rows_per_example: int = 1):
-        graphdef, tx, schedule, k = self.graphdef, self.tx, self.schedule, self.grad_accum
+        graphdef, tx, schedule = self.graphdef, self.settings.tx, self.settings.schedule
 
         def micro(params, rest, frozen, mb):
             model = nnx.merge(graphdef, params, rest)
@@ -267,25 +388,8 @@ class Trainer:
         grad_fn = jax.value_and_grad(micro, has_aux=True)
 
         def step_fn(params, opt_state, rest, frozen, batch, step):
-            if k == 1:
-                (loss_sum, (weight, metrics)), grads = grad_fn(params, rest, frozen, batch)
-                grads = _as_f32(grads)
-            else:
-                mbs = jax.tree.map(lambda x: self._split(x, rows_per_example), batch)
-                first = jax.tree.map(lambda x: x[0], mbs)
-                _, (w_shape, m_shape) = jax.eval_shape(micro, params, rest, frozen, first)
-                zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)  # noqa: E731
-                init = (zeros(jax.eval_shape(lambda p: p, params)), jnp.zeros((), jnp.float32),
-                        zeros(w_shape), zeros(m_shape))
-
-                def body(carry, mb):
-                    g_acc, l_acc, w_acc, m_acc = carry
-                    (ls, (w, m)), g = grad_fn(params, rest, frozen, mb)
-                    g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-                    m_acc = jax.tree.map(jnp.add, m_acc, m)
-                    return (g_acc, l_acc + ls, w_acc + w, m_acc), None
-
-                (grads, loss_sum, weight, metrics), _ = jax.lax.scan(body, init, mbs)
+            grads, loss_sum, weight, metrics = self._grads(grad_fn, micro, params, rest, frozen, batch,
+                                                           rows_per_example)
             denom = jnp.maximum(weight, 1e-12)
             grads = jax.tree.map(lambda g: g / denom, grads)
             loss = loss_sum / denom
@@ -296,28 +400,18 @@ class Trainer:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (weight > 0)
             new_params = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_params, params)
             new_opt = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_opt, opt_state)
-            arrays = _named_arrays(batch)
-            if "attention_mask" in arrays:
-                tokens = jnp.sum(arrays["attention_mask"].astype(jnp.float32))
-            else:
-                tokens = jnp.asarray(math.prod(arrays["input_ids"].shape), jnp.float32)
-            out = {
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "weight": weight,
-                "tokens": tokens,
-                "skipped": 1.0 - ok.astype(jnp.float32),
-                "lr": jnp.asarray(schedule(step) if schedule is not None else 0.0, jnp.float32),
-            }
+            out = {"loss": loss, "grad_norm": grad_norm, "weight": weight, "tokens": _real_tokens(batch),
+                   "skipped": 1.0 - ok.astype(jnp.float32),
+                   "lr": jnp.asarray(schedule(step) if schedule is not None else 0.0, jnp.float32)}
             for name, v in reduce_metrics(metrics).items():
                 out.setdefault(name, v)
             return new_params, new_opt, out
 
         kwargs = {}
-        if self.donate:
+        if self.settings.donate:
             kwargs["donate_argnums"] = (0, 1)
         if self.mesh is not None:
-            kwargs["out_shardings"] = (self._param_shardings, self._opt_shardings,
+            kwargs["out_shardings"] = (self.split.param_shardings, self.split.opt_shardings,
                                        NamedSharding(self.mesh, PartitionSpec()))
         return jax.jit(step_fn, **kwargs)
 
@@ -348,13 +442,13 @@ class Trainer:
             raise ValueError("no loss function: pass loss_fn to Trainer(...) or to step(...)")
         g = int(rows_per_example or getattr(loss_fn, "rows_per_example", 1) or 1)
         self._check_batch(batch, g)
-        fn = self._step_fns.get((loss_fn, g))
+        fn = self.programs.steps.get((loss_fn, g))
         if fn is None:
-            fn = self._step_fns[(loss_fn, g)] = self._build_step(loss_fn, g)
+            fn = self.programs.steps[(loss_fn, g)] = self._build_step(loss_fn, g)
         dev = self.put_batch(batch)
         self.params, self.opt_state, metrics = distributed.call_compiled(  # several processes: compiled by all first
             fn, self.params, self.opt_state, self.rest, self._frozen_args(loss_fn), dev,
-            jnp.asarray(self.step_count, jnp.int32))
+            np.int32(self.step_count))  # a numpy scalar: transferred (jnp.asarray with a dtype compiles a cast)
         self.step_count += 1
         if fetch:
             return {k: float(v) for k, v in distributed.to_host(metrics).items()}
@@ -371,7 +465,7 @@ class Trainer:
         them (a scalar, or a (numerator, denominator) pair), as floats: sum them over batches, then
         `reduce_metrics`."""
         loss_fn = loss_fn or self.loss_fn
-        fn = self._eval_fns.get(loss_fn)
+        fn = self.programs.evals.get(loss_fn)
         if fn is None:
             graphdef = self.graphdef
 
@@ -380,7 +474,7 @@ class Trainer:
                 ls, w, m = self._call_loss(loss_fn, model, params, rest, frozen, b)
                 return jnp.asarray(ls, jnp.float32), jnp.asarray(w, jnp.float32), _as_f32(m)
 
-            fn = self._eval_fns[loss_fn] = jax.jit(eval_fn)
+            fn = self.programs.evals[loss_fn] = jax.jit(eval_fn)
         ls, w, m = distributed.to_host(distributed.call_compiled(fn, self.params, self.rest, self._frozen_args(loss_fn),
                                                                  self.put_batch(batch)))
         m = {k: (tuple(float(x) for x in v) if isinstance(v, (tuple, list)) else float(v)) for k, v in m.items()}
@@ -391,7 +485,7 @@ class Trainer:
         pixel_values]) -> [B, T-1] per-token log-probs (chunked log-softmax), or [B, last] for the last `last`
         tokens only (the vocabulary projected at those positions only); `adapters=False` gives the base model.
         pixel_values: a vision-language batch's images [B, M, C, H, W] (None: text)."""
-        fn = self._logprob_fns.get((adapters, last))
+        fn = self.programs.logprobs.get((adapters, last))
         if fn is None:
             graphdef = self.graphdef if adapters else self.graphdef_base
             chunk = self.logprob_chunk_size
@@ -402,7 +496,7 @@ class Trainer:
                                       segment_ids=segment_ids, chunk_size=chunk, last=last,
                                       pixel_values=pixel_values)
 
-            fn = self._logprob_fns[(adapters, last)] = jax.jit(lp)
+            fn = self.programs.logprobs[(adapters, last)] = jax.jit(lp)
         return fn
 
     def frozen_token_logprobs(self, name: str, batch: dict[str, Any], *, last: int | None = None) -> jax.Array:
@@ -411,17 +505,17 @@ class Trainer:
         if name == "base":
             return self.token_logprobs(batch, adapters=False, last=last)
         key = ("frozen", name, last)
-        fn = self._logprob_fns.get(key)
+        fn = self.programs.logprobs.get(key)
         if fn is None:
-            graphdef, chunk = self.frozen_graphdefs[name], self.logprob_chunk_size
+            graphdef, chunk = self.frozen.graphdefs[name], self.logprob_chunk_size
 
             def lp(state, input_ids, attention_mask, positions, segment_ids):
                 return token_logprobs(nnx.merge(graphdef, state), input_ids, attention_mask=attention_mask,
                                       positions=positions, segment_ids=segment_ids, chunk_size=chunk, last=last)
 
-            fn = self._logprob_fns[key] = jax.jit(lp)
+            fn = self.programs.logprobs[key] = jax.jit(lp)
         dev = self.put_batch(batch)
-        return fn(self.frozen_states[name], dev["input_ids"], dev.get("attention_mask"), dev.get("positions"),
+        return fn(self.frozen.states[name], dev["input_ids"], dev.get("attention_mask"), dev.get("positions"),
                   dev.get("segment_ids"))
 
     def token_logprobs(self, batch: dict[str, Any], *, adapters: bool = True, params=None,
@@ -453,6 +547,19 @@ def _named_arrays(batch) -> dict[str, Any]:
         return batch
     return {jax.tree_util.keystr(path, simple=True, separator="."): v
             for path, v in jax.tree_util.tree_flatten_with_path(batch)[0]}
+
+
+def _to_device(v):
+    """A host array on the default device by a plain transfer (`jnp.asarray` compiles a program per shape)."""
+    return v if isinstance(v, jax.Array) else jax.device_put(np.asarray(v))
+
+
+def _real_tokens(batch) -> jax.Array:
+    """The batch's real tokens (by attention_mask; all of input_ids without one), in the compiled step."""
+    arrays = _named_arrays(batch)
+    if "attention_mask" in arrays:
+        return jnp.sum(arrays["attention_mask"].astype(jnp.float32))
+    return jnp.asarray(math.prod(arrays["input_ids"].shape), jnp.float32)
 
 
 def _flat_with_names(tree):

@@ -45,7 +45,7 @@ def connect(fleet, *, num_cpus_needed: float, namespace: str | None = None) -> b
     trainer processes find its parameter server by name); returns True when the run started it."""
     ray = require_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback/private clusters; see the README for others
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback/private clusters (docs/tutorials/rl-fleet.md)
     env = {"env_vars": {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "XLA_FLAGS", "JAX_PLATFORMS")}}
     if ray.is_initialized():
         return False
@@ -77,8 +77,8 @@ def join(address: str, namespace: str) -> None:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise FleetError(f"this trainer process cannot join process 0's Ray instance at {address} ({e}); every "
-                         "trainer host must be a node of the Ray cluster (see the README: multi-host trainer with "
-                         "the fleet)") from None
+                         "trainer host must be a node of the Ray cluster (see docs/tutorials/rl-fleet.md: a "
+                         "multi-host trainer with the fleet)") from None
 
 
 def disconnect(started: bool) -> None:

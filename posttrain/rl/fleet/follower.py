@@ -17,6 +17,7 @@ from __future__ import annotations
 import socket
 import time
 import zlib
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -28,7 +29,6 @@ from posttrain.rl.fleet.cluster import FleetError, join, require_ray
 from posttrain.rl.fleet.param_server import NAME
 from posttrain.rl.fleet.source import BATCH_KEY, JOIN_GRACE_S, RAY_KEY, publish_part
 from posttrain.rollout.rollouts import Rollouts
-from posttrain.rl.sources import RolloutSource
 
 __all__ = ["FleetFollower", "check_hosts"]
 
@@ -43,16 +43,19 @@ def check_hosts(fc) -> None:
     if len(set(hosts.tolist())) > 1:
         raise ConfigError(f"fleet.workers with a trainer on {len(set(hosts.tolist()))} hosts needs fleet.ray_address: "
                           "every trainer process publishes its own blocks of the weights to Ray, so every trainer "
-                          "host must be a node of one Ray cluster (`ray start` on each; see the README)")
+                          "host must be a node of one Ray cluster (`ray start` on each; see "
+                          "docs/tutorials/rl-fleet.md)")
 
 
-class FleetFollower(RolloutSource):
-    """A trainer process other than 0: publishes its blocks, trains on process 0's batches (module docstring)."""
+class FleetFollower:
+    """A trainer process other than 0: publishes its blocks, trains on process 0's batches (module docstring).
+    `save(step)`: a checkpoint of `step`, on disk when it returns (when process 0 stopped the run after one)."""
 
-    def __init__(self, run):
-        super().__init__(run)
+    def __init__(self, fc, save: Callable[[int], None]):
         self.ray = require_ray()
-        self.fc = run.cfg.fleet
+        self.fc, self.save = fc, save
+        self.version: int | None = None  # the latest published version
+        self._t_wait = 0.0
         where = distributed.wait_json(RAY_KEY)
         with distributed.busy(self.fc.connect_timeout_s + JOIN_GRACE_S):  # joining Ray may hold the GIL for seconds
             join(where["address"], where["namespace"])
@@ -76,8 +79,7 @@ class FleetFollower(RolloutSource):
         self._t_wait = time.perf_counter() - t0
         if "error" in msg:
             if msg.get("save") is not None:
-                self.run.save(int(msg["save"]))
-                self.run.ckpt.wait()
+                self.save(int(msg["save"]))
             raise FleetError(msg["error"])
         return Rollouts.from_json(msg["rollouts"])
 

@@ -35,6 +35,11 @@ as above (checkpoint, the workers named) when fewer than MIN serve for `fleet.st
 Worker results carry timings, from which the step's metrics come (pull seconds, busy fraction,
 samples/s, weight swaps within leases); the trainer side measures publish seconds and bytes.
 
+The source gets only what it uses: the `GroupIntake` over the run's dispatcher, the fleet section, the train
+prompts (a lease's `Prompt` items go to its worker), the config sections a worker is built from
+(`worker_sections`), where worker events go, and how to save a checkpoint. `FleetSource.start` connects to Ray
+first; the constructor itself takes a Ray module (tests pass a fake one).
+
 A multi-process trainer (JAX multi-controller): process 0 is the one Ray driver that runs the dispatcher
 and this source; every process publishes its own blocks of the weights (`publish_part`), and the others
 (`posttrain.rl.fleet.follower.FleetFollower`) join the same Ray instance only for that, and read each
@@ -47,11 +52,15 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import ml_dtypes
 
 from posttrain import distributed
+from posttrain.algorithms.registry import GRPOFamily
+from posttrain.rl.config import PromptData, RLConfig
 from posttrain.rl.fleet.cluster import FleetError, connect, disconnect, require_ray
 from posttrain.rl.fleet.leases import LeaseBook
 from posttrain.rl.fleet.meter import FleetMeter
@@ -60,10 +69,11 @@ from posttrain.rl.fleet.pool import WorkerPool, WorkerSpec, pinned
 from posttrain.rl.fleet.shards import put_chunks
 from posttrain.rl.fleet.stall import StallWatch
 from posttrain.rl.fleet.worker import RolloutWorker
+from posttrain.rl.sources import GroupIntake
+from posttrain.rollout.prompts import PromptSet
 from posttrain.rollout.rollouts import Rollouts
-from posttrain.rl.sources import RolloutSource
 
-__all__ = ["FleetSource"]
+__all__ = ["FleetSource", "worker_sections"]
 
 JOIN_GRACE_S = 120.0  # how long a trainer process may be unresponsive while it starts or joins Ray
 RAY_KEY = "posttrain/fleet/ray"  # where process 0 tells the other trainer processes how to reach Ray
@@ -82,45 +92,53 @@ def publish_part(ray, ps, params, version: int, fc) -> tuple[bool, int]:
     return bool(done), nbytes
 
 
-class FleetSource(RolloutSource):
-    """The source over the worker pool (`pool`), the lease book (`book`), the step's figures (`meter`) and the
-    stall watch (`stall`): it connects to Ray, publishes weights, runs the loop that serves them all, and stops
-    the run (with the other trainer processes) when the fleet stalls."""
+def worker_sections(cfg: RLConfig, preset: GRPOFamily, data: PromptData) -> dict:
+    """The plain, picklable config sections a `RolloutWorker` is built from: the trainer's `model` and `lora`,
+    `rollout`, `rewards`, the typed algorithm `preset`, the run's `seed`, the `data` section with the prompt field
+    the records were read with, `fleet`, and whether to record the experts routed to (`learner.routing_replay`)."""
+    return dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards, preset=preset,
+                seed=cfg.trainer.seed, data=data, fleet=cfg.fleet, record_experts=cfg.learner.routing_replay)
 
-    def __init__(self, run):
-        super().__init__(run)
-        ray = self.ray = require_ray()
-        self.fc = fc = run.cfg.fleet
+
+class FleetSource:
+    """The source over the worker pool (`pool`), the lease book (`book`), the step's figures (`meter`) and the
+    stall watch (`stall`): it publishes weights, runs the loop that serves them all, and stops the run (with the
+    other trainer processes, after `save(step)`) when the fleet stalls. `ps`: the parameter server (the spec's); `started`:
+    what `connect` answered (for `disconnect`)."""
+
+    def __init__(self, ray, intake: GroupIntake, fc, spec: WorkerSpec, prompts: PromptSet, *, events: Path,
+                 save: Callable[[int], None], batch_prompts: int, started=None):
+        self.ray, self.intake, self.fc, self.prompts = ray, intake, fc, prompts
+        self.save, self.batch_prompts, self.started, self.ps = save, batch_prompts, started, spec.ps
+        self.version: int | None = None  # the latest published version
+        self._stopped = False
+        self.book = LeaseBook(ray, intake.dispatcher, self._send)
+        self.meter = FleetMeter()
+        self.stall = StallWatch(fc)
+        self.pool = WorkerPool(ray, fc, spec, events, self.book.release)
+        self.pool.start()  # the first workers (an elastic fleet's: where the nodes have room now)
+
+    @classmethod
+    def start(cls, intake: GroupIntake, fc, prompts: PromptSet, sections: dict, **kw) -> FleetSource:
+        """Connects to Ray (or starts it), starts the parameter server on this node, tells the other trainer
+        processes where Ray is, and starts the fleet of workers built from `sections` (`worker_sections`)."""
+        ray = require_ray()
         namespace = f"posttrain-{os.getpid()}-{time.time_ns()}"
         with distributed.busy(fc.connect_timeout_s + JOIN_GRACE_S):  # Ray's start-up may hold the GIL for seconds
-            self.started = connect(fc, num_cpus_needed=fc.max_workers * fc.worker_cpus, namespace=namespace)
-            self.ps = ray.remote(num_cpus=0)(ParameterServer).options(  # on the trainer's node: rollout nodes may leave
+            started = connect(fc, num_cpus_needed=fc.max_workers * fc.worker_cpus, namespace=namespace)
+            ps = ray.remote(num_cpus=0)(ParameterServer).options(  # on the trainer's node: rollout nodes may leave
                 name=NAME, scheduling_strategy=pinned(ray.get_runtime_context().get_node_id())
             ).remote(fc.keep_versions)
-            self.ray.get(self.ps.latest_version.remote())  # up before the other trainer processes look it up
+            ray.get(ps.latest_version.remote())  # up before the other trainer processes look it up
         distributed.post_json(RAY_KEY, {"address": ray.get_runtime_context().gcs_address, "namespace": namespace})
         worker_cls = ray.remote(concurrency_groups={"health": 1})(RolloutWorker)
         options = dict(num_cpus=fc.worker_cpus, num_gpus=fc.worker_gpus or None, max_task_retries=0,
                        resources=dict(fc.worker_resources) or None, max_restarts=fc.max_restarts)
-        cfg = run.cfg
-        data = getattr(run, "prompt_data", cfg.data)  # the prompt field the run's records were read with
-        sections = dict(model=cfg.model, lora=cfg.lora, rollout=cfg.rollout, rewards=cfg.rewards,
-                        preset=run.preset, seed=cfg.trainer.seed, data=data, fleet=fc)
-        self._start_fleet(WorkerSpec(worker_cls, options, sections, self.ps))
-
-    def _start_fleet(self, spec: WorkerSpec) -> None:
-        """The lease book, the step's figures, the stall watch, and the pool with its first workers (an elastic
-        fleet's: where the nodes have room now)."""
-        self._stopped = False
-        self.book = LeaseBook(self.ray, self.dispatcher, self._send)
-        self.meter = FleetMeter()
-        self.stall = StallWatch(self.fc)
-        self.pool = WorkerPool(self.ray, self.fc, spec, self.run.out / "fleet_workers.jsonl", self.book.release)
-        self.pool.start()
+        return cls(ray, intake, fc, WorkerSpec(worker_cls, options, sections, ps), prompts, started=started, **kw)
 
     def _send(self, name: str, lease):
-        """Starts a worker's rollout call for `lease`; its Ray reference."""
-        return self.pool.handle(name).rollout.remote(lease.id, lease.uids, *self.run.lease_items(lease))
+        """Starts a worker's rollout call for `lease` (its groups' `Prompt` items); its Ray reference."""
+        return self.pool.handle(name).rollout.remote(lease.id, lease.uids, self.prompts.select(lease.records))
 
     # ------------------------------------------------------------------ weights
     def publish(self, params, version: int) -> None:
@@ -140,7 +158,7 @@ class FleetSource(RolloutSource):
         """The step's groups; on a multi-process trainer also left for the other processes (`FleetFollower`),
         as JSON, which every process then trains on (process 0 too: the same numbers everywhere)."""
         try:
-            ro = super().next(step)
+            ro = self.intake.take(step, self._produce)
         except FleetError as e:
             self._stop_others(step, str(e))
             raise
@@ -151,6 +169,9 @@ class FleetSource(RolloutSource):
         distributed.drop_posted(f"{BATCH_KEY}/{step - 1}")  # every process trained step - 1: it read that one
         return Rollouts.from_json(json.loads(json.dumps(wire)))
 
+    def commit(self, rollouts: Rollouts) -> list[int]:
+        return self.intake.commit(rollouts)
+
     def _stop_others(self, step: int, message: str, save: int | None = None) -> None:
         if not self._stopped:
             self._stopped = True
@@ -159,7 +180,7 @@ class FleetSource(RolloutSource):
     # ------------------------------------------------------------------ work
     def _hand_out(self, step: int) -> None:
         pool = self.pool
-        size = self.fc.lease_groups or math.ceil(self.run.cfg.rollout.batch_prompts / max(pool.size, 1))
+        size = self.fc.lease_groups or math.ceil(self.batch_prompts / max(pool.size, 1))
         self.book.hand_out(step - 1, self.version, pool.serving(), size)
 
     def _on_result(self, ref) -> None:
@@ -167,13 +188,13 @@ class FleetSource(RolloutSource):
         if res is None:
             return
         self.stall.delivered = True
-        self._complete(res["lease"], res["rollouts"])
+        self.intake.complete(res["lease"], res["rollouts"])
         self.stall.progress()
         self.meter.add(res)
 
     def _produce(self, step: int) -> None:
         ray, pool, book = self.ray, self.pool, self.book
-        for lease in self.dispatcher.expire():  # past its deadline: the groups are re-queued, the worker restarted
+        for lease in self.intake.dispatcher.expire():  # past its deadline: the groups re-queued, the worker restarted
             pool.restart(lease.worker, "lease expired")
         pool.tend()
         self._hand_out(step)
@@ -200,13 +221,12 @@ class FleetSource(RolloutSource):
         message = (f"{what}; workers down: {', '.join(down) or 'none down'}. A checkpoint of step {step - 1} was "
                    f"saved: rerun the command to resume.")
         self._stop_others(step, message, save=step - 1)  # every trainer process saves (a collective)
-        self.run.save(step - 1)
-        self.run.ckpt.wait()
+        self.save(step - 1)
         raise FleetError(message)
 
     # ------------------------------------------------------------------ metrics and shutdown
     def metrics(self, step: int, rollouts) -> dict[str, float]:
-        out = self.base_metrics(step, rollouts)
+        out = self.intake.figures(step, rollouts)
         out.update(self.meter.figures(self.pool.size))
         out.update(self.pool.figures())
         return out

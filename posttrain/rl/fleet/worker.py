@@ -1,6 +1,7 @@
 """A rollout worker: a Ray actor with its own devices, model, `Sampler` and reward process pool.
 
-Each `rollout` call is one lease: pull the newest weights from the parameter server if they are newer
+Each `rollout` call is one lease, its prompts as `Prompt` items (token ids, images, record, record index: image
+prompts travel with their pixels): pull the newest weights from the parameter server if they are newer
 than the ones loaded (every trainer process's chunks, assembled for this worker's own model and loaded into
 the sampler's model), generate the leased groups (a group's samples depend only on (seed, uid, weights)),
 score them with the reward runner (time limits, failures counted), and return the scored groups stamped
@@ -19,6 +20,9 @@ Multi-turn rollouts (`rollout.tools` / `rollout.environment`): the worker builds
 rollout section and its tokenizer (`posttrain.agent.setup.build_agent`, with the data section's system prompt
 and prompt field), runs the tools and environments itself, and returns the completion masks and trajectory
 summaries with the groups; `close` (called by the trainer at the end of the run) shuts its tool processes.
+
+Routing replay (`learner.routing_replay`, a mixture of experts: `record_experts`): the worker's sampler records the
+experts it routed every fed token to, and the returned rollouts carry them (`Rollouts.routed_experts`).
 """
 
 from __future__ import annotations
@@ -26,15 +30,17 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Mapping
+from typing import Sequence
 
 import ray
 
 from posttrain.agent.setup import agent_enabled, build_agent
+from posttrain.algorithms.registry import GRPOFamily
 from posttrain.models import tokenizer as tok_lib
 from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
 from posttrain.rl.fleet.shards import assemble
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
+from posttrain.rollout.prompts import Prompt
 from posttrain.rollout.rollouts import generate_rollouts
 from posttrain.sampling import Sampler
 from posttrain.training.config import LoraConfig, ModelSection
@@ -48,16 +54,18 @@ POLL_S = 0.05  # fleet.swap=segment: at most one `latest()` call to the paramete
 class RolloutWorker:
     """One rollout worker (module docstring). Built in Ray from plain, picklable config sections: the run's
     `model` and `lora` (the trainer's structure, so published weights load as they are), `rollout`, `rewards`,
-    the resolved algorithm `preset` (a mapping: DAPO's overlong penalty), the run's `seed`, and its `data`
-    section (multi-turn rollouts: the system prompt and prompt field of the worker's `Agent`), and the `fleet`
-    section (`swap`, `segment_steps`)."""
+    the typed algorithm `preset` (`GRPOFamily`: DAPO's overlong penalty), the run's `seed`, and its `data`
+    section (multi-turn rollouts: the system prompt and prompt field of the worker's `Agent`), the `fleet`
+    section (`swap`, `segment_steps`) and `record_experts` (routing replay: `learner.routing_replay`)."""
 
     def __init__(self, name: str, param_server, *, model: ModelSection, lora: LoraConfig, rollout: RolloutConfig,
-                 rewards: RewardsSection, preset: Mapping, seed: int, data: PromptData | None = None,
-                 fleet: FleetConfig | None = None):
+                 rewards: RewardsSection, preset: GRPOFamily, seed: int, data: PromptData | None = None,
+                 fleet: FleetConfig | None = None, record_experts: bool = False):
         self.name, self.ps = name, param_server
         fleet = fleet or FleetConfig()
-        self.segment_swaps = fleet.swap == "segment"
+        # how every lease generates: newer weights between decode segments (fleet.swap=segment), experts recorded
+        self.generate_kw = {"between_segments": self._newer if fleet.swap == "segment" else None,
+                            "record_experts": record_experts}
         self._state, self._since, self.busy_s = "starting", time.time(), 0.0
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
         slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
@@ -117,14 +125,15 @@ class RolloutWorker:
         self._swap_s += time.perf_counter() - t0  # the fetch; the copy into the model follows in the sampler
         return weights, version
 
-    def rollout(self, lease_id: int, uids: list[int], records: dict, record_indices: list[int],
-                prompt_ids: list[list[int]]) -> dict:
+    def rollout(self, lease_id: int, uids: list[int], prompts: Sequence[Prompt]) -> dict:
+        """One lease: its groups' `Prompt` items (ids, images, record, record index), one per uid, generated with
+        the newest weights and scored (module docstring)."""
         t0 = time.perf_counter()
         pull_s = self._pull()
         self._set("generating")
         self._swaps, self._swap_s = 0, 0.0
-        ro = generate_rollouts(self.sampler, records, record_indices, prompt_ids, self.params, self.runner, uids=uids,
-                               agent=self.agent, between_segments=self._newer if self.segment_swaps else None)
+        ro = generate_rollouts(self.sampler, prompts, self.params, self.runner, uids=uids, agent=self.agent,
+                               **self.generate_kw)
         self._set("idle")
         seconds = time.perf_counter() - t0
         self.busy_s += seconds
