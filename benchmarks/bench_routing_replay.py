@@ -37,8 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import yaml
 
-from posttrain.demo.run import DemoSettings, rl_config, sft_config
-from posttrain.demo.task import make_splits, write_jsonl
+from posttrain.demo.run import DemoSettings, rl_config, sft_config, write_demo_data
 from posttrain.models.config import llama_like
 from posttrain.models.hf_io import save_pretrained
 from posttrain.models.tokenizer import build_tokenizer
@@ -66,15 +65,6 @@ def build_moe_model(out: Path, s: DemoSettings, seed: int, experts: int, width: 
                      pad_token_id=tok.pad_token_id)
     save_pretrained(init_model(cfg, seed=seed), folder, tokenizer=tok)
     return folder
-
-
-def write_data(out: Path, s: DemoSettings, seed: int) -> None:
-    train, heldout = make_splits(seed, s.n_train + s.n_rl_prompts, s.n_eval, max_operand=s.max_operand,
-                                 direct_fraction=s.direct_fraction)
-    data = out / "data"
-    write_jsonl(train[: s.n_train], data / "sft_train.jsonl")
-    write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in train[s.n_train:]], data / "rl_prompts.jsonl")
-    write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in heldout], data / "heldout.jsonl")
 
 
 def grpo(out: Path, model: Path, s: DemoSettings, seed: int, dtype: str, replay: bool) -> dict:
@@ -115,7 +105,7 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_routing_replay_"))
     s = settings(args)
     t0 = time.perf_counter()
-    write_data(out, s, args.seed)
+    write_demo_data(out, s, args.seed)
     base = build_moe_model(out, s, args.seed, args.experts, args.expert_width)
     sft_yaml = out / "sft.yaml"
     sft_yaml.write_text(yaml.safe_dump(sft_config(out, base, s, args.seed, seq_len=64), sort_keys=False))

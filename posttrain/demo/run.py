@@ -61,6 +61,18 @@ class DemoSettings:
                             sft_batch=8, rl_steps=3, rl_prompts=4, group_size=4, rl_eval_every=2)
 
 
+def write_demo_data(out: Path, s: DemoSettings, seed: int) -> tuple[Path, list[dict]]:
+    """The task's data under OUT/data: SFT demonstrations, RL prompts and held-out problems (disjoint); returns
+    (the data folder, the held-out records)."""
+    train, heldout = make_splits(seed, s.n_train + s.n_rl_prompts, s.n_eval, max_operand=s.max_operand,
+                                 direct_fraction=s.direct_fraction)
+    data = out / "data"
+    write_jsonl(train[: s.n_train], data / "sft_train.jsonl")
+    write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in train[s.n_train:]], data / "rl_prompts.jsonl")
+    write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in heldout], data / "heldout.jsonl")
+    return data, heldout
+
+
 def build_base_model(out: Path, s, seed: int, *, tokenizer=build_tokenizer, max_positions: int = 256) -> Path:
     """A small random Llama-shaped model (sizes from `s`: hidden, layers, heads) and the character tokenizer
     `tokenizer(folder)` builds, saved as a HF checkpoint."""
@@ -166,12 +178,7 @@ def run_demo(output_dir: str | Path, seed: int = 0, settings: DemoSettings | Non
         f"stage is kept [bold]deliberately short[/bold] ({s.sft_steps} steps) so that RL has room to improve: "
         "it can learn that working it out pays."
     )
-    train, heldout = make_splits(seed, s.n_train + s.n_rl_prompts, s.n_eval, max_operand=s.max_operand,
-                                 direct_fraction=s.direct_fraction)
-    data = out / "data"
-    write_jsonl(train[: s.n_train], data / "sft_train.jsonl")
-    write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in train[s.n_train:]], data / "rl_prompts.jsonl")
-    write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in heldout], data / "heldout.jsonl")
+    data, heldout = write_demo_data(out, s, seed)
     base = build_base_model(out, s, seed)
 
     stages: list[dict] = []
