@@ -29,10 +29,15 @@ def slow_count_a(prompts, completions, **fields):
     return count_a(prompts, completions)
 
 def held_count_a(prompts, completions, **fields):
-    """count_a, held while a file `hold` exists next to this one (a test pauses the run's progress with it)."""
+    """count_a, held while a file `hold` exists next to this one (a test pauses the run's progress with it); a
+    call that waits leaves `held.PID` there (PID: the process scoring, a fleet worker with in-process rewards)."""
+    import os
     from pathlib import Path
 
-    while (Path(__file__).parent / "hold").exists():
+    here = Path(__file__).parent
+    if (here / "hold").exists():
+        (here / f"held.{os.getpid()}").touch()
+    while (here / "hold").exists():
         time.sleep(0.05)
     return count_a(prompts, completions)
 

@@ -10,7 +10,8 @@ and the export on the way:
   each (`posttrain.models.lora`), within the same budget of 8.
 - generate and eval: what holds today (prefill, decode and the sampler state at most twice each: greedy and
   sampled), and the weights load by plain transfers.
-- rl: the trainer's part (its step once, its state by one program); the whole run's count is printed.
+- rl (text, with a tool, with image prompts): the trainer's part (its step once, at most twice over packed rows of
+  every completion length; its state by one program); at most 16 programs a run.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ sys.path.insert(0, {str(TESTS)!r})
 from compile_counter import count_compiles
 from posttrain.cli.main import main
 from posttrain.models.tiny import resolve_model_path
-for spec in ("tiny:llama", "tiny:llama-small"):
+for spec in ("tiny:llama", "tiny:llama-small", "tiny:gemma3-vlm"):
     resolve_model_path(spec)
 out = []
 for argv in json.loads(sys.argv[1]):
@@ -183,6 +184,26 @@ def test_rl_smoke_trains_with_one_step_program_and_at_most_16_programs(tmp_path)
     assert c["jit(_prefill)"] <= 2 and c["jit(_decode)"] == 1, c
     assert c.total <= 16, c
     _one_per_tree(c)
+
+
+@pytest.mark.slow
+def test_rl_with_tools_and_with_images_compile_their_step_once(tmp_path):
+    """Multi-turn rollouts with a tool (completion buffers of every length up to the trajectory budget, in packed
+    and shared-prompt rows) and image prompts (padded rows, the images in every pass): the train step at most twice
+    (`posttrain.rl.packing.PackPlan`: the first batch's rows, then the worst case), the padded image batches once;
+    the sampler's programs as in the text run; at most 16 programs each."""
+    common = ["trainer.progress=false", "trainer.max_steps=3", "eval.at_start=false", "trainer.save_every=0"]
+    tools, images = cli_compiles(
+        ["rl", "configs/rl_smoke.yaml", f"output_dir={tmp_path / 'tools'}", *common, "rollout.tools=[calculator]",
+         "rollout.max_turns=2", "data.max_prompt_tokens=1024"],
+        ["rl", "configs/vlm_rl_smoke.yaml", f"output_dir={tmp_path / 'vlm'}", *common, "model.path=tiny:gemma3-vlm",
+         "data.train=shapes:?size=16&seed=1", "data.eval=null", "rollout.batch_prompts=2", "rollout.group_size=4",
+         "rollout.max_new_tokens=4"])
+    assert 1 <= tools["jit(step_fn)"] <= 2 and tools["_decode"] <= 2, tools
+    assert images["jit(step_fn)"] == 1 and images["_prefill"] <= 2 and images["_decode"] <= 1, images
+    for c in (tools, images):
+        assert c.total <= 16, c
+        _one_per_tree(c)
 
 
 @pytest.mark.slow

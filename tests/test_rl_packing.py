@@ -303,3 +303,68 @@ def test_learner_shared_prompt_update_equals_padded():
         assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
     for a, b in zip(p0, p1):  # after 4 updates at lr 0.5 (one step's gradient: equal to 1e-5, above)
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- one shape a run
+def _varied_batch(seed: int, bounds=(16, 24)):
+    """Two groups of three with random completion lengths (1..24), padded to the run's bounds (P, C)."""
+    rng = np.random.default_rng(seed)
+    comps = rng.integers(1, 25, size=6).tolist()
+    prompts = [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in (int(rng.integers(3, 15)), 3)]
+    ro = Rollouts(group_size=3, record_index=[0, 0, 0, 1, 1, 1], prompt_ids=[prompts[i // 3] for i in range(6)],
+                  completion_ids=[rng.integers(3, CFG.vocab_size, size=n).tolist() for n in comps],
+                  logprobs=[(-rng.uniform(0.5, 4.0, size=n)).tolist() for n in comps],
+                  finish_reasons=["stop"] * 6, texts=[""] * 6, prompts_text=[""] * 6,
+                  rewards=np.zeros(6, np.float32), per_reward={}, reward_stats={})
+    return build_rl_batch(ro, rng.normal(size=6).astype(np.float32), multiple=8, at_least=bounds)
+
+
+@pytest.mark.parametrize("attn_span", [None, 1.0])
+def test_pack_plan_gives_one_shape_whatever_the_completion_lengths(attn_span):
+    """With the run's shortest prompt (3 tokens) the plan fixes the sizes at the first batch: twenty batches of
+    random completion lengths (sequence rows, or shared-prompt rows) pack to at most two shapes (the first with
+    headroom, then the worst case), and unpack to their own fields."""
+    from posttrain.rl.packing import PackPlan
+
+    plan = PackPlan(attn_span=attn_span, prompt_min=3, multiple=8)
+    shapes = []
+    for seed in range(20):
+        batch = _varied_batch(seed)
+        assert batch.input_ids.shape == (6, 40)  # the padded batch: one shape too
+        packed, layout = plan.pack(batch)
+        shapes.append(tuple(np.shape(x) for x in jax.tree.leaves(packed)))
+        for name in ("loss_mask", "behaviour_logp"):
+            np.testing.assert_array_equal(layout.unpack(getattr(packed, name)), getattr(batch, name), err_msg=name)
+    changes = sum(a != b for a, b in zip(shapes, shapes[1:]))
+    assert changes <= 1 and len(set(shapes)) <= 2, set(shapes)
+    grow = PackPlan(attn_span=attn_span, multiple=8)  # without the bound: sizes follow the batches
+    assert len({tuple(np.shape(x) for x in jax.tree.leaves(grow.pack(_varied_batch(s))[0])) for s in range(20)}) > 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pack", [False, True])
+def test_learner_compiles_its_step_and_scoring_once_over_varied_lengths(pack):
+    """Four updates on batches of different completion lengths (old log-probs recomputed, a frozen reference):
+    padded, the train step and each scoring program compile once; packed, at most twice (the first batch's rows
+    with headroom, then the worst case: `PackPlan`)."""
+    from compile_counter import count_compiles
+
+    from posttrain.rl.learner import FrozenScorer, Learner
+    from posttrain.rl.loss import make_rl_loss
+    from posttrain.training.config import OptimConfig
+    from posttrain.training.optim import make_optimizer
+    from posttrain.training.trainer import Trainer
+
+    tx = make_optimizer(OptimConfig(name="sgd", lr=0.1, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
+    trainer = Trainer(init_model(CFG, seed=0), tx, donate=False)
+    learner = Learner(trainer, make_rl_loss(_kwargs("grpo")), ppo_epochs=1, minibatches=1, seed=0,
+                      recompute_old=True, correct_off_policy=True, ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer),
+                      pack=pack, attn_span=1.0 if pack else None, prompt_min=3)
+    with count_compiles() as c:
+        for seed in (3, 4, 5, 6):
+            learner.update(_varied_batch(seed), step=seed, policy_moved=True)
+    most = 2 if pack else 1
+    assert 1 <= c["jit(step_fn)"] <= most, c.names
+    scorers = 2 if pack else 1  # packed: the policy's and the reference's program have one name
+    again = {k: n for k, n in c.names.items() if n > most * (scorers if "packed_lp" in k else 1)}
+    assert not again, c.names

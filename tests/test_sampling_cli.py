@@ -83,3 +83,33 @@ def test_too_long_prompt_names_the_line(tmp_path, monkeypatch, capsys, tiny_cach
                "--max-new-tokens", "8", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 1 and "p.jsonl, line 2: prompt 1 has 2100 tokens" in err, err
+
+
+def test_prompts_from_stdin_equal_the_file_and_errors_name_stdin(tmp_path, monkeypatch, capsys, tiny_cache):
+    """`--prompts -` reads standard input: the same completions as the same lines from a file."""
+    import io
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", tiny_cache)
+    lines = [json.dumps({"prompt": "2+2="}), json.dumps({"messages": [{"role": "user", "content": "hi"}]})]
+    prompts = _write(tmp_path / "p.jsonl", lines)
+    common = ["--model", "tiny:llama", "--max-new-tokens", "5", "--n", "2", "--seed", "1", "--chat", "--no-progress"]
+    assert main(["generate", "--prompts", str(prompts), "--output", str(tmp_path / "f.jsonl"), *common]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(x + "\n" for x in lines)))
+    assert main(["generate", "--prompts", "-", "--output", str(tmp_path / "s.jsonl"), *common]) == 0
+    assert (tmp_path / "s.jsonl").read_text() == (tmp_path / "f.jsonl").read_text()
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"prompt": "a"}\n{"prompt": \n'))
+    assert main(["generate", "--prompts", "-", "--output", str(tmp_path / "e.jsonl"), *common]) == 1
+    assert "<stdin>, line 2: not valid JSON" in capsys.readouterr().err
+
+
+def test_every_sampling_command_has_the_same_model_help():
+    """generate, eval and chat take the same kinds of checkpoint, described by one help text."""
+    from posttrain.cli.main import build_parser
+    from posttrain.cli.model_arg import MODEL_HELP
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name in ("generate", "eval", "chat"):
+        helps = [a.help for a in sub.choices[name]._actions if "--model" in a.option_strings or a.dest == "model"]
+        assert helps == [MODEL_HELP], (name, helps)
+    assert ".gguf" in MODEL_HELP and "pypi:" in MODEL_HELP

@@ -364,23 +364,15 @@ class _Fusion(http.server.BaseHTTPRequestHandler):
             st["active"] += 1
             st["max_active"] = max(st["max_active"], st["active"])
         try:
-            code = body["code"]
-            if code.startswith("#flaky") and st["flaky"] > 0:
-                st["flaky"] -= 1
+            answer = self._run(body["code"])
+        finally:  # no longer running before the client can see the answer (and send its next request)
+            with st["lock"]:
+                st["active"] -= 1
+        try:
+            if answer is None:
                 self.send_response(503)
                 self.end_headers()
                 return
-            if code.startswith("#slow"):
-                time.sleep(0.3)
-            if code.startswith("#hang"):
-                time.sleep(1.5)
-            run = {"status": "Finished", "execution_time": 0.01, "return_code": 0, "stdout": "ran\n", "stderr": ""}
-            if code.startswith("#fail"):
-                run.update(return_code=1, stderr="Traceback: ValueError")
-            if code.startswith("#timeout"):
-                run.update(status="TimeLimitExceeded", return_code=None)
-            answer = json.dumps({"status": "Success", "message": "", "compile_result": None, "run_result": run,
-                                 "files": {}}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(answer)))
@@ -388,9 +380,25 @@ class _Fusion(http.server.BaseHTTPRequestHandler):
             self.wfile.write(answer)
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (the time-out case)
             pass
-        finally:
-            with st["lock"]:
-                st["active"] -= 1
+
+    def _run(self, code: str) -> bytes | None:
+        """The answer to `code` (None: a 503), after the time its first line asks for."""
+        st = self.state
+        with st["lock"]:
+            if code.startswith("#flaky") and st["flaky"] > 0:
+                st["flaky"] -= 1
+                return None
+        if code.startswith("#slow"):
+            time.sleep(0.3)
+        if code.startswith("#hang"):
+            time.sleep(1.5)
+        run = {"status": "Finished", "execution_time": 0.01, "return_code": 0, "stdout": "ran\n", "stderr": ""}
+        if code.startswith("#fail"):
+            run.update(return_code=1, stderr="Traceback: ValueError")
+        if code.startswith("#timeout"):
+            run.update(status="TimeLimitExceeded", return_code=None)
+        return json.dumps({"status": "Success", "message": "", "compile_result": None, "run_result": run,
+                           "files": {}}).encode()
 
 
 @pytest.fixture

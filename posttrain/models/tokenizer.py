@@ -157,6 +157,24 @@ def _generation_config_eos(folder: Path) -> list[int]:
     raise TokenizerError(f"'{gen_path}': eos_token_id must be an int or a list of ints, found {eos!r}")
 
 
+def _tokenizer_class(folder: Path):
+    """The class `AutoTokenizer` would pick for `folder`, without `AutoTokenizer`'s model-config machinery (where
+    torch is installed, that imports it: seconds per process): the `tokenizer_class` of tokenizer_config.json when
+    transformers exports it as a tokenizers-backed class, else `AutoTokenizer` itself."""
+    # lazy: transformers loads only when a tokenizer is loaded (not for posttrain info)
+    import transformers
+
+    try:
+        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    backend = transformers.PreTrainedTokenizerFast
+    if isinstance(cls, type) and issubclass(cls, backend) and (folder / "tokenizer.json").is_file():
+        return cls
+    return transformers.AutoTokenizer
+
+
 def load(path: str | os.PathLike) -> Tokenizer:
     """Load the Hugging Face tokenizer folder at `path` (chat template included), or the tokenizer
     described by a GGUF file's metadata (a `.gguf` file, or a folder holding one and no config.json)."""
@@ -173,11 +191,8 @@ def load(path: str | os.PathLike) -> Tokenizer:
     if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
         raise TokenizerError(
             f"tokenizer folder '{folder}' has none of the tokenizer files {list(_TOKENIZER_FILES)}")
-    # lazy: transformers (~0.6 s) loads only when a tokenizer is loaded (not for posttrain info)
-    from transformers import AutoTokenizer
-
     try:
-        hf = AutoTokenizer.from_pretrained(str(folder))
+        hf = _tokenizer_class(folder).from_pretrained(str(folder))
     except Exception as e:  # noqa: BLE001 - re-raised with the folder named
         raise TokenizerError(f"cannot load tokenizer from '{folder}': {type(e).__name__}: {e}") from e
     return Tokenizer(hf, path=folder, extra_eos_token_ids=_generation_config_eos(folder))

@@ -103,7 +103,7 @@ def bucket_length(n: int, multiple: int = 16) -> int:
 
 
 def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: np.ndarray | None = None,
-                   pad_id: int = 0, multiple: int = 16, images=None) -> RLBatch:
+                   pad_id: int = 0, multiple: int = 16, images=None, at_least: tuple[int, int] = (0, 0)) -> RLBatch:
     """The `RLBatch` of scored rollouts: model inputs [N, P+C]; per-token [N, C]; `advantages` [N] or [N, C].
 
     `seq_weights` [N] scale each sequence's loss mask (0 drops it, e.g. DAPO overlong filtering). Multi-turn
@@ -111,10 +111,12 @@ def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: n
     is then spread over them (a per-sequence advantage applies to every token with mask 1).
     `images` (image prompts): row i's prompt images, pixel arrays [3, H, W] (`stack_images`).
     Rollouts with recorded experts (`rollouts.routed_experts`, routing replay) fill `routed_experts`.
+    `at_least`: lower bounds of (P, C), the prompt and completion columns (a run's bounds: `RLShapes`, so every
+    step's batch has one shape).
     """
     n = len(rollouts)
-    p = bucket_length(max(len(x) for x in rollouts.prompt_ids), multiple)
-    c = bucket_length(max(len(x) for x in rollouts.completion_ids), multiple)
+    p = max(bucket_length(max(len(x) for x in rollouts.prompt_ids), multiple), at_least[0])
+    c = max(bucket_length(max(len(x) for x in rollouts.completion_ids), multiple), at_least[1])
     input_ids = np.full((n, p + c), pad_id, np.int32)
     attention_mask = np.zeros((n, p + c), np.int32)
     loss_mask = np.zeros((n, c), np.float32)

@@ -32,7 +32,7 @@ from posttrain import distributed
 from posttrain.algorithms.sft import token_logprobs
 from posttrain.rl.batch import RLBatch
 from posttrain.rl.loss import packed_logprobs, routed_experts
-from posttrain.rl.packing import PackedRLBatch, pack_cheapest, pack_rl_batch
+from posttrain.rl.packing import PackedRLBatch, PackPlan
 
 __all__ = ["Learner", "FrozenScorer", "TrainerScorer"]
 
@@ -40,23 +40,23 @@ __all__ = ["Learner", "FrozenScorer", "TrainerScorer"]
 def _packed_fn(graphdef, chunk_size, replay: bool = False):
     """jit of (states, packed batch) -> its slots' log-probs [R*S, C] under nnx.merge(graphdef, *states); with
     `replay`, routed to the batch's recorded experts when it has them."""
-    def lp(states, pb):
+    def packed_lp(states, pb):
         return packed_logprobs(nnx.merge(graphdef, *states), pb, chunk_size,
                                replay=routed_experts(pb) if replay else None)[0]
 
-    return jax.jit(lp)
+    return jax.jit(packed_lp)
 
 
 def _replayed_fn(graphdef, chunk_size):
     """jit of (states, model inputs with `replay`, last) -> per-token log-probs (`token_logprobs`) routed to the
     recorded experts `replay` [B, T, L_sparse, k] (what `Trainer.token_logprobs` computes, replayed)."""
-    def lp(states, inputs, last):
+    def replayed_lp(states, inputs, last):
         return token_logprobs(nnx.merge(graphdef, *states), inputs["input_ids"],
                               attention_mask=inputs["attention_mask"], positions=inputs["positions"],
                               segment_ids=inputs.get("segment_ids"), chunk_size=chunk_size, last=last,
                               pixel_values=inputs.get("pixel_values"), replay=inputs["replay"])
 
-    return jax.jit(lp, static_argnums=2)
+    return jax.jit(replayed_lp, static_argnums=2)
 
 
 class FrozenScorer:
@@ -69,11 +69,11 @@ class FrozenScorer:
         graphdef, self.state = nnx.split(model)
         self.put_batch = trainer.put_batch
 
-        def lp(state, input_ids, attention_mask, positions, last, pixel_values):
+        def frozen_lp(state, input_ids, attention_mask, positions, last, pixel_values):
             return token_logprobs(nnx.merge(graphdef, state), input_ids, attention_mask=attention_mask,
                                   positions=positions, chunk_size=chunk_size, last=last, pixel_values=pixel_values)
 
-        self._fn = jax.jit(lp, static_argnums=4)
+        self._fn = jax.jit(frozen_lp, static_argnums=4)
         self._packed = _packed_fn(graphdef, chunk_size)
 
     def __call__(self, inputs: dict[str, np.ndarray], last: int | None = None) -> np.ndarray:
@@ -124,40 +124,40 @@ class Learner:
 
     def __init__(self, trainer, loss_fn, *, ppo_epochs: int, minibatches: int, seed: int, recompute_old: bool,
                  correct_off_policy: bool, ref_fn: Callable[..., np.ndarray] | None = None, pack: bool = False,
-                 attn_span: float | None = None):
+                 attn_span: float | None = None, prompt_min: int | None = None):
         """`ref_fn(model_inputs, last=C)`: the reference's log-probs (None: no KL term; with `pack`, a scorer with
         a `packed(batch)` method: `FrozenScorer`, `TrainerScorer`); `correct_off_policy`: the loss weights by
         pi_old / mu (`ISLevel.corrects`), so pi_old is recomputed once the policy moved; `pack`: train and score
         packed batches (`posttrain.rl.packing`); `attn_span` (with `pack`): rows may also share a prompt, the
-        cheaper layout chosen per batch by `posttrain.rl.packing.pack_cheapest` with this attention span."""
+        cheaper layout chosen per batch by `posttrain.rl.packing.pack_cheapest` with this attention span;
+        `prompt_min` (with `pack`): the run's shortest prompt, with which the packed sizes are fixed at the first
+        batch, so the update and the scoring compile once (`posttrain.rl.packing.PackPlan`)."""
         self.trainer, self.loss_fn = trainer, loss_fn
         self.ppo_epochs, self.minibatches, self.seed = ppo_epochs, minibatches, seed
         self.recompute_old, self.correct_off_policy, self.ref_fn = recompute_old, correct_off_policy, ref_fn
-        self.pack, self.attn_span = pack, attn_span
+        self.pack = pack
         self.policy = TrainerScorer(trainer)
         self._cells: dict[str, int] = {}  # this update's token counts (packing only)
-        self._sizes = {"train": (0, 0, 0), "score": (0, 0, 0)}  # packed sizes so far: they only grow
+        self._plan_args = dict(attn_span=attn_span, prompt_min=prompt_min)
+        self._plans: dict[str, PackPlan] = {}  # per use (train, score), made at its first batch: `_pack`
 
-    def _packed(self, batch: RLBatch, use: str):
-        """`batch` packed with a row count that the trainer's micro-batches and data shards divide, and row
-        length, slots and projected tokens at least those of the earlier batches of this `use` (train | score),
-        so the compiled shapes settle after a few steps."""
-        ways = 1
-        if self.trainer.mesh is not None:
-            ways = int(self.trainer.mesh.shape.get("data", 1) * self.trainer.mesh.shape.get("fsdp", 1))
-        kw = dict(row_multiple=math.lcm(self.trainer.grad_accum, ways), at_least=self._sizes[use])
-        if self.attn_span is None:
-            packed, layout = pack_rl_batch(batch, **kw)
-        else:
-            packed, layout = pack_cheapest(batch, self.attn_span, **kw)
-        self._sizes[use] = layout.sizes
-        return packed, layout
+    def _pack(self, batch: RLBatch, use: str):
+        """`batch` packed by the plan of `use`: a row count that the trainer's micro-batches and data shards divide,
+        sizes fixed (or grown) per use, so each compiled program sees one shape."""
+        if use not in self._plans:
+            ways, mesh = 1, self.trainer.mesh
+            if mesh is not None:
+                ways = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+            whole = use == "score" or self.minibatches == 1  # minibatches split groups at random
+            self._plans[use] = PackPlan(row_multiple=math.lcm(self.trainer.grad_accum, ways), whole_groups=whole,
+                                        **self._plan_args)
+        return self._plans[use].pack(batch)
 
     def _train_batch(self, batch: RLBatch):
         """What the trainer steps on: `batch`, or it packed (its token counts added up for the metrics)."""
         if not self.pack:
             return batch
-        packed, layout = self._packed(batch, "train")
+        packed, layout = self._pack(batch, "train")
         for k in ("tokens", "packed_cells", "padded_cells"):
             self._cells[f"pack/{k}"] = self._cells.get(f"pack/{k}", 0) + getattr(layout, k)
         return packed
@@ -186,7 +186,7 @@ class Learner:
         if not recompute and self.ref_fn is None:
             return batch.replace(old_logp=batch.behaviour_logp)
         if self.pack:
-            packed, layout = self._packed(batch, "score")
+            packed, layout = self._pack(batch, "score")
             run = lambda scorer: layout.unpack(scorer.packed(packed))  # noqa: E731
         else:
             c = batch.completion_len  # the vocabulary is projected at the completion columns only

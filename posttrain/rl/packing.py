@@ -32,6 +32,17 @@ each sequence's placeholders get its own images, and a shared-prompt row holds i
 share a row only when their tokens and their images are equal (one text with different pictures are different
 prompts). I, the images a row, is a power of two that only grows (a fourth entry of `PackLayout.sizes`).
 
+One shape a run (`PackPlan`, issue 40's compile budget): given the shortest prompt of the run, the first batch
+keeps its cheapest layout and fixes L, S and M at what any batch of the run can need in it. Sequence rows: L = the
+batch's P + C columns (which the batch builder pads to the run's longest prompt and completion budget), S = the most
+sequences of at least `prompt_min` + 1 tokens a row holds, M = a row's columns after one prompt, and the row count
+R the first batch's with 25% headroom. Shared-prompt rows of k completions (kept when they compute less than those):
+L = P + k C, S = k, M = k C, and R the first batch's when batches hold whole groups, else what any split of its
+groups can need. A later batch that needs more rows takes the worst case (every sequence a
+row of its own). So the step
+that trains (and the one that scores) on packed rows compiles once, at most twice, whatever the completion
+lengths. Image batches keep growing I, the images a row.
+
 Routing replay (`RLBatch.routed_experts`): the recorded experts are columns like the input ids, so they move with
 their tokens ([R, L, L_sparse, k], -1 on padding); a shared-prompt row takes its prompt's from the row's first
 sequence (equal tokens at equal positions: the same routing, up to the sampler's numerics).
@@ -48,8 +59,8 @@ import numpy as np
 from posttrain.data.packing import first_fit_decreasing
 from posttrain.rl.batch import RLBatch, bucket_length
 
-__all__ = ["PackedRLBatch", "PackLayout", "pack_rl_batch", "pack_shared_prompts", "pack_cheapest", "prompt_groups",
-           "row_cost", "attention_span", "bucket_rows"]
+__all__ = ["PackedRLBatch", "PackLayout", "PackPlan", "pack_rl_batch", "pack_shared_prompts", "pack_cheapest",
+           "prompt_groups", "row_cost", "attention_span", "bucket_rows", "fixed_sizes", "shared_sizes"]
 
 
 @jax.tree_util.register_dataclass
@@ -140,13 +151,13 @@ def _spans(attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
-                  at_least: tuple[int, int, int] = (0, 0, 0)) -> tuple[PackedRLBatch, PackLayout]:
+                  at_least: tuple[int, int, int] = (0, 0, 0), min_rows: int = 0) -> tuple[PackedRLBatch, PackLayout]:
     """Packs a padded `RLBatch` (its `old_logp`/`ref_logp` too, when set); returns the packed batch and the layout.
 
     `row_multiple`: the row count is a multiple of it (the trainer's micro-batches x data shards);
     `multiple`: row length L and projected tokens per row M are multiples of it; `at_least`: lower bounds of
     (L, S, M) or, for image batches, (L, S, M, I) (`PackLayout.sizes` of earlier batches: sizes that only grow
-    compile a run's step a few times).
+    compile a run's step a few times); `min_rows`: a lower bound of the row count R (a multiple of `row_multiple`).
     """
     n, t = np.shape(batch.input_ids)
     c = batch.completion_len
@@ -154,7 +165,7 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
     lengths = end - start
     row_len = max(bucket_length(int(lengths.max(initial=1)), multiple), at_least[0])
     bins = first_fit_decreasing(lengths.tolist(), row_len)
-    proj, s, m, out = _allocate(batch, bins, row_len, row_multiple, multiple, at_least)
+    proj, s, m, out = _allocate(batch, bins, row_len, row_multiple, multiple, at_least, min_rows)
     r = len(out.ids)
     row, slot = np.zeros(n, np.int32), np.zeros(n, np.int32)
     for ri, members in enumerate(bins):
@@ -171,14 +182,14 @@ def pack_rl_batch(batch: RLBatch, *, row_multiple: int = 1, multiple: int = 16,
 
 
 def _allocate(batch: RLBatch, rows: list[list[int]], row_len: int, row_multiple: int, multiple: int,
-              at_least: tuple[int, int, int]):
+              at_least: tuple[int, int, int], min_rows: int = 0):
     """The projected completion tokens of each sequence (loss mask > 0), the slots S and projected tokens M a row
     for `rows` (lists of sequence indices; at least `at_least`'s), and the empty `_Rows` to fill (its row count
-    rounded by `bucket_rows`)."""
+    rounded by `bucket_rows`, at least `min_rows`)."""
     proj = [np.flatnonzero(m > 0) for m in np.asarray(batch.loss_mask, np.float32)]
     s = max(1 << max(0, (max(len(x) for x in rows) - 1).bit_length()), at_least[1])
     m = max(bucket_length(max(sum(len(proj[i]) for i in x) for x in rows), multiple), at_least[2])
-    out = _Rows(bucket_rows(len(rows), row_multiple), row_len, s, batch.completion_len, m, batch)
+    out = _Rows(max(bucket_rows(len(rows), row_multiple), min_rows), row_len, s, batch.completion_len, m, batch)
     return proj, s, m, out
 
 
@@ -248,7 +259,7 @@ def row_cost(rows: int, row_len: int, attn_span: float) -> float:
 
 
 def pack_shared_prompts(batch: RLBatch, per_row: int, *, groups: list[list[int]] | None = None, row_multiple: int = 1,
-                        multiple: int = 16, at_least: tuple[int, int, int] = (0, 0, 0)
+                        multiple: int = 16, at_least: tuple[int, int, int] = (0, 0, 0), min_rows: int = 0
                         ) -> tuple[PackedRLBatch, PackLayout]:
     """Packs `batch` into shared-prompt rows: each row holds one prompt (segment -1) and then up to `per_row` of
     its completions (segments 1, 2, ...), each completion's positions continuing from the prompt's, so a prompt's
@@ -260,7 +271,7 @@ def pack_shared_prompts(batch: RLBatch, per_row: int, *, groups: list[list[int]]
     start, end = _spans(batch.attention_mask)
     rows, lengths = _shared_rows(batch, prompt_groups(batch) if groups is None else groups, per_row)
     row_len = max(bucket_length(max(lengths), multiple), at_least[0])
-    proj, s, m, out = _allocate(batch, rows, row_len, row_multiple, multiple, at_least)
+    proj, s, m, out = _allocate(batch, rows, row_len, row_multiple, multiple, at_least, min_rows)
     r = len(out.ids)
     row, slot = np.zeros(n, np.int32), np.zeros(n, np.int32)
     for ri, members in enumerate(rows):
@@ -287,21 +298,107 @@ def _shared_rows(batch: RLBatch, groups: list[list[int]], per_row: int) -> tuple
 
 
 def pack_cheapest(batch: RLBatch, attn_span: float, *, row_multiple: int = 1, multiple: int = 16,
-                  at_least: tuple[int, int, int] = (0, 0, 0)) -> tuple[PackedRLBatch, PackLayout]:
+                  at_least: tuple[int, int, int] = (0, 0, 0), min_rows: int = 0,
+                  row_len_cap: int | None = None) -> tuple[PackedRLBatch, PackLayout]:
     """The cheapest packing of `batch` by `row_cost`: sequence rows (`pack_rl_batch`), or shared-prompt rows
     (`pack_shared_prompts`) with the number of completions a row that computes least (sharing a prompt saves
-    its layers once per extra completion; a longer row pays more attention). Only the chosen layout is built."""
-    kw = dict(row_multiple=row_multiple, multiple=multiple, at_least=at_least)
+    its layers once per extra completion; a longer row pays more attention). Only the chosen layout is built.
+    `row_len_cap`: shared-prompt layouts with longer rows are not considered (a run's fixed row length)."""
+    kw = dict(row_multiple=row_multiple, multiple=multiple, at_least=at_least, min_rows=min_rows)
     best = pack_rl_batch(batch, **kw)
     cost, per_row_best = row_cost(len(best[0]), best[1].row_len, attn_span), None
     groups = prompt_groups(batch)
     for per_row in range(2, max(len(g) for g in groups) + 1):
         rows, lengths = _shared_rows(batch, groups, per_row)
-        c = row_cost(bucket_rows(len(rows), row_multiple),
-                     max(bucket_length(max(lengths), multiple), at_least[0]), attn_span)
+        row_len = max(bucket_length(max(lengths), multiple), at_least[0])
+        if row_len_cap is not None and row_len > row_len_cap:
+            break  # more completions a row only make it longer
+        c = row_cost(max(bucket_rows(len(rows), row_multiple), min_rows), row_len, attn_span)
         if c < cost:
             cost, per_row_best = c, per_row
     return best if per_row_best is None else pack_shared_prompts(batch, per_row_best, groups=groups, **kw)
+
+
+HEADROOM = 1.25  # the first batch's rows x this: the row count a run's packed batches start with
+
+
+def fixed_sizes(batch: RLBatch, prompt_min: int, multiple: int = 16) -> tuple[int, int, int]:
+    """(L, S, M) of sequence rows that hold any batch of `batch`'s columns (P + C) whose prompts have at least
+    `prompt_min` tokens (module docstring): one sequence's columns, the sequences of at least `prompt_min` + 1
+    tokens that fit (or a prompt group; at most the batch's), a row's columns after one prompt (at most S x C)."""
+    n, t = np.shape(batch.input_ids)
+    row_len = bucket_length(t, multiple)
+    most = min(n, max(row_len // (prompt_min + 1), max(len(g) for g in prompt_groups(batch))))
+    slots = 1 << max(0, (most - 1).bit_length())
+    return row_len, slots, bucket_length(min(row_len - prompt_min, slots * batch.completion_len), multiple)
+
+
+def shared_sizes(batch: RLBatch, per_row: int, multiple: int = 16) -> tuple[int, int, int]:
+    """(L, S, M) of shared-prompt rows of `per_row` completions that hold any batch of `batch`'s columns: a prompt
+    and `per_row` completions, `per_row` slots, `per_row` completions' tokens."""
+    c = batch.completion_len
+    row_len = bucket_length(np.shape(batch.input_ids)[1] + (per_row - 1) * c, multiple)
+    return row_len, 1 << max(0, (per_row - 1).bit_length()), bucket_length(per_row * c, multiple)
+
+
+class PackPlan:
+    """How one kind of batch of a run (training, or scoring) is packed: `pack(batch) -> (packed, layout)`.
+
+    `row_multiple`: the trainer's micro-batches x data shards; `attn_span`: rows may share a prompt
+    (`pack_cheapest`); `prompt_min`: the run's shortest prompt, with which the first batch fixes the layout and its
+    sizes (module docstring: one compile); `whole_groups`: every batch holds whole prompt groups (no minibatch
+    split), so shared-prompt rows are as many as the first batch's. None: the sizes only grow as batches need."""
+
+    def __init__(self, *, row_multiple: int = 1, attn_span: float | None = None, prompt_min: int | None = None,
+                 multiple: int = 16, whole_groups: bool = True):
+        self.row_multiple, self.attn_span, self.prompt_min, self.multiple = row_multiple, attn_span, prompt_min, multiple
+        self.whole_groups = whole_groups
+        self.sizes: tuple[int, ...] = (0, 0, 0)
+        self.rows = 0
+        self.per_row = 0  # shared-prompt rows of this many completions, once the first batch chose them
+
+    def _pack(self, batch: RLBatch) -> tuple[PackedRLBatch, PackLayout]:
+        kw = dict(row_multiple=self.row_multiple, multiple=self.multiple, at_least=self.sizes, min_rows=self.rows)
+        if self.per_row:
+            return pack_shared_prompts(batch, self.per_row, **kw)
+        if self.attn_span is None:
+            return pack_rl_batch(batch, **kw)
+        cap = self.sizes[0] if self.prompt_min is not None and self.sizes[0] else None
+        return pack_cheapest(batch, self.attn_span, row_len_cap=cap, **kw)
+
+    def _fix(self, batch: RLBatch, packed: PackedRLBatch, layout: PackLayout) -> int:
+        """Fixes the layout and sizes by the first batch; returns the rows every batch gets. Sequence rows: the
+        first batch's with 25% headroom. Shared-prompt rows of the k completions a row its cheapest layout chose:
+        as many as its own (whole groups), else as many as any split of its groups can need; kept only when
+        they compute less than the sequence rows."""
+        n, m = len(batch), self.row_multiple
+        worst = bucket_rows(n, m)
+        seq = fixed_sizes(batch, self.prompt_min, self.multiple)
+        seq_rows = len(pack_rl_batch(batch, row_multiple=m, multiple=self.multiple, at_least=seq)[0].input_ids)
+        self.sizes, rows = seq, min(worst, bucket_rows(math.ceil(seq_rows * HEADROOM), m))
+        if (np.asarray(packed.segment_ids) < 0).any():  # the cheapest layout shares prompts
+            k = int(layout.slot.max()) + 1
+            shared = shared_sizes(batch, k, self.multiple)
+            groups = len(prompt_groups(batch))
+            need = len(packed.input_ids) if self.whole_groups else bucket_rows(groups + -(-(n - groups) // k), m)
+            if row_cost(min(worst, need), shared[0], self.attn_span) < row_cost(rows, seq[0], self.attn_span):
+                self.sizes, rows, self.per_row = shared, min(worst, need), k
+        return rows
+
+    def pack(self, batch: RLBatch) -> tuple[PackedRLBatch, PackLayout]:
+        packed, layout = self._pack(batch)
+        if self.prompt_min is not None:
+            if not self.rows:  # the first batch: it fixes the layout, the sizes and the rows
+                rows = self._fix(batch, packed, layout)
+            elif len(packed.input_ids) > self.rows:  # more rows than planned: the worst case, once
+                rows = bucket_rows(len(batch), self.row_multiple)
+            else:
+                rows = self.rows
+            if rows != self.rows or not self.rows:
+                self.rows = rows
+                packed, layout = self._pack(batch)
+        self.sizes = layout.sizes  # what a batch exceeded (its images a row, or a bound) grows from here on
+        return packed, layout
 
 
 class _Rows:

@@ -30,7 +30,7 @@ from posttrain.data import read_prompts
 from posttrain.data.vlm import VisionSpec, has_images
 from posttrain.models.moe_loss import RouterLoss
 from posttrain.rewards.runner import RewardRunner
-from posttrain.rl.batch import RLBatch, build_rl_batch
+from posttrain.rl.batch import RLBatch, bucket_length, build_rl_batch
 from posttrain.rl.config import LearnerConfig, PromptData, RLConfig, RolloutConfig
 from posttrain.rl.dispatcher import Dispatcher
 from posttrain.rl.learner import FrozenScorer, Learner, TrainerScorer
@@ -67,12 +67,20 @@ class GroupAdvantages:
     overlong_filtering: bool
     prompts: PromptSet
     pad_id: int
+    columns: tuple[int, int] = (0, 0)  # (P, C) at least: `batch_columns`
 
     def __call__(self, ro: Rollouts) -> tuple[RLBatch, dict[str, float]]:
         adv = np.asarray(self.advantage(ro.rewards, ro.group_size))
         weights = dapo.overlong_mask(ro.finish_reasons) if self.overlong_filtering else None
         images = [p.images for p in self.prompts.select(ro.record_index)] if self.prompts.has_images else None
-        return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.pad_id, images=images), {}
+        return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.pad_id, images=images,
+                              at_least=self.columns), {}
+
+
+def batch_columns(prompts: PromptSet, completion_budget: int) -> tuple[int, int]:
+    """(P, C): the prompt and completion columns every batch of the run is padded to (the longest train prompt,
+    and the tokens after a prompt at most), so the train step and the scoring compile once (issue 40)."""
+    return (bucket_length(max((len(x) for x in prompts.ids), default=1)), bucket_length(completion_budget))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +133,12 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
         held_out = _encode_all(tok, eval_records, cfg.data, agent, vision) if eval_records else None
         parts = RLParts(
             cfg=cfg, run=run, preset=preset, runner=runner, prompts=RLPrompts(train, held_out, data), tok=tok,
-            trainer=trainer, learner=build_learner(cfg, preset, run, image_prompts),
+            trainer=trainer, learner=build_learner(cfg, preset, run, image_prompts, train),
             dispatcher=build_dispatcher(cfg, len(records)), agent=agent,
             env_watch=env_watch(cfg.rollout, agent, run.say),
             sampling=rollout_sampling_params(cfg.rollout, cfg.trainer.seed),
             prepare=GroupAdvantages(get(ADVANTAGES, preset.advantage), preset.overlong_filtering, train,
-                                    tok.pad_token_id or 0),
+                                    tok.pad_token_id or 0, batch_columns(train, cfg.rollout.completion_budget)),
             programs=program_cache)
         undo.pop_all()
     return parts
@@ -222,9 +230,10 @@ def check_routing_replay(learner: LearnerConfig, model_cfg) -> None:
                           "model has no experts (set learner.routing_replay=false)")
 
 
-def build_learner(cfg: RLConfig, preset: GRPOFamily, run: Run, image_prompts: bool) -> Learner:
+def build_learner(cfg: RLConfig, preset: GRPOFamily, run: Run, image_prompts: bool, prompts: PromptSet) -> Learner:
     """The learner: the policy loss, its epochs and minibatches, and the reference scorer when beta > 0 (which
-    routes with its own router: a batch's recorded experts, `learner.routing_replay`, are the policy's only)."""
+    routes with its own router: a batch's recorded experts, `learner.routing_replay`, are the policy's only);
+    packed rows sized once by the shortest of the train `prompts`."""
     lc, trainer = cfg.learner, run.trainer
     kw = policy_loss_kwargs(preset, lc, cfg.rollout.completion_budget)
     share = lc.share_prompts if lc.share_prompts is not None else not image_prompts
@@ -239,7 +248,8 @@ def build_learner(cfg: RLConfig, preset: GRPOFamily, run: Run, image_prompts: bo
     return Learner(trainer, make_rl_loss(kw, chunk_size=chunk, router=router), ppo_epochs=lc.ppo_epochs, minibatches=lc.minibatches,
                    seed=cfg.trainer.seed, recompute_old=lc.old_logprobs == "recompute",
                    correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn, pack=lc.pack or share,
-                   attn_span=attention_span(trainer.model().cfg) if share else None)
+                   attn_span=attention_span(trainer.model().cfg) if share else None,
+                   prompt_min=min((len(x) for x in prompts.ids), default=1))
 
 
 def build_dispatcher(cfg: RLConfig, num_records: int) -> Dispatcher:

@@ -83,6 +83,23 @@ def truncate_after(path: str | Path, step: int) -> int:
 PROGRESS_FIELDS = (("reward/mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("loss", "loss", "{:.4f}"))
 
 
+def _summary_writer(folder: Path):
+    """A tensorboardX `SummaryWriter` (scalars only). tensorboardX imports torch wherever it is installed, only to
+    accept torch tensors, which are never passed here: that import (seconds per process) is kept out when torch is
+    not loaded yet."""
+    import sys
+
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX's own fallback
+    try:
+        from tensorboardX import SummaryWriter  # lazy: only when TensorBoard logs are written
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter(str(folder))
+
+
 class MetricsLogger:
     """Writes metrics to metrics.jsonl and TensorBoard (`OUTPUT_DIR/tensorboard/`), and drives a progress bar.
 
@@ -103,10 +120,7 @@ class MetricsLogger:
             truncate_after(self.output_dir / name, start_step if start_step > 0 else -1)
         self.jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
-            # lazy: tensorboardX (~3 s here) loads only when TensorBoard logs are written
-            from tensorboardX import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.output_dir / "tensorboard"))
+            self.writer = _summary_writer(self.output_dir / "tensorboard")
         if progress:
             self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
