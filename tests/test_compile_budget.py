@@ -158,16 +158,9 @@ def test_lora_and_qlora_sft_make_adapters_quantise_and_merge_in_one_program_each
 
 
 @pytest.mark.slow
-def test_dpo_smoke_compiles_its_step_once(tmp_path):
-    (c,) = cli_compiles(["dpo", "configs/dpo_smoke.yaml", f"output_dir={tmp_path / 'dpo'}", *SHORT])
-    assert c["jit(step_fn)"] == 1 and c["jit(eval_fn)"] == 1, c
-    _one_per_tree(c)
-    assert c.total <= 8, c
-
-
-@pytest.mark.slow
-def test_distill_smoke_compiles_its_step_once(tmp_path):
-    (c,) = cli_compiles(["distill", "configs/distill_smoke.yaml", f"output_dir={tmp_path / 'distill'}", *SHORT])
+@pytest.mark.parametrize("command", ["dpo", "distill"])
+def test_smoke_run_compiles_its_step_once(command, tmp_path):
+    (c,) = cli_compiles([command, f"configs/{command}_smoke.yaml", f"output_dir={tmp_path / command}", *SHORT])
     assert c["jit(step_fn)"] == 1 and c["jit(eval_fn)"] == 1, c
     _one_per_tree(c)
     assert c.total <= 8, c
