@@ -23,8 +23,15 @@ bytes a decode step must read: the weights it multiplies (the LM head and every 
 read one row a token) and the KV cache rows over which attention runs (the whole 192-position row of the 16
 slots; 2/3 of it live on average over this call).
 
-Run: `python benchmarks/bench_decode_breakdown.py [--rounds 8]` (about 2 minutes; the checkpoint is written with
-transformers and torch, so it needs the test extra like the other benchmarks).
+Profile (`--profile`): one call of the shipped decode under JAX's profiler, with XLA:CPU's per-operation trace
+events on (`--xla_cpu_enable_xprof_traceme`); each event's operation is classed by the optimized program's
+metadata: the weight products (the LM head apart), attention's two products over the cache, the rest. Per class:
+ms a decode step (events' durations summed over both threads, so two operations running at once both count), and
+the weight products' rate in GFLOP/s (2 x slots x their weights' parameters a step); beside them the summed
+durations over the call's wall time (1.0: one core busy at a time) and a jitted 2048^3 float32 matmul's rate.
+
+Run: `python benchmarks/bench_decode_breakdown.py [--rounds 8] [--profile]` (about 2 minutes; the checkpoint is
+written with transformers and torch, so it needs the test extra like the other benchmarks).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 
-PROMPTS, PROMPT_LEN, NEW, MAX_LEN = 16, 64, 128, 192
+PROMPTS, PROMPT_LEN, NEW, MAX_LEN, VOCAB = 16, 64, 128, 192, 8192
 
 
 def read_bandwidth(mbs=(8, 16, 24, 32, 64, 256), reps: int = 20) -> dict[int, float]:
@@ -86,7 +93,7 @@ def matmul_loop(cfg, steps: int):
             a = x @ p["q"] + jnp.sum(x @ p["k"]) * 0 + jnp.sum(x @ p["v"]) * 0
             x = x + a @ p["o"]
             x = x + (jax.nn.silu(x @ p["g"]) * (x @ p["u"])) @ p["dn"]
-        return x + 1e-3 * (x @ head)[:, :d]
+        return x + 1e-3 * jnp.max(x @ head, axis=-1, keepdims=True)  # every logit used: no product is cut
 
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x))
     return loop, jnp.asarray(rng.normal(size=(PROMPTS, d)), jnp.float32)
@@ -190,18 +197,102 @@ def report(times: dict[str, list[float]], bw: dict[int, float], mb: dict[str, fl
                   f"measured {full_step * 1e3:.2f} ms.")
 
 
+def profile_classes(path: Path, dump: Path, trace: Path) -> tuple[dict[str, float], float, float]:
+    """({class: summed event seconds}, the profiled call's wall seconds, summed seconds of every event) of one
+    shipped `generate` call after a warm one (see "Profile")."""
+    import re
+
+    import jax
+
+    import bench_first_call
+    from posttrain.models import from_pretrained
+    from posttrain.sampling import Sampler, SamplingParams
+
+    sampler = Sampler(from_pretrained(path), max_slots=PROMPTS, max_len=MAX_LEN)
+    prompts = bench_first_call.prompts_of()
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])
+    sampler.generate(prompts, params)
+    jax.profiler.start_trace(str(trace))
+    t = time.perf_counter()
+    sampler.generate(prompts, params)
+    wall = time.perf_counter() - t
+    jax.profiler.stop_trace()
+    data = jax.profiler.ProfileData.from_file(str(next(trace.rglob("*.xplane.pb"))))
+    events = [ev for plane in data.planes for ln in plane.lines if "Eigen" in ln.name for ev in ln.events]
+    program = next(dict(ev.stats)["program_id"] for ev in events if dict(ev.stats).get("hlo_module") == "jit__decode")
+    hlo = next(dump.glob(f"module_{program:04d}.jit__decode.cpu_after_optimizations.txt")).read_text()
+    ops = {m[1]: (m[2], m[3]) for m in re.finditer(r"^\s+%([\w.\-]+) = (\S+) .*?op_name=\"([^\"]+)\"", hlo, re.M)}
+    sums: dict[str, float] = {}
+    every = 0.0
+    for ev in events:
+        stats = dict(ev.stats)
+        if stats.get("program_id") != program or ev.name not in ops:  # executor, pool, python; other programs
+            continue
+        shape, op = ops[ev.name]
+        every += ev.duration_ns / 1e9
+        if "bkgh,bkhs" in op or "bkgs,bksh" in op:
+            name = "attention's products over the cache"
+        elif op.endswith("dot_general"):
+            name = "LM head" if shape.startswith(f"f32[{PROMPTS},{VOCAB}]") else "layers' weight products"
+        else:
+            name = "the rest (norms, RoPE, softmax, cache writes, sampling)"
+        sums[name] = sums.get(name, 0.0) + ev.duration_ns / 1e9
+    return sums, wall, every
+
+
+def report_profile(sums: dict[str, float], wall: float, every: float, cfg) -> None:
+    import jax
+    import jax.numpy as jnp
+    from rich.console import Console
+    from rich.table import Table
+
+    a = jnp.ones((2048, 2048), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    mm(a).block_until_ready()
+    best = min(_timed(lambda: mm(a).block_until_ready()) for _ in range(5))
+    peak = 2 * 2048**3 / best / 1e9
+    steps = NEW - 1
+    flops = {"layers' weight products": 2 * PROMPTS * cfg.num_layers * cfg.layer_matmul_params(),
+             "LM head": 2 * PROMPTS * cfg.hidden_size * cfg.vocab_size}
+    t = Table(title=f"One profiled call ({wall:.3f} s; {every / wall:.2f} x its wall time in operations, summed over "
+                    "threads): ms a decode step by class of operation")
+    for col in ("class", "ms / step", "share", "GFLOP/s"):
+        t.add_column(col, justify="left" if col == "class" else "right")
+    for name, s in sorted(sums.items(), key=lambda kv: -kv[1]):
+        rate = f"{flops[name] / (s / steps) / 1e9:.0f}" if name in flops else ""
+        t.add_row(name, f"{s / steps * 1e3:.2f}", f"{s / every:.0%}", rate)
+    console = Console(width=150)
+    console.print(t)
+    console.print(f"a jitted 2048^3 float32 matmul: {peak:.0f} GFLOP/s (both cores)")
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="also one profiled call, classed by operation")
     args = ap.parse_args(argv)
-    from bench_generate import build_checkpoint
-    from posttrain.models import from_pretrained
-
     with tempfile.TemporaryDirectory() as tmp:
+        if args.profile:  # read when XLA's CPU backend starts, i.e. at the first computation below
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true"
+                                       f" --xla_dump_to={tmp}/dump --xla_dump_hlo_as_text"
+                                       " --xla_dump_hlo_module_re=.*_decode.*")
+        from bench_generate import build_checkpoint
+        from posttrain.models import from_pretrained
+
         path = build_checkpoint(Path(tmp) / "llama-generate")
+        cfg = from_pretrained(path).cfg
         times = measure(path, args.rounds)
-        mb = step_bytes(from_pretrained(path).cfg)
+        mb = step_bytes(cfg)
+        profiled = profile_classes(path, Path(tmp) / "dump", Path(tmp) / "trace") if args.profile else None
     report(times, read_bandwidth(), mb)
+    if profiled:
+        report_profile(*profiled, cfg)
     return 0
 
 
