@@ -236,7 +236,8 @@ def torch_worker(a) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- main
 def _spawn(kind: str, argv: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, *argv], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, __file__, "--worker", kind, *argv], capture_output=True, text=True,
+                          check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -233,7 +233,8 @@ def generate_worker_tunix(path: Path, keep_rope: bool, steady: int = 1) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 def spawn(python: str, args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
-    proc = subprocess.run([python, __file__, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    proc = subprocess.run([python, __file__, *args], capture_output=True, text=True, env=env, timeout=timeout,
+                          check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"worker {args[:2]} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
@@ -248,7 +249,7 @@ def tunix_available(python: str | None, grpo: bool = False) -> str | None:
     try:
         mods = "tunix.generate.sampler, tunix.models.llama3.params" + (", tunix.rl.grpo.grpo_learner" if grpo else "")
         proc = subprocess.run([python, "-c", f"import {mods}"],
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=600, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{python}: {e}"
     if proc.returncode:

@@ -204,7 +204,7 @@ def first_call_cold_warm(path: Path) -> dict[str, tuple[float, float, float]]:
         env = {**os.environ, "POSTTRAIN_COMPILE_CACHE": cache}
         for kind in ("cold", "warm"):
             proc = subprocess.run([sys.executable, __file__, "--first-call-worker", str(path)], env=env,
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, check=False)
             line = [x for x in proc.stdout.splitlines() if x.startswith("FIRSTCALL ")]
             if proc.returncode or not line:
                 raise RuntimeError(f"first-call worker failed:\n{proc.stderr[-3000:]}")

@@ -330,7 +330,7 @@ def _spawn(kind: str, folder: Path, warmup: int, steps: int, threads: int, check
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--warmup",
                            str(warmup), "--steps", str(steps), "--torch-threads", str(threads)]
                           + (["--trl-checkpointing"] if checkpointing else []), capture_output=True, text=True,
-                          env=env)
+                          env=env, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"

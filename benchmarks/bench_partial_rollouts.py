@@ -147,7 +147,7 @@ def run(rl_yaml: Path, out: Path, mode: str, steps: int, *overrides: str) -> lis
     shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "rl", str(rl_yaml), f"output_dir={out}",
                            f"trainer.max_steps={steps}", f"fleet.swap={mode}", *overrides], capture_output=True,
-                          text=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                          text=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, check=False)
     if proc.returncode:
         raise SystemExit(f"{out.name} failed:\n{proc.stdout}\n{proc.stderr}")
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -188,7 +188,7 @@ def _spawn(kind: str, folder: Path, steps: int, scan: bool = False) -> dict:
     import subprocess
 
     cmd = [sys.executable, __file__, "--worker", kind, "--folder", str(folder), "--steps", str(steps)]
-    proc = subprocess.run(cmd + (["--scan"] if scan else []), capture_output=True, text=True)
+    proc = subprocess.run(cmd + (["--scan"] if scan else []), capture_output=True, text=True, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-3000:]}")

@@ -197,7 +197,7 @@ def test_unreachable_cluster_is_a_clear_error_within_30s(toy):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "rl", *toy(
         "unreachable", "fleet.workers=1", f"fleet.ray_address=127.0.0.1:{_free_port()}", "fleet.connect_timeout_s=5")],
-        env=_env(), capture_output=True, text=True, timeout=120)
+        env=_env(), capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0 and time.monotonic() - t0 < 30 + 20  # the run's own set-up comes on top
     assert "fleet.ray_address=127.0.0.1" in proc.stderr and "ray start --head" in proc.stderr
     assert "Traceback" not in proc.stderr

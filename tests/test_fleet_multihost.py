@@ -95,7 +95,7 @@ def test_blocks_are_published_once_and_assemble_to_the_whole_weights():
     import sys
 
     done = subprocess.run([sys.executable, "-c", SHARDS_PROBE], env=_env(8), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
 

@@ -95,7 +95,7 @@ def test_sharded_loss_curve_matches_single_device(tmp_path):
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ck")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     out = json.loads(lines[0][len("RESULT"):])

@@ -74,7 +74,7 @@ SHARD_SCRIPT = textwrap.dedent(
 def test_vision_weights_sharded_on_fsdp_tensor_mesh(tiny_vlm):
     env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SHARD_SCRIPT, tiny_vlm], env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert r["diff"] <= 1e-5, r

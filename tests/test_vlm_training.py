@@ -170,7 +170,7 @@ def test_vlm_qlora_sft_on_a_fsdp_tensor_mesh(tiny_vlm, tmp_path):
            "trainer.log_every=1", "trainer.progress=false", "optim.warmup_steps=0", "lora.enabled=true",
            "lora.quantize=nf4",
            "mesh.fsdp=2", "mesh.tensor=2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]

