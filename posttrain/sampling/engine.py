@@ -144,7 +144,7 @@ from posttrain.models import multimodal
 from posttrain.models.attention import KVCache
 from posttrain.models.moe import experts_dtype
 from posttrain.models.weights import flat_weights, load_flat_weights
-from posttrain.sampling.filters import choose_tokens
+from posttrain.sampling.filters import RowSampling, choose_tokens, choose_tokens_rows, top_logprobs
 from posttrain.sampling.params import Completion, SamplingParams, TurnEnd
 from posttrain.sampling.scheduler import MIN_BUCKET, Programs, Request, Setup, SlotScheduler, length_bucket
 from posttrain.sampling.scheduler import pow2 as _pow2
@@ -235,6 +235,9 @@ def _is_stop(tok, stop_ids):
 
 
 def _sample_keys(seed, prompt_idx, sample_idx):
+    if jnp.ndim(seed):  # one seed per row (the server's requests: `posttrain.sampling.serving`)
+        return jax.vmap(lambda s, p, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), i))(
+            seed, prompt_idx, sample_idx)
     base = jax.random.key(seed)
     return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt_idx, sample_idx)
 
@@ -265,7 +268,7 @@ def _seq_index(axis: int, rows, n: int):
 
 def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
              stop_ids, temperature, top_p, min_p, pixels=None, *, top_k: int, greedy, nucleus: bool,
-             record: bool = False):
+             record: bool = False, rows: RowSampling | None = None, n_top: int = 0):
     """Prefills prompt rows ids [P, Lb] (real lengths `lens`) and installs them in the assigned slots.
 
     Assignment a copies prompt row asg_row[a] into slot asg_slot[a] (slot index S = padding, dropped) as
@@ -273,7 +276,10 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     tokens, their log-probs and sampling log-probs [A]. `pixels` [N, C, H, W]: the images of the rows'
     image placeholders, in order (vision-language models; None = text, the text-only program). `record`
     (a mixture of experts): the first values also hold the experts the router chose at every prompt row's
-    position [P, Lb, L_sparse, k] (see "Expert recording").
+    position [P, Lb, L_sparse, k] (see "Expert recording"). Per-row sampling (the server,
+    `posttrain.sampling.serving`): `rows` holds each assignment's parameters (`RowSampling` [S]; temperature, top_p,
+    min_p, top_k and greedy are then unused), `seed` and `max_new` are arrays [S], and with `n_top` > 0 (static) the
+    first values end with the first tokens' top log-probs (ids, log-probs) [S, n_top] (`_top_record`).
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
@@ -291,8 +297,12 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
 
     keys = _sample_keys(seed, asg_prompt, asg_sample)
     first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(asg_prompt))  # noqa: E731
-    tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p,
-                                 nucleus=nucleus, kernels=cfg)
+    if rows is None:
+        tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p,
+                                     nucleus=nucleus, kernels=cfg)
+    else:
+        tok, lp, slp = choose_tokens_rows(logits[asg_row], first_keys, rows, kernels=cfg)
+    top = _top_record(logits[asg_row], rows, asg_slot < slots, n_top)
     done = _is_stop(tok, stop_ids) | (max_new <= 1)
 
     k_idx, v_idx = _seq_index(ks.k_seq_axis, asg_slot, lb), _seq_index(ks.v_seq_axis, asg_slot, lb)
@@ -316,7 +326,18 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
         key=put(ds.key, jax.random.key_data(keys)),
     )
     ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:], cfg.kernels))
-    return ds, (tok, lp, slp, *(r.experts for r in routing))
+    return ds, (tok, lp, slp, *(r.experts for r in routing), *top)
+
+
+def _top_record(logits, rows: RowSampling | None, live, n_top: int) -> tuple:
+    """() without top log-probs (`n_top` 0, static); else the `n_top` most likely tokens of each row of logits
+    [R, V] and their log-probs (`filters.top_logprobs`), computed only when a live row asks (`rows.logprobs`), else
+    zeros."""
+    if not n_top:
+        return ()
+    r = logits.shape[0]
+    zeros = (jnp.zeros((r, n_top), jnp.int32), jnp.zeros((r, n_top), jnp.float32))
+    return jax.lax.cond(jnp.any(rows.logprobs & live), lambda x: top_logprobs(x, n_top), lambda x: zeros, logits)
 
 
 def _gather_rows(cache: KVCache, rows, extra: int, ks) -> KVCache:
@@ -393,14 +414,17 @@ def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new,
 
 
 def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, temperature, top_p, min_p, *,
-            top_k: int, greedy, nucleus: bool, budget: int, record: bool = False):
+            top_k: int, greedy, nucleus: bool, budget: int, record: bool = False, rows: RowSampling | None = None,
+            n_top: int = 0):
     """Decode steps in one `while_loop` until no slot is active, `min_free` slots are free, or
     min(`max_steps`, `budget`) steps (`max_steps`, traced: the steps left before the cache is full).
 
     Returns the state and the segment's record: tokens, log-probs, sampling log-probs and an `emitted`
     flag, each [budget, S] (row t = step t; only the first `steps` rows are filled), and `steps`. With
     `record` (a mixture of experts) the record also holds the experts chosen for the token each slot fed at
-    each step [budget, S, L_sparse, k] (see "Expert recording").
+    each step [budget, S, L_sparse, k] (see "Expert recording"). Per-row sampling (the server): `rows` holds each
+    slot's parameters (`RowSampling` [S]), and with `n_top` > 0 the record ends with each step's top log-probs (ids,
+    log-probs) [budget, S, n_top] (computed at the steps where an active slot asks for them).
     """
     model = nnx.merge(graphdef, state)
     slots = ds.active.shape[0]
@@ -414,7 +438,9 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
         jnp.zeros((budget, slots), jnp.float32),
         jnp.zeros((budget, slots), jnp.float32),
         jnp.zeros((budget, slots), bool),
-    ) + ((_experts_buffer(model.cfg, budget, slots),) if record else ())
+    ) + ((_experts_buffer(model.cfg, budget, slots),) if record else ()) + (
+        (jnp.zeros((budget, slots, n_top), jnp.int32), jnp.zeros((budget, slots, n_top), jnp.float32)) if n_top
+        else ())
     ones = jnp.ones((slots, 1), jnp.int32)
 
     def cond(carry):
@@ -424,12 +450,19 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
 
     def body(carry):
         ds, (r_tok, r_lp, r_slp, r_emit, *r_exp), step = carry
+        r_top = r_exp[len(r_exp) - (2 if n_top else 0):]
+        r_exp = r_exp[: len(r_exp) - len(r_top)]
         logits, cache, *routing = model(ds.last_token[:, None], attention_mask=ones, positions=ds.position[:, None],
                                         cache=ds.cache, layer_states=layer_states, routing=record)
         keys = lambda: _step_keys(ds.key, ds.n_generated)  # noqa: E731
-        tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p,
-                                     nucleus=nucleus, kernels=model.cfg)
+        if rows is None:
+            tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p,
+                                         nucleus=nucleus, kernels=model.cfg)
+        else:
+            tok, lp, slp = choose_tokens_rows(logits[:, 0], keys, rows, kernels=model.cfg)
         act = ds.active
+        r_top = [jax.lax.dynamic_update_index_in_dim(b, t, step, 0)
+                 for b, t in zip(r_top, _top_record(logits[:, 0], rows, act, n_top))]
         n_gen = ds.n_generated + act.astype(jnp.int32)
         done = _is_stop(tok, stop_ids) | (n_gen >= ds.max_new)
         new = dataclasses.replace(
@@ -446,7 +479,7 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
         r_slp = jax.lax.dynamic_update_index_in_dim(r_slp, slp, step, 0)
         r_emit = jax.lax.dynamic_update_index_in_dim(r_emit, act, step, 0)
         r_exp = [jax.lax.dynamic_update_index_in_dim(r_exp[0], routing[0].experts[:, 0], step, 0)] if record else []
-        return new, (r_tok, r_lp, r_slp, r_emit, *r_exp), step + 1
+        return new, (r_tok, r_lp, r_slp, r_emit, *r_exp, *r_top), step + 1
 
     ds, buffers, steps = jax.lax.while_loop(cond, body, (ds, buffers, jnp.int32(0)))
     return ds, buffers, steps
@@ -478,6 +511,17 @@ def _grow_state(ds: DecodeState, new_len: int, mesh, kernels: str) -> DecodeStat
 
 
 _grow_jit = jax.jit(_grow_state, static_argnums=(1, 2, 3))
+
+
+def _release_slots(ds: DecodeState, release: jax.Array, mesh, kernels: str) -> DecodeState:
+    """The state with the slots of `release` [S] (bool) no longer active: a cancelled request's slot decodes no
+    more and counts as free (`posttrain.sampling.serving`)."""
+    ds = dataclasses.replace(ds, active=ds.active & ~release)
+    return _pin(ds, _state_shardings(mesh, _cache_dims(ds.cache), ds.key.shape[1:], kernels))
+
+
+release_jit = jax.jit(_release_slots, static_argnums=(2, 3), donate_argnums=(0,))
+grow_jit = _grow_jit
 
 
 def _fit_len(longest: int, max_new: int, limit: int) -> int:
@@ -527,9 +571,10 @@ class ProgramCache:
                 return entry[1]
         jitted = _Jitted(
             prefill=jax.jit(functools.partial(_prefill, graphdef),
-                            static_argnames=("top_k", "nucleus", "record"), donate_argnames=("ds",)),
+                            static_argnames=("top_k", "nucleus", "record", "n_top"), donate_argnames=("ds",)),
             decode=jax.jit(functools.partial(_decode, graphdef),
-                           static_argnames=("top_k", "nucleus", "budget", "record"), donate_argnames=("ds",)),
+                           static_argnames=("top_k", "nucleus", "budget", "record", "n_top"),
+                           donate_argnames=("ds",)),
             extend=jax.jit(functools.partial(_extend, graphdef),
                            static_argnames=("top_k", "nucleus", "record"), donate_argnames=("ds",)),
         )
@@ -623,6 +668,18 @@ class Sampler:
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
             return list(self.tokenizer.eos_token_ids)
         return list(self.cfg.eos_token_ids)
+
+    def stop_ids(self) -> list[int]:
+        """The ids that end a sequence by default: the tokenizer's EOS ids, else the model config's."""
+        return self._default_stop_ids()
+
+    def take_state(self, slots: int, cache_len: int) -> DecodeState:
+        """A decode state of `slots` slots and a cache of `cache_len` positions, handed over to the caller (the
+        serving engine, which donates it to the programs and keeps the newest); the sampler's kept state when it
+        has that shape (every slot free, contents stale), else a new one."""
+        ds = self._ensure_state(slots, cache_len)
+        self._state, self._state_config = None, None
+        return ds
 
     @property
     def slots(self) -> int:
