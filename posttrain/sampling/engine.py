@@ -268,7 +268,7 @@ def _seq_index(axis: int, rows, n: int):
 
 def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg_prompt, asg_sample, seed, max_new,
              stop_ids, temperature, top_p, min_p, pixels=None, *, top_k: int, greedy, nucleus: bool,
-             record: bool = False, rows: RowSampling | None = None, n_top: int = 0):
+             record: bool = False):
     """Prefills prompt rows ids [P, Lb] (real lengths `lens`) and installs them in the assigned slots.
 
     Assignment a copies prompt row asg_row[a] into slot asg_slot[a] (slot index S = padding, dropped) as
@@ -276,35 +276,44 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     tokens, their log-probs and sampling log-probs [A]. `pixels` [N, C, H, W]: the images of the rows'
     image placeholders, in order (vision-language models; None = text, the text-only program). `record`
     (a mixture of experts): the first values also hold the experts the router chose at every prompt row's
-    position [P, Lb, L_sparse, k] (see "Expert recording"). Per-row sampling (the server,
-    `posttrain.sampling.serving`): `rows` holds each assignment's parameters (`RowSampling` [S]; temperature, top_p,
-    min_p, top_k and greedy are then unused), `seed` and `max_new` are arrays [S], and with `n_top` > 0 (static) the
-    first values end with the first tokens' top log-probs (ids, log-probs) [S, n_top] (`_top_record`).
+    position [P, Lb, L_sparse, k] (see "Expert recording").
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
-    ks = kernels_lib.get(cfg)
-    cache = ds.cache
+    tmp, logits, routing = _prefill_forward(model, ids, lens, pixels, record, ds.cache.k[0].dtype)
+    keys = _sample_keys(seed, asg_prompt, asg_sample)
+    first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(asg_prompt))  # noqa: E731
+    tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p,
+                                 nucleus=nucleus, kernels=cfg)
+    done = _is_stop(tok, stop_ids) | (max_new <= 1)
+    ds = _install(ds, tmp, asg_row, asg_slot, lens, tok, done, max_new, jax.random.key_data(keys), model.mesh,
+                  cfg.kernels)
+    return ds, (tok, lp, slp, *(r.experts for r in routing))
+
+
+def _prefill_forward(model, ids, lens, pixels, record: bool, cache_dtype):
+    """Runs prompt rows ids [P, Lb] (real lengths `lens`) through the model into a cache of their own: (that cache
+    [P, Lb], the logits at each row's last real position [P, V], the routing when `record`)."""
+    cfg = model.cfg
     n_rows, lb = ids.shape
-    slots, max_len = cache.valid.shape
-    tmp = KVCache.create(cfg, n_rows, lb, dtype=cache.k[0].dtype)
+    tmp = KVCache.create(cfg, n_rows, lb, dtype=cache_dtype)
     pos = jnp.broadcast_to(jnp.arange(lb, dtype=jnp.int32), (n_rows, lb))
     mask = pos < lens[:, None]
     h, tmp, *routing = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp, pixel_values=pixels,
                                            routing=record)
     h_last = h[jnp.arange(n_rows), lens - 1]  # [P, D]: logits only where they are needed
-    logits = model.logits(h_last[:, None])[:, 0]
+    return tmp, model.logits(h_last[:, None])[:, 0], routing
 
-    keys = _sample_keys(seed, asg_prompt, asg_sample)
-    first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(asg_prompt))  # noqa: E731
-    if rows is None:
-        tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p,
-                                     nucleus=nucleus, kernels=cfg)
-    else:
-        tok, lp, slp = choose_tokens_rows(logits[asg_row], first_keys, rows, kernels=cfg)
-    top = _top_record(logits[asg_row], rows, asg_slot < slots, n_top)
-    done = _is_stop(tok, stop_ids) | (max_new <= 1)
 
+def _install(ds: DecodeState, tmp: KVCache, asg_row, asg_slot, lens, tok, done, max_new, key_data, mesh,
+             kernels: str) -> DecodeState:
+    """The state with prompt row asg_row[a] of the prefill cache `tmp` copied into slot asg_slot[a] (index S:
+    dropped), its first token `tok[a]` pending at position lens[row], active unless `done`, with budget `max_new`
+    and the sample's key data."""
+    ks = kernels_lib.get(kernels)
+    cache = ds.cache
+    lb = tmp.valid.shape[1]
+    slots, max_len = cache.valid.shape
     k_idx, v_idx = _seq_index(ks.k_seq_axis, asg_slot, lb), _seq_index(ks.v_seq_axis, asg_slot, lb)
     k = tuple(c.at[k_idx].set(t[asg_row], mode="drop") for c, t in zip(cache.k, tmp.k))
     v = tuple(c.at[v_idx].set(t[asg_row], mode="drop") for c, t in zip(cache.v, tmp.v))
@@ -323,10 +332,35 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
         active=put(ds.active, ~done),
         n_generated=put(ds.n_generated, jnp.ones_like(tok)),
         max_new=put(ds.max_new, jnp.broadcast_to(max_new, tok.shape)),
-        key=put(ds.key, jax.random.key_data(keys)),
+        key=put(ds.key, key_data),
     )
-    ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:], cfg.kernels))
-    return ds, (tok, lp, slp, *(r.experts for r in routing), *top)
+    return _pin(ds, _state_shardings(mesh, _cache_dims(cache), ds.key.shape[1:], kernels))
+
+
+def _prefill_rows(graphdef, state, ids, lens, seeds, samples, max_new, stop_ids, rows: RowSampling, pixels=None, *,
+                  cache_dtype, n_top: int = 0):
+    """The server's prefill, in two programs so that the costly one does not depend on the cache's length: this
+    one runs prompt rows ids [P, Lb] (one sequence a row, its parameters in `rows`, its keys from (seeds[r],
+    samples[r]), budget max_new[r]) and draws their first tokens; `_install_rows` puts them in their slots.
+    Returns (the rows' cache, key data [P, ...], done [P], (tokens, log-probs, sampling log-probs[, top ids, top
+    log-probs when n_top])."""
+    model = nnx.merge(graphdef, state)
+    tmp, logits, _ = _prefill_forward(model, ids, lens, pixels, False, cache_dtype)
+    zeros = jnp.zeros_like(samples)
+    keys = _sample_keys(seeds, zeros, samples)
+    first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, zeros)  # noqa: E731
+    tok, lp, slp = choose_tokens_rows(logits, first_keys, rows, kernels=model.cfg)
+    top = _top_record(logits, rows, jnp.ones(tok.shape, bool), n_top)
+    done = _is_stop(tok, stop_ids) | (max_new <= 1)
+    return tmp, jax.random.key_data(keys), done, (tok, lp, slp, *top)
+
+
+def _install_rows(ds: DecodeState, tmp: KVCache, slot, lens, tok, done, max_new, key_data, mesh, kernels: str):
+    """`_install` of a server prefill's rows: row r into slot slot[r] (index S: a padding row, dropped)."""
+    return _install(ds, tmp, jnp.arange(slot.shape[0]), slot, lens, tok, done, max_new, key_data, mesh, kernels)
+
+
+install_rows_jit = jax.jit(_install_rows, static_argnums=(8, 9), donate_argnums=(0,))
 
 
 def _top_record(logits, rows: RowSampling | None, live, n_top: int) -> tuple:
@@ -540,11 +574,13 @@ def cache_capacities(max_len: int, step: int) -> list[int]:
 
 
 class _Jitted(NamedTuple):
-    """The jitted programs of one model structure (`ProgramCache`)."""
+    """The jitted programs of one model structure (`ProgramCache`); `prefill_rows`: the server's prefill
+    (`posttrain.sampling.serving`)."""
 
     prefill: Callable
     decode: Callable
     extend: Callable
+    prefill_rows: Callable
 
 
 class ProgramCache:
@@ -571,12 +607,13 @@ class ProgramCache:
                 return entry[1]
         jitted = _Jitted(
             prefill=jax.jit(functools.partial(_prefill, graphdef),
-                            static_argnames=("top_k", "nucleus", "record", "n_top"), donate_argnames=("ds",)),
+                            static_argnames=("top_k", "nucleus", "record"), donate_argnames=("ds",)),
             decode=jax.jit(functools.partial(_decode, graphdef),
                            static_argnames=("top_k", "nucleus", "budget", "record", "n_top"),
                            donate_argnames=("ds",)),
             extend=jax.jit(functools.partial(_extend, graphdef),
                            static_argnames=("top_k", "nucleus", "record"), donate_argnames=("ds",)),
+            prefill_rows=jax.jit(functools.partial(_prefill_rows, graphdef), static_argnames=("cache_dtype", "n_top")),
         )
         self._entries.append((graphdef, jitted))
         del self._entries[:-self.size]
@@ -896,7 +933,7 @@ class Sampler:
         if record:
             kw["record"] = True
         graphdef, state = nnx.split(self.model)
-        prefill_fn, decode_fn, extend_fn = self.program_cache.get(graphdef)
+        prefill_fn, decode_fn, extend_fn, _ = self.program_cache.get(graphdef)
         seed = np.uint32(params.seed)
         mesh, kernels = self.model.mesh, kernels_lib.resolve(self.cfg.kernels)
         return Programs(

@@ -26,9 +26,13 @@ in a loop of its own, on one thread:
 - Lanes: one per model variant (a base model and LoRA adapters over it, each its own `Sampler`); each lane has its
   own slots and cache, and the loop runs a segment for every lane with work.
 
-Shapes, so that each program compiles once: a lane has a fixed slot count; its cache grows through capacities
-that double from 256 positions up to `max_len` (and returns to the smallest when the lane is idle); a prefill's
-rows are padded to a power of two and its length to the prefill buckets (`length_bucket`).
+Shapes, so that each program compiles once and few are met: a lane has a fixed slot count; its cache grows
+through capacities that double from 256 positions up to `max_len` (and returns to the smallest when the lane is
+idle), one decode program each. Admission runs the costly prefill (the model over the prompts: `engine.
+_prefill_rows`) apart from its installation in the cache (`install_rows_jit`, a cheap scatter), so the costly
+program does not depend on the cache's length: it is compiled once per (rows, length bucket), rows being 1 or
+`PREFILL_ROWS` (k waiting prompts: k // 4 calls of 4 rows, then a padded call of 4 for 3 left, single rows for
+fewer), lengths the prefill buckets (`length_bucket`). `warmup` compiles the first bucket's two before clients come.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.models import kernels as kernels_lib
-from posttrain.sampling.engine import Sampler, grow_jit, release_jit
+from posttrain.sampling.engine import Sampler, grow_jit, install_rows_jit, release_jit
 from posttrain.sampling.filters import RowSampling
 from posttrain.sampling.scheduler import length_bucket, pow2
 from posttrain.sampling.scoring import Scorer
@@ -57,6 +61,7 @@ __all__ = ["ContextLengthError", "EngineStopped", "Finished", "QueueFull", "Sequ
 
 log = logging.getLogger("posttrain.serve")
 MIN_CAPACITY = 256
+PREFILL_ROWS = 4  # prompts a prefill call takes at most (the calls run at 1 or PREFILL_ROWS rows)
 
 
 class ContextLengthError(ValueError):
@@ -236,29 +241,40 @@ class _Lane:
                     fut.set_exception(e)
 
     def _admit(self) -> list:
+        """Prefills waiting sequences into free slots: [(slots, first-token values)] per prefill call."""
         free = [s for s, x in enumerate(self.live) if x is None]
         if not self.waiting or not free:
             return []
         take = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
-        n_rows, bucket = pow2(len(take)), length_bucket(max(len(x.req.prompt) for x in take), self.max_len)
+        out, at = [], 0
+        for size in _calls(len(take)):
+            part, slots = take[at: at + size], free[at: at + size]
+            out.append((slots, self._prefill(part, slots, size if size == 1 else PREFILL_ROWS)))
+            at += size
+        return out
+
+    def _prefill(self, part: list[_Live], slots: list[int], n_rows: int):
+        bucket = length_bucket(max(len(x.req.prompt) for x in part), self.max_len)
         self._grow_to(bucket + 1)
         ids = np.zeros((n_rows, bucket), np.int32)
-        lens = np.ones((n_rows,), np.int32)
-        a = _assignments(self.slots)
-        for r, (x, s) in enumerate(zip(take, free)):
-            ids[r, : len(x.req.prompt)], lens[r] = x.req.prompt, len(x.req.prompt)
-            a["row"][r], a["slot"][r], a["sample"][r] = r, s, x.req.sample
-            a["seed"][r], a["max_new"][r] = x.req.seed & 0xFFFFFFFF, x.req.max_new_tokens
-            _set_row(a["rows"], r, x.req)
+        lens, max_new = np.ones((n_rows,), np.int32), np.ones((n_rows,), np.int32)
+        seeds, samples = np.zeros((n_rows,), np.uint32), np.zeros((n_rows,), np.int32)
+        slot = np.full((n_rows,), self.slots, np.int32)  # index `slots`: a padding row, dropped
+        rows = _rows(n_rows)
+        for r, (x, s) in enumerate(zip(part, slots)):
+            ids[r, : len(x.req.prompt)], lens[r], slot[r] = x.req.prompt, len(x.req.prompt), s
+            seeds[r], samples[r], max_new[r] = x.req.seed & 0xFFFFFFFF, x.req.sample, x.req.max_new_tokens
+            _set_row(rows, r, x.req)
             _set_row(self.rows, s, x.req)
             x.pos = len(x.req.prompt)
             self.live[s] = x
-        pixels = _pixels([x.req.images for x in take])
-        self.ds, first = self.jitted.prefill(
-            self.state, self._state(), ids, lens, a["row"], a["slot"], a["prompt"], a["sample"], a["seed"],
-            a["max_new"], self.stop_arr, None, None, None, pixels=pixels, top_k=0, greedy=None, nucleus=False,
-            rows=_device_rows(a["rows"]), n_top=self.n_top)
-        return [(free[: len(take)], first)]
+        ds = self._state()
+        tmp, keys, done, first = self.jitted.prefill_rows(
+            self.state, ids, lens, seeds, samples, max_new, self.stop_arr, _device_rows(rows),
+            _pixels([x.req.images for x in part]), cache_dtype=str(ds.cache.k[0].dtype), n_top=self.n_top)
+        self.ds = install_rows_jit(ds, tmp, slot, lens, first[0], done, max_new, keys, self.sampler.model.mesh,
+                                   _resolved(self.sampler.cfg.kernels))
+        return first
 
     def _decode(self):
         decoding = [x for x in self.live if x is not None]
@@ -373,11 +389,13 @@ def _device_rows(rows: dict[str, np.ndarray]) -> RowSampling:
     return RowSampling(**{k: v.copy() for k, v in rows.items()})
 
 
-def _assignments(slots: int) -> dict:
-    """A prefill's assignment arrays [slots] (slot index `slots` = no assignment, dropped)."""
-    return {"row": np.zeros((slots,), np.int32), "slot": np.full((slots,), slots, np.int32),
-            "prompt": np.zeros((slots,), np.int32), "sample": np.zeros((slots,), np.int32),
-            "seed": np.zeros((slots,), np.uint32), "max_new": np.ones((slots,), np.int32), "rows": _rows(slots)}
+def _calls(k: int) -> list[int]:
+    """How k admitted prompts are prefilled: calls of PREFILL_ROWS prompts, the rest one by one unless it is
+    PREFILL_ROWS - 1 (then one padded call)."""
+    full, rest = divmod(k, PREFILL_ROWS)
+    if rest == PREFILL_ROWS - 1 and rest > 1:
+        return [PREFILL_ROWS] * full + [rest]
+    return [PREFILL_ROWS] * full + [1] * rest
 
 
 def _pixels(images: list[Sequence[np.ndarray]]) -> np.ndarray | None:
@@ -432,19 +450,43 @@ class ServingEngine:
     def submit(self, lane: str, req: SequenceRequest, emit: Callable[[Tokens | Finished], None]) -> int:
         """Queues a sequence; returns its id (for `cancel`). Raises ValueError / `ContextLengthError` for a bad
         request, `QueueFull`, `EngineStopped`, KeyError for an unknown lane."""
+        return self.submit_all(lane, [req], [emit])[0]
+
+    def submit_all(self, lane: str, reqs: Sequence[SequenceRequest], emits: Sequence[Callable]) -> list[int]:
+        """Queues several sequences at once (a request's choices): all or none, admitted together when slots
+        allow. Raises as `submit`."""
         if lane not in self._lanes:
             raise KeyError(lane)
-        req.check(self.vocab_size, self.max_len)
+        for req in reqs:
+            req.check(self.vocab_size, self.max_len)
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
-            if self._queued >= self.max_waiting:
-                raise QueueFull(f"{self._queued} requests are waiting already (--max-queue {self.max_waiting})")
-            self._queued += 1
-            self._running += 1
-            rid = next(self._ids)
-        self._inbox.put(("submit", lane, _Live(rid, req, self._counted(emit))))
-        return rid
+            if self._queued + len(reqs) > self.max_waiting:
+                raise QueueFull(f"{self._queued} sequences are waiting already and this request brings "
+                                f"{len(reqs)} more (at most {self.max_waiting} may wait)")
+            self._queued += len(reqs)
+            self._running += len(reqs)
+            rids = [next(self._ids) for _ in reqs]
+        self._inbox.put(("submit", lane, [_Live(rid, req, self._counted(emit))
+                                          for rid, req, emit in zip(rids, reqs, emits)]))
+        return rids
+
+    def warmup(self, lane: str) -> None:
+        """Compiles a lane's common programs (the prefill at 1 and `PREFILL_ROWS` rows of the first length bucket,
+        the first cache's decode) with a few two-token sequences; returns when they are done."""
+        n = PREFILL_ROWS + 1
+        left, done = [n], threading.Event()
+
+        def emit(ev):
+            if isinstance(ev, Finished):
+                left[0] -= 1  # the engine thread's only: no lock needed
+                if not left[0]:
+                    done.set()
+
+        self.submit_all(lane, [SequenceRequest([0], 2, temperature=float(i % 2), logprobs=True, seed=i)
+                               for i in range(n)], [emit] * n)
+        done.wait()
 
     def _counted(self, emit):
         """`emit` that keeps the queued / running counts (its first event leaves the queue, the last one ends)."""
@@ -530,7 +572,8 @@ class ServingEngine:
                 _deliver(lane.waiting.popleft(), Finished("cancelled"))
         for cmd in self._take(block=False):  # work that arrived while stopping
             if cmd[0] == "submit":
-                _deliver(cmd[2], Finished("error", "the server is shutting down"))
+                for x in cmd[2]:
+                    _deliver(x, Finished("error", "the server is shutting down"))
             elif cmd[0] in ("score", "swap"):
                 cmd[-1].set_exception(EngineStopped("the server is shutting down"))
 
@@ -545,7 +588,7 @@ class ServingEngine:
     def _apply(self, cmd, drain: bool) -> bool:
         kind = cmd[0]
         if kind == "submit":
-            self._lanes[cmd[1]].waiting.append(cmd[2])
+            self._lanes[cmd[1]].waiting.extend(cmd[2])
         elif kind == "cancel":
             any(lane.cancel(cmd[1]) for lane in self._lanes.values())
         elif kind == "score":

@@ -46,13 +46,6 @@ class SequenceHandle:
         self.rid: int | None = None
         self.done = False
 
-    def submit(self, lane: str, req: SequenceRequest, param: str | None):
-        loop = asyncio.get_running_loop()
-        try:
-            self.rid = self.engine.submit(lane, req, lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev))
-        except (ValueError, QueueFull, EngineStopped, KeyError) as e:
-            raise _refusal(e, param) from None
-
     async def events(self) -> AsyncIterator[Tokens | Finished]:
         last = None
         try:
@@ -96,17 +89,16 @@ class AsyncEngine:
 
     def start(self, lane: str, reqs: Sequence[SequenceRequest], param: str | None = "prompt"
               ) -> list[SequenceHandle]:
-        """Submits every sequence (all or none: a refusal cancels those already queued and raises `APIError`)."""
-        handles: list[SequenceHandle] = []
+        """Submits every sequence at once (all or none: a refusal raises `APIError` and queues nothing)."""
+        loop = asyncio.get_running_loop()
+        handles = [SequenceHandle(self.engine, self.metrics) for _ in reqs]
+        emits = [lambda ev, q=h.queue: loop.call_soon_threadsafe(q.put_nowait, ev) for h in handles]
         try:
-            for req in reqs:
-                h = SequenceHandle(self.engine, self.metrics)
-                h.submit(lane, req, param)
-                handles.append(h)
-        except APIError:
-            for h in handles:
-                h.cancel()
-            raise
+            rids = self.engine.submit_all(lane, reqs, emits)
+        except (ValueError, QueueFull, EngineStopped, KeyError) as e:
+            raise _refusal(e, param) from None
+        for h, rid in zip(handles, rids):
+            h.rid = rid
         return handles
 
     async def score(self, lane: str, sequences: Sequence[Sequence[int]], n_top: int) -> list[Scored]:

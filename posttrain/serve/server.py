@@ -19,7 +19,7 @@ import time
 
 import uvicorn
 
-from posttrain.sampling.serving import Finished, SequenceRequest, ServingEngine
+from posttrain.sampling.serving import ServingEngine
 from posttrain.serve.app import build_app
 from posttrain.serve.config import ServeConfig
 from posttrain.serve.context import ServerState
@@ -42,14 +42,6 @@ def open_models(config: ServeConfig) -> dict[str, ServedModel]:
     return models
 
 
-def warmup(engine: ServingEngine, lane: str) -> None:
-    """One two-token request, so that the first client does not wait for the prefill and decode compiles."""
-    done = threading.Event()
-    engine.submit(lane, SequenceRequest([0], 2, temperature=0.0, logprobs=True),
-                  lambda ev: done.set() if isinstance(ev, Finished) else None)
-    done.wait()
-
-
 class Server:
     """A configured server (see the module docstring)."""
 
@@ -62,7 +54,7 @@ class Server:
                                     segment_steps=config.segment_steps, max_waiting=config.max_queue).start()
         if config.warmup:
             for name in self.models:
-                warmup(self.engine, name)
+                self.engine.warmup(name)
         metrics = Metrics(self.engine.stats)
         self.state = ServerState(config, self.models, AsyncEngine(self.engine, metrics), metrics)
         self.app = build_app(self.state)

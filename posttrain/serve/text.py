@@ -20,6 +20,7 @@ class TextStream:
         self.tok, self.stops, self.skip = tokenizer, list(stops), skip_special_tokens
         self.ids: list[int] = []
         self.prefix = self.read = 0  # decode window: ids[prefix:] for context, text of ids[read:] is new
+        self.before = ""  # decode(ids[prefix:read])
         self.text = ""  # everything decoded so far (stop strings not yet cut)
         self.sent = 0  # characters of `text` given out
         self.stopped = False
@@ -33,19 +34,18 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(int(token))
-        before = self._decode(self.ids[self.prefix: self.read])
         now = self._decode(self.ids[self.prefix:])
-        if now.endswith("\ufffd") or len(now) <= len(before):
+        if now.endswith("\ufffd") or len(now) <= len(self.before):
             return ""  # an incomplete character, or a token without text (a special token)
-        self.text += now[len(before):]
+        self.text += now[len(self.before):]
         self.prefix, self.read = self.read, len(self.ids)
+        self.before = self._decode(self.ids[self.prefix: self.read])  # alone, as the next window starts with it
         return self._release(final=False)
 
     def finish(self) -> str:
         """The text held back (an incomplete character at the end is decoded as it is)."""
         if not self.stopped and self.read < len(self.ids):
-            before = self._decode(self.ids[self.prefix: self.read])
-            self.text += self._decode(self.ids[self.prefix:])[len(before):]
+            self.text += self._decode(self.ids[self.prefix:])[len(self.before):]
             self.read = len(self.ids)
         return self._release(final=True)
 
