@@ -340,3 +340,49 @@ def test_sixteen_clients_at_once_beat_sixteen_in_a_row(client):
             ratios.append(t_seq / (time.perf_counter() - t0))
             assert par == seq
     assert max(ratios) >= 3.0, ratios  # the benchmark reports the figure (goal >= 4x); looser here
+
+
+# ---------------------------------------------------------------------------------------------------- lm-eval
+MC_TASK = """task: posttrain_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_local_completions_loglikelihoods_equal_our_scores(served, tmp_path, monkeypatch):
+    """lm-eval's `local-completions` on an offline multiple-choice task (a local JSONL through --include_path's
+    YAML): it finds the server's tokenizer (/tokenizer_info, /tokenize), sends token-id prompts with echo, and every
+    loglikelihood it reads equals our own teacher-forced score of context + continuation."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    docs = [{"question": "w1 w2 hello", "choices": ["yes", "no", "world"], "answer": 0},
+            {"question": "w7 no", "choices": ["w3 w4", "hello world", "w9"], "answer": 2},
+            {"question": "yes yes w40", "choices": ["no", "w41"], "answer": 1}]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "posttrain_mc.yaml").write_text(MC_TASK.format(data=data))
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["posttrain_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        model_args=f"model={NAME},base_url={served['url']}/v1/completions,auth_token={KEY},num_concurrent=1,"
+                   "max_retries=1,tokenized_requests=True", log_samples=True)
+    samples = out["samples"]["posttrain_mc"]
+    assert len(samples) == len(docs) and 0.0 <= out["results"]["posttrain_mc"]["acc,none"] <= 1.0
+    tok, scorer = served["tok"], Scorer(served["server"].models[NAME].model)
+    for sample in samples:
+        for (ctx, cont), resp in zip(sample["arguments"], sample["resps"]):
+            ctx_ids = tok.encode(ctx, add_special_tokens=False)
+            cont_ids = tok.encode(cont, add_special_tokens=False)
+            lps = scorer.score([ctx_ids + cont_ids])[0].logprobs
+            assert abs(resp[0][0] - sum(lps[len(ctx_ids) - 1:])) <= 1e-4, (ctx, cont)

@@ -351,7 +351,7 @@ def _prefill_rows(graphdef, state, ids, lens, seeds, samples, max_new, stop_ids,
     first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, zeros)  # noqa: E731
     tok, lp, slp = choose_tokens_rows(logits, first_keys, rows, kernels=model.cfg)
     top = _top_record(logits, rows, jnp.ones(tok.shape, bool), n_top)
-    done = _is_stop(tok, stop_ids) | (max_new <= 1)
+    done = (_is_stop(tok, stop_ids) & ~rows.ignore_stop) | (max_new <= 1)
     return tmp, jax.random.key_data(keys), done, (tok, lp, slp, *top)
 
 
@@ -498,7 +498,8 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
         r_top = [jax.lax.dynamic_update_index_in_dim(b, t, step, 0)
                  for b, t in zip(r_top, _top_record(logits[:, 0], rows, act, n_top))]
         n_gen = ds.n_generated + act.astype(jnp.int32)
-        done = _is_stop(tok, stop_ids) | (n_gen >= ds.max_new)
+        stop = _is_stop(tok, stop_ids) if rows is None else _is_stop(tok, stop_ids) & ~rows.ignore_stop
+        done = stop | (n_gen >= ds.max_new)
         new = dataclasses.replace(
             ds,
             cache=cache,

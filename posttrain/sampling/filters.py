@@ -104,8 +104,8 @@ def choose_tokens(logits: jax.Array, keys, top_k: int, greedy, temperature, top_
 class RowSampling:
     """Sampling parameters per row (one slot's request each), every field an array [R]: `greedy` (bool: argmax of
     the raw logits, the other fields ignored), `temperature` (float32 > 0), `top_k` (int32, 0 = off), `top_p`
-    (float32 in (0, 1], 1 = off), `min_p` (float32 in [0, 1), 0 = off) and `logprobs` (bool: the row wants its
-    top log-probs, `top_logprobs`)."""
+    (float32 in (0, 1], 1 = off), `min_p` (float32 in [0, 1), 0 = off), `logprobs` (bool: the row wants its
+    top log-probs, `top_logprobs`) and `ignore_stop` (bool: the row's sequence does not end at a stop token)."""
 
     greedy: jax.Array
     temperature: jax.Array
@@ -113,6 +113,7 @@ class RowSampling:
     top_p: jax.Array
     min_p: jax.Array
     logprobs: jax.Array
+    ignore_stop: jax.Array
 
     def take(self, idx) -> RowSampling:
         """The parameters of rows `idx` (clipped into range)."""

@@ -88,7 +88,8 @@ class SequenceRequest:
     """One sequence to generate: its prompt ids, token budget and sampling parameters (temperature 0 = greedy;
     top_k 0, top_p 1, min_p 0 = off), `seed` and `sample` (its keys: (seed, sample)), `logprobs` (also report the
     engine's `n_top` most likely tokens at every step) and, for a vision-language model, the prompt's pixel arrays
-    [C, H, W] (one per run of image placeholders in `prompt`)."""
+    [C, H, W] (one per run of image placeholders in `prompt`); `ignore_stop`: run to `max_new_tokens` whatever stop
+    tokens come (vLLM's `ignore_eos`, for fixed-length benchmarks)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -100,6 +101,7 @@ class SequenceRequest:
     sample: int = 0
     logprobs: bool = False
     images: Sequence[np.ndarray] = ()
+    ignore_stop: bool = False
 
     def check(self, vocab_size: int, max_len: int) -> None:
         """Raises ValueError naming the field that is out of range, `ContextLengthError` when it does not fit."""
@@ -314,7 +316,8 @@ class _Lane:
                     x.pos += len(toks)
                     self._send(s, Tokens(toks, record[1][:steps, s][emit].tolist(), top))
             if self.live[s] is not None and not active[s]:
-                self._finish(s, "stop" if self.live[s].last in self.stop else "length")
+                x = self.live[s]
+                self._finish(s, "stop" if x.last in self.stop and not x.req.ignore_stop else "length")
 
     def _send(self, s: int, event: Tokens):
         x = self.live[s]
@@ -375,7 +378,7 @@ def _rows(n: int) -> dict[str, np.ndarray]:
     """Host arrays of per-row sampling parameters (free rows: greedy, no filters)."""
     return {"greedy": np.ones((n,), bool), "temperature": np.ones((n,), np.float32), "top_k": np.zeros((n,), np.int32),
             "top_p": np.ones((n,), np.float32), "min_p": np.zeros((n,), np.float32),
-            "logprobs": np.zeros((n,), bool)}
+            "logprobs": np.zeros((n,), bool), "ignore_stop": np.zeros((n,), bool)}
 
 
 def _set_row(rows: dict[str, np.ndarray], i: int, req: SequenceRequest):
@@ -383,6 +386,7 @@ def _set_row(rows: dict[str, np.ndarray], i: int, req: SequenceRequest):
     rows["temperature"][i] = req.temperature if req.temperature > 0 else 1.0
     rows["top_k"][i], rows["top_p"][i], rows["min_p"][i] = req.top_k, req.top_p, req.min_p
     rows["logprobs"][i] = req.logprobs
+    rows["ignore_stop"][i] = req.ignore_stop
 
 
 def _device_rows(rows: dict[str, np.ndarray]) -> RowSampling:

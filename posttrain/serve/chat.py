@@ -91,8 +91,8 @@ def _sequences(req: ChatRequest, ids: list[int], images: list, max_new: int) -> 
     seed = seed_of(req.seed)
     return [SequenceRequest(ids, max_new, temperature=1.0 if req.temperature is None else req.temperature,
                             top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
-                            min_p=req.min_p or 0.0, seed=seed, sample=i, logprobs=bool(req.top_logprobs),
-                            images=images) for i in range(req.n)]
+                            min_p=req.min_p or 0.0, seed=seed, sample=i, ignore_stop=req.ignore_eos,
+                            logprobs=bool(req.top_logprobs), images=images) for i in range(req.n)]
 
 
 async def chat_completions(state: ServerState, req: ChatRequest, note: dict | None = None) -> Response:

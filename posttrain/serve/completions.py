@@ -47,7 +47,8 @@ def _sequences(req: CompletionRequest, prompts: list[list[int]], max_len: int) -
                            code="context_length_exceeded")
         out += [SequenceRequest(ids, req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                                 top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
-                                min_p=req.min_p or 0.0, seed=seed, sample=i, logprobs=bool(req.logprobs))
+                                min_p=req.min_p or 0.0, seed=seed, sample=i, ignore_stop=req.ignore_eos,
+                                logprobs=bool(req.logprobs))
                 for i in range(req.n)]
     return out
 

@@ -54,6 +54,7 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    ignore_eos: bool = False
 
     @model_validator(mode="after")
     def _unsupported(self):

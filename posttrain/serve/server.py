@@ -112,6 +112,7 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)  # clients that connect before uvicorn accepts wait in the backlog (not refused)
     sock.set_inheritable(True)
     return sock
 
