@@ -233,6 +233,9 @@ def test_bad_bodies_are_400_naming_the_field(client, served):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="hi", presence_penalty=0.5)
     assert e.value.body["param"] == "presence_penalty"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match="text-only"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": [image]}])
     _answers(client)
 
 
