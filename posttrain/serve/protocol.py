@@ -31,11 +31,35 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    """Options of a streamed answer.
+
+    include_usage: end the stream with a chunk holding `usage` (and no choices); the chunks before carry
+      `"usage": null`.
+    """
+
     include_usage: bool = False
 
 
 class SamplingFields(_Body):
-    """What completions and chat share: the model, sampling parameters, streaming, vLLM's token extensions."""
+    """What completions and chat share: the model, sampling parameters, streaming, vLLM's token extensions.
+
+    model: the served name of the model (`--served-model-name`, or a `--lora` name); absent: the base model.
+    temperature: 0 = greedy (default 1); the filters apply in the order temperature, top-k, top-p, min-p.
+    top_p: nucleus sampling: the smallest set of most likely tokens whose mass reaches top_p (1 = off).
+    top_k: keep the k most likely tokens (0 or -1 = off; vLLM's extension).
+    min_p: keep tokens at least min_p times as likely as the most likely one (0 = off; vLLM's extension).
+    n: choices per prompt (their own samples of one prompt: sample i draws from keys of (seed, i)).
+    stop: up to 4 strings; the text ends before the first one found (it is left out), finish_reason "stop".
+    seed: the same request with the same seed gives the same tokens (absent: a fresh seed per request).
+    stream: answer with server-sent events, `data: [DONE]` last.
+    stream_options: see below.
+    user: accepted and ignored.
+    presence_penalty, frequency_penalty, repetition_penalty: only their neutral values (0, 0, 1); others are a 400.
+    logit_bias: not supported (a 400 when given).
+    return_token_ids: vLLM's extension: the prompt's token ids (`prompt_token_ids`) and each choice's (`token_ids`).
+    return_tokens_as_token_ids: name tokens in log-probs as "token_id:N" rather than by their text.
+    ignore_eos: vLLM's extension: generate `max_tokens` whatever end-of-sequence tokens come (benchmarks).
+    """
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -73,8 +97,18 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. `prompt`: a string, strings, token ids or lists of token ids. With `echo` and
-    `max_tokens` 0 nothing is generated (the prompt is scored only)."""
+    """POST /v1/completions.
+
+    prompt: a string, a list of strings, a list of token ids or a list of token-id lists (each its own choices).
+    max_tokens: tokens to generate per choice (default 16); 0 only with `echo` (the prompt is scored, nothing is
+      generated).
+    echo: put the prompt before each choice's text (and, with `logprobs`, the prompt's scored tokens before its
+      log-probs: the first with `null`).
+    logprobs: 0-20: each token's log-prob, and the `logprobs` most likely tokens at each position (the chosen one
+      always among them).
+    best_of: only equal to n.
+    suffix: not supported (a 400 when given).
+    """
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
@@ -97,13 +131,24 @@ class CompletionRequest(SamplingFields):
 
 
 class ImageURL(_Body):
+    """An image part's image.
+
+    url: a `data:` URL (`data:image/png;base64,...`); this server fetches no other URL.
+    detail: accepted and ignored.
+    """
+
     url: str
     detail: str | None = None
 
 
 class ContentPart(_Body):
     """A part of a message's content: `{"type": "text", "text": ...}` or `{"type": "image_url", "image_url":
-    {"url": "data:image/png;base64,..."}}`."""
+    {"url": "data:image/png;base64,..."}}` (a vision-language model).
+
+    type: "text" or "image_url".
+    text: the text of a text part.
+    image_url: the image of an image part.
+    """
 
     type: Literal["text", "image_url"]
     text: str | None = None
@@ -119,17 +164,40 @@ class ContentPart(_Body):
 
 
 class FunctionCall(_Body):
+    """The function a call names.
+
+    name: the function's name.
+    arguments: its arguments, as JSON text (or an object).
+    """
+
     name: str
     arguments: str | dict[str, Any]
 
 
 class ToolCall(_Body):
+    """A call an assistant message made (as a reply's `message.tool_calls` holds them).
+
+    id: the call's id (a tool message's `tool_call_id` answers it).
+    type: "function".
+    function: the function and its arguments.
+    """
+
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(_Body):
+    """One message of a conversation, rendered with the model's chat template.
+
+    role: system, developer (as system), user, assistant or tool.
+    content: a string, or a list of parts (text; images for a vision-language model); may be null on an assistant
+      message with tool calls.
+    name: the tool's name on a tool message (templates that use it).
+    tool_calls: the calls an assistant message made.
+    tool_call_id: on a tool message, the call it answers.
+    """
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -144,22 +212,51 @@ class ChatMessage(_Body):
 
 
 class FunctionDef(_Body):
+    """A function the model may call.
+
+    name: its name.
+    description: what it does.
+    parameters: its arguments as a JSON schema.
+    """
+
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
 class Tool(_Body):
+    """A tool of a chat request.
+
+    type: "function".
+    function: the function.
+    """
+
     type: Literal["function"]
     function: FunctionDef
 
 
 class ResponseFormat(_Body):
+    """type: only "text"."""
+
     type: str
 
 
 class ChatRequest(SamplingFields):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions.
+
+    messages: the conversation (at least one message).
+    max_tokens, max_completion_tokens: tokens to generate per choice (the latter wins); default: what the context
+      leaves after the prompt.
+    logprobs: each token's log-prob in `choices[i].logprobs.content`.
+    top_logprobs: 0-20 most likely tokens at each position (needs `logprobs`).
+    tools: functions the model may call; its calls are read from its text in the server's `--tool-format`.
+    tool_choice: "auto" (default with tools) or "none" (the tools are shown to the model, its text is not read for
+      calls).
+    parallel_tool_calls: accepted (every call in the reply is returned).
+    response_format: only {"type": "text"}.
+    chat_template_kwargs: extra arguments for the chat template (e.g. {"enable_thinking": false}).
+    add_generation_prompt: end the rendering with the assistant's header (default true).
+    """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -189,7 +286,15 @@ class ChatRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    """POST /tokenize (vLLM's): a `prompt` string, or chat `messages` through the chat template."""
+    """POST /tokenize (vLLM's): a `prompt` string, or chat `messages` through the chat template.
+
+    model: as in completions.
+    prompt: text to tokenize.
+    messages: a conversation to render and tokenize (instead of `prompt`).
+    add_special_tokens: add the tokenizer's special tokens to `prompt` (default true).
+    add_generation_prompt: with `messages`, end with the assistant's header (default true).
+    return_token_strs: also return each token's string (`token_strs`).
+    """
 
     model: str | None = None
     prompt: str | None = None
@@ -206,7 +311,11 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    """POST /detokenize (vLLM's)."""
+    """POST /detokenize (vLLM's).
+
+    model: as in completions.
+    tokens: the token ids to turn into text (special tokens kept).
+    """
 
     model: str | None = None
     tokens: list[TokenId]
