@@ -467,14 +467,9 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
     # The cpu kernel set slices the per-layer weights once per call, outside the loop (on CPU a slice inside
     # the loop is a copy every step); elsewhere the fused dynamic slices of the stacked weights cost nothing.
     layer_states = model.layer_states() if ks.preslice_decode_weights else None
-    buffers = (
-        jnp.zeros((budget, slots), jnp.int32),
-        jnp.zeros((budget, slots), jnp.float32),
-        jnp.zeros((budget, slots), jnp.float32),
-        jnp.zeros((budget, slots), bool),
-    ) + ((_experts_buffer(model.cfg, budget, slots),) if record else ()) + (
-        (jnp.zeros((budget, slots, n_top), jnp.int32), jnp.zeros((budget, slots, n_top), jnp.float32)) if n_top
-        else ())
+    buffers = _segment_buffers(model.cfg, budget, slots, record, n_top)
+    choose = _chooser(model.cfg, stop_ids, rows, top_k=top_k, greedy=greedy, temperature=temperature, top_p=top_p,
+                      min_p=min_p, nucleus=nucleus)
     ones = jnp.ones((slots, 1), jnp.int32)
 
     def cond(carry):
@@ -483,22 +478,13 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
         return (step < jnp.minimum(budget, max_steps)) & jnp.any(ds.active) & (n_free < min_free)
 
     def body(carry):
-        ds, (r_tok, r_lp, r_slp, r_emit, *r_exp), step = carry
-        r_top = r_exp[len(r_exp) - (2 if n_top else 0):]
-        r_exp = r_exp[: len(r_exp) - len(r_top)]
+        ds, buffers, step = carry
         logits, cache, *routing = model(ds.last_token[:, None], attention_mask=ones, positions=ds.position[:, None],
                                         cache=ds.cache, layer_states=layer_states, routing=record)
-        keys = lambda: _step_keys(ds.key, ds.n_generated)  # noqa: E731
-        if rows is None:
-            tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p,
-                                         nucleus=nucleus, kernels=model.cfg)
-        else:
-            tok, lp, slp = choose_tokens_rows(logits[:, 0], keys, rows, kernels=model.cfg)
+        tok, lp, slp, stop = choose(logits[:, 0], lambda: _step_keys(ds.key, ds.n_generated))
         act = ds.active
-        r_top = [jax.lax.dynamic_update_index_in_dim(b, t, step, 0)
-                 for b, t in zip(r_top, _top_record(logits[:, 0], rows, act, n_top))]
+        top = _top_record(logits[:, 0], rows, act, n_top)
         n_gen = ds.n_generated + act.astype(jnp.int32)
-        stop = _is_stop(tok, stop_ids) if rows is None else _is_stop(tok, stop_ids) & ~rows.ignore_stop
         done = stop | (n_gen >= ds.max_new)
         new = dataclasses.replace(
             ds,
@@ -509,15 +495,39 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
             n_generated=n_gen,
         )
         new = _pin(new, shardings)
-        r_tok = jax.lax.dynamic_update_index_in_dim(r_tok, tok, step, 0)
-        r_lp = jax.lax.dynamic_update_index_in_dim(r_lp, lp, step, 0)
-        r_slp = jax.lax.dynamic_update_index_in_dim(r_slp, slp, step, 0)
-        r_emit = jax.lax.dynamic_update_index_in_dim(r_emit, act, step, 0)
-        r_exp = [jax.lax.dynamic_update_index_in_dim(r_exp[0], routing[0].experts[:, 0], step, 0)] if record else []
-        return new, (r_tok, r_lp, r_slp, r_emit, *r_exp, *r_top), step + 1
+        values = (tok, lp, slp, act, *([routing[0].experts[:, 0]] if record else []), *top)
+        buffers = tuple(jax.lax.dynamic_update_index_in_dim(b, v, step, 0) for b, v in zip(buffers, values))
+        return new, buffers, step + 1
 
     ds, buffers, steps = jax.lax.while_loop(cond, body, (ds, buffers, jnp.int32(0)))
     return ds, buffers, steps
+
+
+def _segment_buffers(cfg, budget: int, slots: int, record: bool, n_top: int) -> tuple:
+    """A decode segment's empty record: tokens, log-probs, sampling log-probs, emitted [budget, S]; with `record`
+    the chosen experts; with `n_top` the top ids and log-probs [budget, S, n_top]."""
+    out = (jnp.zeros((budget, slots), jnp.int32), jnp.zeros((budget, slots), jnp.float32),
+           jnp.zeros((budget, slots), jnp.float32), jnp.zeros((budget, slots), bool))
+    if record:
+        out += (_experts_buffer(cfg, budget, slots),)
+    if n_top:
+        out += (jnp.zeros((budget, slots, n_top), jnp.int32), jnp.zeros((budget, slots, n_top), jnp.float32))
+    return out
+
+
+def _chooser(cfg, stop_ids, rows: RowSampling | None, **per_call):
+    """(logits [S, V], keys) -> (tokens, log-probs, sampling log-probs, stopped [S]): with the call's sampling values
+    (`choose_tokens`), or each slot's (`rows`: `choose_tokens_rows`; a slot with `ignore_stop` never stops)."""
+    def choose(logits, keys):
+        if rows is None:
+            tok, lp, slp = choose_tokens(logits, keys, per_call["top_k"], per_call["greedy"], per_call["temperature"],
+                                         per_call["top_p"], per_call["min_p"], nucleus=per_call["nucleus"],
+                                         kernels=cfg)
+            return tok, lp, slp, _is_stop(tok, stop_ids)
+        tok, lp, slp = choose_tokens_rows(logits, keys, rows, kernels=cfg)
+        return tok, lp, slp, _is_stop(tok, stop_ids) & ~rows.ignore_stop
+
+    return choose
 
 
 def _experts_buffer(cfg, steps: int, slots: int) -> jax.Array:
