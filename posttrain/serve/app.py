@@ -34,6 +34,9 @@ __all__ = ["build_app"]
 
 log = logging.getLogger("posttrain.serve")
 OPEN_PATHS = ("/health", "/metrics")
+#: the metrics' endpoint labels (any other path counts as "other": no label per probed URL)
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+          "/tokenizer_info")
 
 
 async def read_body(request: Request, limit: int) -> Any:
@@ -91,8 +94,9 @@ class Gateway:
             usage = scope.get("posttrain.usage") or ""
             client = (scope.get("client") or ("-",))[0]
             log.info('%s "%s %s" %d %.3fs%s', client, scope.get("method", ""), path, status[0], seconds, usage)
-            self.state.metrics.requests.labels(path, str(status[0])).inc()
-            self.state.metrics.duration.labels(path).observe(seconds)
+            endpoint = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+            self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
+            self.state.metrics.duration.labels(endpoint).observe(seconds)
 
         async def send_logged(message):
             if message["type"] == "http.response.start":

@@ -33,8 +33,9 @@ def _prompts(req: CompletionRequest, model) -> list[list[int]]:
     for i, ids in enumerate(out):
         if not ids:
             raise APIError(400, f"prompt {i} is empty", param="prompt")
-        if max(ids) >= model.tokenizer.vocab_size and max(ids) >= model.model.cfg.vocab_size:
-            raise APIError(400, f"prompt {i} holds token id {max(ids)}, outside the vocabulary", param="prompt")
+        if max(ids) >= model.model.cfg.vocab_size:
+            raise APIError(400, f"prompt {i} holds token id {max(ids)}, outside the vocabulary [0, "
+                                f"{model.model.cfg.vocab_size})", param="prompt")
     return out
 
 

@@ -70,17 +70,21 @@ class Server:
 
     def run(self) -> None:
         """Serves until SIGTERM / SIGINT, then drains (see the module docstring) and returns."""
-        quiet = threading.current_thread() is threading.main_thread()
-        # uvicorn re-raises the signal it stopped on once it is done: with a no-op in place, the drain below
-        # still runs and the caller returns normally (the process's own handlers are put back after)
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)} if quiet \
-            else {}
+        main = threading.current_thread() is threading.main_thread()
+        # A signal before uvicorn takes over its handling (or the one uvicorn re-raises once it is done) stops the
+        # server as uvicorn's own handler would; the drain below then runs and the caller returns normally (the
+        # process's own handlers are put back after).
+        previous = {sig: signal.signal(sig, self._stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} \
+            if main else {}
         try:
             self.uvicorn.run(sockets=[self.sock])
         finally:
             self._drain()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _stop_on_signal(self, signum, frame):
+        self.uvicorn.should_exit = True
 
     def start(self) -> Server:
         """Serves from a background thread; returns once the server answers."""
