@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 
 import httpx
@@ -323,6 +324,31 @@ def test_a_draining_server_answers_503(served):
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
     uv.should_exit = True
     t.join(10)
+    _answers(openai.OpenAI(base_url=served["url"] + "/v1", api_key=KEY, max_retries=0))
+
+
+def _cancelled(served) -> float:
+    text = httpx.get(served["url"] + "/metrics").text
+    m = re.search(r'^posttrain_sequences_total\{finish="cancelled"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_client_that_leaves_frees_its_slot(served, client):
+    """Streamed or not, a client that disconnects cancels its sequence: the slot is free long before the answer
+    would have ended."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": NAME, "prompt": "w1", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    before = _cancelled(served)
+    with httpx.stream("POST", served["url"] + "/v1/completions", headers=h, json={**body, "stream": True}) as r:
+        next(r.iter_lines())  # the first chunk, then the client goes away
+    with pytest.raises(httpx.ReadTimeout):  # a whole answer the client stops waiting for
+        httpx.post(served["url"] + "/v1/completions", headers=h, json=body, timeout=0.3)
+    for _ in range(100):
+        if _cancelled(served) >= before + 2 and served["server"].engine.stats()["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert _cancelled(served) == before + 2 and served["server"].engine.stats()["running"] == 0
+    _answers(client)
 
 
 # ---------------------------------------------------------------------------------------------------- concurrency

@@ -55,6 +55,8 @@ class SequenceHandle:
                     last = self._observe(ev, last)
                 else:
                     self.done = True
+                    if self.metrics is not None:
+                        self.metrics.sequences.labels(ev.reason).inc()
                 yield ev
                 if self.done:
                     return
@@ -62,9 +64,12 @@ class SequenceHandle:
             self.cancel()
 
     def cancel(self):
+        """Ends the sequence early (its client went away, or a stop string matched); nothing once it has ended."""
         if not self.done and self.rid is not None:
             self.done = True
             self.engine.cancel(self.rid)
+            if self.metrics is not None:
+                self.metrics.sequences.labels("cancelled").inc()
 
     def _observe(self, ev: Tokens, last: float | None) -> float:
         now = time.perf_counter()

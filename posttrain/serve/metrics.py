@@ -1,6 +1,6 @@
 """The server's Prometheus metrics (`prometheus_client`, one registry per app), exposed at GET /metrics.
 
-Counters: requests by endpoint and status, prompt and completion tokens. Gauges (read when scraped): sequences
+Counters: requests by endpoint and status, prompt and completion tokens, sequences by how they ended. Gauges (read when scraped): sequences
 waiting for a slot, sequences in slots, slots in all. Histograms: time to first token, inter-token latency (per
 token: the time between two arrivals over the tokens that arrived), request duration.
 """
@@ -26,6 +26,8 @@ class Metrics:
         self.requests = Counter("posttrain_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("posttrain_prompt_tokens", "Prompt tokens of answered requests", registry=r)
         self.completion_tokens = Counter("posttrain_completion_tokens", "Tokens generated", registry=r)
+        self.sequences = Counter("posttrain_sequences", "Sequences ended, by how: stop, length, cancelled (a client "
+                                 "left or a stop string matched), error", ["finish"], registry=r)
         Gauge("posttrain_queue_depth", "Sequences waiting for a slot", registry=r).set_function(
             lambda: stats()["waiting"])
         Gauge("posttrain_slots_busy", "Sequences in slots", registry=r).set_function(lambda: stats()["running"])
