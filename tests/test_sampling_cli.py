@@ -52,8 +52,29 @@ def test_generate_writes_one_line_per_completion(tmp_path, monkeypatch, capsys, 
     assert len(greedy) == 6 and greedy[0]["token_ids"] == greedy[1]["token_ids"]
 
 
+def test_generate_writes_json_lines_to_standard_output(tmp_path, monkeypatch, capsys, tiny_cache):
+    """`--output -` and no `--output`: the JSON lines on standard output (the same as a file's), no file named `-`;
+    the summary line goes to standard error."""
+    monkeypatch.setenv("POSTTRAIN_CACHE", tiny_cache)
+    monkeypatch.chdir(tmp_path)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "2+2="}), json.dumps({"prompt": "hi"})])
+    common = ["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--max-new-tokens", "5", "--n", "2"]
+    assert main([*common, "--output", str(tmp_path / "f.jsonl")]) == 0
+    capsys.readouterr()
+    for flags in (["--output", "-"], []):
+        assert main([*common, *flags]) == 0
+        out, err = capsys.readouterr()
+        assert out == (tmp_path / "f.jsonl").read_text()
+        assert [json.loads(x)["prompt_index"] for x in out.splitlines()] == [0, 0, 1, 1]
+        assert "wrote 4 completions to standard output" in err
+    assert not (tmp_path / "-").exists()
+
+
 @pytest.mark.parametrize("lines,expected", [
-    (['{"prompt": "a"}', '{"prompt": "b"', '{"prompt": "c"}'], r"p\.jsonl, line 2: not valid JSON"),
+    # a line that ends too early: the column just past its last character (json's own says column 1 of a next line)
+    (['{"prompt": "a"}', '{"prompt": "b"', '{"prompt": "c"}'], r"p\.jsonl, line 2: not valid JSON \(Expecting "
+                                                               r"',' delimiter, column 15\)"),
+    (['{"prompt": "a", oops}'], r"p\.jsonl, line 1: not valid JSON \(.*, column 17\)"),
     (['{"prompt": "a"}', '', '{"text": "b"}'], r"p\.jsonl, line 3: has neither a `prompt`"),
     (['["a"]'], r"p\.jsonl, line 1: expected a JSON object"),
     (['{"messages": "hi"}'], r"p\.jsonl, line 1: `messages` must be a list"),
