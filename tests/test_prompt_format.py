@@ -71,14 +71,14 @@ def test_the_export_carries_the_style_and_transformers_keeps_it(tiny, tmp_path):
     writes the block back when it saves the config again."""
     import transformers
 
-    from posttrain.models import from_pretrained, save_pretrained
+    from posttrain.models import from_pretrained, load_config, save_pretrained
 
     style = PromptStyle(chat=False, system_prompt=None)
     out = save_pretrained(from_pretrained(tiny), tmp_path / "hf", prompt_style=style)
     assert json.loads((out / "config.json").read_text())["posttrain"] == {
         "prompt_format": {"chat_template": False, "system_prompt": None}}
     assert read_prompt_style(out) == style and read_prompt_style(tiny) is None
-    assert from_pretrained(out).cfg == from_pretrained(tiny).cfg
+    assert load_config(out)[1] == load_config(tiny)[1]
     cfg = transformers.AutoConfig.from_pretrained(out)
     cfg.save_pretrained(tmp_path / "again")
     assert read_prompt_style(tmp_path / "again") == style
@@ -113,7 +113,7 @@ def test_generate_prompts_as_the_export_says_unless_told(tiny, tmp_path, capsys)
         return [json.loads(x)["text"] for x in capsys.readouterr().out.splitlines()]
 
     assert texts(chat_model) == texts(tiny, "--chat")
-    assert texts(chat_model, "--no-chat") == texts(tiny)
+    assert texts(chat_model, "--no-chat") != texts(chat_model)  # the raw prompt: another greedy completion
 
 
 def test_chat_prompts_a_raw_model_with_each_line_alone_and_says_reset(tiny, tmp_path, monkeypatch, capsys):
@@ -133,11 +133,13 @@ def test_chat_prompts_a_raw_model_with_each_line_alone_and_says_reset(tiny, tmp_
     alone = chat.sampler.generate([tok.encode("2+2=")], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
     assert second == alone.text
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("2+2=\n/reset\n2+2=\n"))
+    # a line longer than the model's context (2048) is that turn's one-line error; the next line is answered
+    monkeypatch.setattr("sys.stdin", io.StringIO("2+2=\n/reset\n" + "1" * 2100 + "\n2+2=\n"))
     capsys.readouterr()
     assert main(["chat", str(raw), "--max-new-tokens", "6", "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert "raw prompts: each line is answered on its own" in err and "reset: a new conversation starts" in err
+    assert "error: turn 1: the line has 2100 tokens; the model's context holds 2048\n" in err
     assert out == f"{second}\n{second}\n"
 
 

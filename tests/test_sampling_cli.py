@@ -59,15 +59,30 @@ def test_generate_writes_json_lines_to_standard_output(tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)
     prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "2+2="}), json.dumps({"prompt": "hi"})])
     common = ["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--max-new-tokens", "5", "--n", "2"]
-    assert main([*common, "--output", str(tmp_path / "f.jsonl")]) == 0
-    capsys.readouterr()
+    printed = []
     for flags in (["--output", "-"], []):
         assert main([*common, *flags]) == 0
         out, err = capsys.readouterr()
-        assert out == (tmp_path / "f.jsonl").read_text()
-        assert [json.loads(x)["prompt_index"] for x in out.splitlines()] == [0, 0, 1, 1]
+        rows = [json.loads(x) for x in out.splitlines()]
+        assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(set(r) == {"prompt_index", "sample_index", "text", "token_ids", "logprobs", "finish_reason"}
+                   for r in rows)
         assert "wrote 4 completions to standard output" in err
-    assert not (tmp_path / "-").exists()
+        printed.append(out)
+    assert printed[0] == printed[1] and not (tmp_path / "-").exists()
+
+
+def test_a_budget_past_the_context_is_cut_with_a_note(tmp_path, monkeypatch, capsys, tiny_cache):
+    """`--max-new-tokens` larger than the room the context leaves (here a 16-token cache) is cut to it, said on
+    stderr; no error (a small model's context, e.g. the demo's 256, is below the commands' default budgets)."""
+    monkeypatch.setenv("POSTTRAIN_CACHE", tiny_cache)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "2+2="}), json.dumps({"prompt": "1+11+3="})])
+    assert main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--max-len", "16",
+                 "--max-new-tokens", "64", "--temperature", "0", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "generate: --max-new-tokens 64 cut to 9: the model's context holds 16 tokens and the longest prompt has 7" \
+        in err
+    assert all(len(json.loads(x)["token_ids"]) <= 9 for x in out.splitlines())
 
 
 @pytest.mark.parametrize("lines,expected", [

@@ -92,18 +92,35 @@ class Chat:
                                       where=lambda i: f"turn {self.turn + 1}")[0]
 
     def reply(self, text: str) -> list[dict]:
-        """Adds the user's turn, generates, and returns the new messages (the assistant's, and tool results)."""
+        """Adds the user's turn, generates, and returns the new messages (the assistant's, and tool results). The
+        reply is cut to the room the model's context leaves; a turn that cannot be answered (a conversation longer
+        than the context) raises ValueError and leaves the conversation as it was."""
+        before = len(self.messages)
+        try:
+            return self._reply(text)
+        except ValueError:
+            del self.messages[before:]
+            raise
+
+    def _reply(self, text: str) -> list[dict]:
+        import dataclasses
+
         from posttrain.agent.rollout import AgentRollout
 
         self.messages.append(self._user_message(text))
         record, prompt = self._encode()
         images = [prompt.images] if prompt.images else None
+        if len(prompt.ids) >= self.sampler.context:
+            raise ValueError(f"the {'line' if self.raw else 'conversation'} has {len(prompt.ids)} tokens; the model's "
+                             f"context holds {self.sampler.context}")
+        params = dataclasses.replace(self.params, max_new_tokens=self.sampler.budget_for([prompt.ids],
+                                                                                        self.params.max_new_tokens))
         if self.agent is None:
-            c = self.sampler.generate([prompt.ids], self.params, images=images)[0]
+            c = self.sampler.generate([prompt.ids], params, images=images)[0]
             new = [{"role": "assistant", "content": c.text}]
         else:
             rollout = AgentRollout(self.agent, [record], [prompt.ids])
-            c = self.sampler.generate([prompt.ids], self.params, images=images, on_turn_end=rollout)[0]
+            c = self.sampler.generate([prompt.ids], params, images=images, on_turn_end=rollout)[0]
             first = self.agent.appender.prompt_messages(self.agent.first_messages(record))
             new = rollout.finished(c).messages[len(first):]
         self.messages.extend(new)
@@ -144,7 +161,11 @@ def run(args) -> int:
                 chat.reset()
                 print("reset: a new conversation starts", file=sys.stderr, flush=True)
                 continue
-            _show(chat.reply(line))
+            try:
+                _show(chat.reply(line))
+            except ValueError as e:  # this turn only (e.g. the conversation outgrew the context): say it, go on
+                hint = "" if chat.raw else " (/reset starts over)"
+                print(f"error: turn {chat.turn + 1}: {e}{hint}", file=sys.stderr, flush=True)
     finally:
         if agent is not None:
             agent.close()

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
-from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments, model_folder
+from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments, fitted_budget, model_folder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,8 +157,9 @@ def run(args) -> int:
         total = len(records) * max(args.n, 1)
         slots = min(args.max_slots, 1 << (total - 1).bit_length())
         sampler = Sampler(model, tok, max_slots=slots)
+        max_new_tokens = fitted_budget(sampler, prompts.ids, args.max_new_tokens, "eval")
         try:
-            e = evaluate(sampler, prompts, runner, correctness=correctness, max_new_tokens=args.max_new_tokens,
+            e = evaluate(sampler, prompts, runner, correctness=correctness, max_new_tokens=max_new_tokens,
                          k=ks, n_samples=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                          progress=not args.no_progress and primary, agent=agent)
         finally:

@@ -14,13 +14,14 @@ on the global mesh and gets every completion, and process 0 writes the file)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
 from pathlib import Path
 
 from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
-from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments, model_folder
+from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments, fitted_budget, model_folder
 
 
 class InputError(ValueError):
@@ -164,6 +165,8 @@ def run(args) -> int:
         prompts, images = encoded.ids, encoded.images
         slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
         sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
+        params = dataclasses.replace(params, max_new_tokens=fitted_budget(sampler, prompts, params.max_new_tokens,
+                                                                          "generate"))
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
     try:

