@@ -140,12 +140,16 @@ def test_prompts_from_stdin_equal_the_file_and_errors_name_stdin(tmp_path, monke
 
 
 def test_every_sampling_command_has_the_same_model_help():
-    """generate, eval and chat take the same kinds of checkpoint, described by one help text."""
+    """generate, eval, chat and info take the same kinds of checkpoint (`posttrain.models.spec`), described by one help
+    text, and the same prompt-style flags (info aside)."""
     from posttrain.cli.main import build_parser
     from posttrain.cli.model_arg import MODEL_HELP
 
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
-    for name in ("generate", "eval", "chat"):
+    for name in ("generate", "eval", "chat", "info"):
         helps = [a.help for a in sub.choices[name]._actions if "--model" in a.option_strings or a.dest == "model"]
         assert helps == [MODEL_HELP], (name, helps)
+    for name in ("generate", "eval", "chat"):
+        flags = {f for a in sub.choices[name]._actions for f in a.option_strings}
+        assert {"--chat", "--no-chat", "--system-prompt"} <= flags, name
     assert ".gguf" in MODEL_HELP and "pypi:" in MODEL_HELP
