@@ -302,9 +302,10 @@ def test_rl_command_stops_on_a_failing_environment(tmp_path):
         capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert errors == ["error: environment Raising: 4 of 4 trajectories of step 1 failed, more than "
-                      "rollout.max_env_error_fraction=0.5; first error: Raising.step failed: RuntimeError: the "
-                      "game broke"], proc.stderr[-3000:]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: environment Raising: 4 of 4 trajectories of step 1 failed, more than "
+        r"rollout.max_env_error_fraction=0.5; first error: Raising.step failed: RuntimeError: the game broke "
+        rf"\({data}, line [1-4]\)", errors[0]), proc.stderr[-3000:]
     assert sum("warning: environment Raising: step exception" in x for x in proc.stdout.splitlines()) == 1
     rows = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
     assert rows and all(r["env_error"] == "Raising.step failed: RuntimeError: the game broke" for r in rows)

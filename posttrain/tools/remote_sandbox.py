@@ -102,7 +102,7 @@ def _read_bounded(response, max_bytes: int) -> bytes:
     """The body, if it is at most `max_bytes` long; else `_TooLarge` (after reading at most one byte more)."""
     declared = response.headers.get("Content-Length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _TooLarge(f"{int(declared)} bytes, more than the {max_bytes} this client reads "
+        raise _TooLarge(f"{int(declared)} bytes (declared), more than the {max_bytes} bytes this client reads "
                         "(rollout.sandbox: the output kept plus the envelope)")
     data = response.read(max_bytes + 1)
     if len(data) > max_bytes:
