@@ -109,6 +109,7 @@ class Agent:
         self.lock = threading.RLock()  # the tokenizer is used from tool-callback threads too
         self._sessions: set[EnvSession] = set()  # open ones, closed by `close` at the latest
         self._scratch: EnvSession | None = None  # `first_messages` without a session: one reused
+
     def env_record(self, record: dict) -> dict:
         """The dataset row as the environment sees it: the prompt under its own field name again (the prompt
         reader moved it to `prompt`)."""
@@ -321,9 +322,7 @@ class Trajectory:
         new = []
         for msg, rec in results:
             if rec.error in ("timeout", "crash") and self.env is not None and rec.name in self.env.tools:
-                # the instance is gone with its worker: the trajectory ends
-                self.env.failed(rec.name, TimeoutError()) if rec.error == "timeout" else self.env.fail(
-                    rec.name, "crash", f"{self.env.name}.{rec.name}: {_error_text(msg)}")
+                self._lost(rec.name, rec.error, msg)
             if rec.error is None:  # error messages are ours, short, and must stay JSON
                 msg = dict(msg, content=self.agent.cut_output(msg["content"]))
             new.append(msg)
@@ -331,9 +330,17 @@ class Trajectory:
             self.tool_seconds += rec.seconds
             self.tool_results.append({"turn": self.turns, "name": rec.name, "content": msg["content"],
                                       "error": rec.error, "seconds": round(rec.seconds, 4)})
-        if self.env_failed:  # the instance is lost to an abandoned thread
+        if self.env_failed:  # the instance is gone with its worker
             return self._end("env_error")
         return self._append_messages(new, ids, room)
+
+    def _lost(self, method: str, kind: str, msg: dict) -> None:
+        """A tool method of the environment timed out or crashed: its instance is gone with its worker (the
+        trajectory ends)."""
+        if kind == "timeout":
+            self.env.failed(method, TimeoutError())
+        else:
+            self.env.fail(method, "crash", f"{self.env.name}.{method}: {_error_text(msg)}")
 
     def _step(self, text: str, ids: Sequence[int], room: int):
         """The environment's `step` runs in a thread of its own, within the tool time limit (a slow game or

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import inspect
+import os
 import queue
 import threading
 from typing import Any
@@ -128,37 +129,74 @@ def _set(out: cf.Future, result: Any = None, exception: BaseException | None = N
         pass
 
 
+_STARTER = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="object-host-start")
+
+
+def _ping() -> int:
+    return os.getpid()
+
+
 class ObjectHost:
-    """A worker process holding one object of the class `ref` names (see the module docstring)."""
+    """A worker process holding one object of the class `ref` names (see the module docstring). Its worker is
+    started in a background thread (a process start takes milliseconds the caller, often the sampler's thread,
+    should not wait for): calls made before it is up are queued, and all are scheduled in the order made."""
 
     def __init__(self, ref: str, *, context, initializer=None, initargs: tuple = ()):
         self.ref = ref
         self._lock = threading.Lock()
         self._waiting: set[cf.Future] = set()
+        self._queued: list[tuple[cf.Future, tuple, float | None]] = []  # calls made before the worker started
+        self._started = False
         self._pool: StrictProcessPool | None = StrictProcessPool(max_workers=1, initializer=initializer,
                                                                  initargs=initargs, context=context, respawn=False)
+        _STARTER.submit(self._start)
+
+    def _start(self) -> None:
+        """Start the worker (scheduling a ping starts pebble's pool), then the calls queued meanwhile, in order."""
+        pool = self._pool
+        try:
+            if pool is not None:
+                pool.schedule(_ping)
+        except Exception:  # noqa: BLE001 - closed meanwhile, or it broke: the queued calls fail below
+            pass
+        while True:
+            with self._lock:
+                if not self._queued:
+                    self._started = True
+                    return
+                out, args, timeout = self._queued.pop(0)
+            self._schedule(out, args, timeout)
 
     def call(self, method: str, args: tuple = (), kwargs: dict | None = None, *, timeout: float | None,
              fresh: bool = False, offered: bool = False) -> cf.Future:
         """A Future of `object.method(*args, **kwargs)` (`fresh`: on a new object; `offered`: only the keyword
-        arguments the method names). Never raises; see the module docstring for how it fails."""
+        arguments the method names). Never raises or blocks; see the module docstring for how it fails."""
         out: cf.Future = cf.Future()
+        call = (self.ref, method, tuple(args), dict(kwargs or {}), fresh, offered)
         with self._lock:
-            pool = self._pool
-            if pool is not None:
+            closed = self._pool is None
+            if not closed:
                 self._waiting.add(out)
-        if pool is None:
+                if not self._started:
+                    self._queued.append((out, call, timeout))
+                    return out
+        if closed:
             out.set_exception(HostLost("the host was closed (its object is gone)"))
             return out
-        out.add_done_callback(self._forget)
-        try:
-            fut = pool.schedule(_hosted_call, args=(self.ref, method, tuple(args), dict(kwargs or {}), fresh,
-                                                    offered), timeout=timeout)
-        except Exception as e:  # noqa: BLE001 - closed meanwhile, or the pool broke
-            _set(out, exception=HostLost(f"the host's worker pool failed: {e}"))
-            return out
-        fut.add_done_callback(lambda f: _settle(out, f))
+        self._schedule(out, call, timeout)
         return out
+
+    def _schedule(self, out: cf.Future, call: tuple, timeout: float | None) -> None:
+        out.add_done_callback(self._forget)
+        pool = self._pool
+        try:
+            if pool is None:
+                raise HostLost("the host was closed (its object is gone)")
+            fut = pool.schedule(_hosted_call, args=call, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - closed meanwhile, or the pool broke
+            _set(out, exception=e if isinstance(e, HostLost) else HostLost(f"the host's worker pool failed: {e}"))
+            return
+        fut.add_done_callback(lambda f: _settle(out, f))
 
     def _forget(self, out: cf.Future) -> None:
         with self._lock:
