@@ -58,23 +58,30 @@ def main():
         getattr(s, "close", lambda: None)()
 
     def python(n):
+        t = time.perf_counter()
         for _ in range(n):
             msg, rec = run_tool_call(tools, ToolCall("python", {"code": "print(1)"}), timeout=60,
                                      max_output_chars=100, pool=pool)
             assert msg["content"] == "1", msg
+        return time.perf_counter() - t
 
-    def steps(n):
+    def steps(n):  # the steps alone (the session's start is the third figure)
         s = session()
         s.reset({})
+        t = time.perf_counter()
         for _ in range(n):
             assert s.step("x").error is None
+        took = time.perf_counter() - t
         close(s)
+        return took
 
     def sessions(n):
+        t = time.perf_counter()
         for _ in range(n):
             s = session()
             s.reset({})
             close(s)
+        return time.perf_counter() - t
 
     work = {"python": python, "env step": steps, "env session": sessions}
     for name, fn in work.items():  # warm: fork server, page cache, first imports
@@ -82,9 +89,7 @@ def main():
     print("ready", flush=True)
     for line in sys.stdin:
         name, n = line.rsplit(" ", 1)
-        t = time.perf_counter()
-        work[name](int(n))
-        print(json.dumps({"rate": int(n) / (time.perf_counter() - t)}), flush=True)
+        print(json.dumps({"rate": int(n) / work[name](int(n))}), flush=True)
     pool.close()
 
 
@@ -135,7 +140,9 @@ def main() -> None:
     print(f"{args.rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f}")
     for name in COUNTS:
         b, a = statistics.median(rates["before", name]), statistics.median(rates["after", name])
-        print(f"  {name:12s} before {b:9.1f}/s  after {a:9.1f}/s  ({1000 / b:7.2f} -> {1000 / a:7.2f} ms a call)")
+        print(f"  {name:12s} before {b:9.1f}/s  after {a:9.1f}/s  ({1000 / b:7.2f} -> {1000 / a:7.2f} ms a call; "
+              f"after/before per round {min(x / y for x, y in zip(rates['after', name], rates['before', name])):.2f}"
+              f"-{max(x / y for x, y in zip(rates['after', name], rates['before', name])):.2f})")
 
 
 if __name__ == "__main__":

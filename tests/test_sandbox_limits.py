@@ -201,12 +201,24 @@ def test_no_host_path_on_the_sandbox_command_lines(pool, host_tmp):
 
 
 def test_without_seccomp_the_sandbox_refuses_in_one_line(monkeypatch):
-    monkeypatch.setattr(python_sandbox, "jail_support", lambda: "seccomp filter: Unable to find libseccomp "
-                                                                "(install libseccomp2 and the pyseccomp package)")
+    """No filter, no sandbox: the support check names the reason, the run refuses in one line saying what to
+    install, and a call answers an `Error:` line without running anything."""
+    from posttrain.tools import jail
+    from posttrain.tools.seccomp import SeccompUnavailable
+
+    def missing():
+        raise SeccompUnavailable("seccomp filter: Unable to find libseccomp (install libseccomp2 and the pyseccomp "
+                                 "package)")
+
+    monkeypatch.setattr(jail, "filter_program", missing)
+    why = jail.jail_support.__wrapped__()  # (uncached: the real check, with the filter missing)
+    assert why.startswith("seccomp filter: Unable to find libseccomp"), why
+    monkeypatch.setattr(python_sandbox, "jail_support", lambda: why)
     with pytest.raises(SandboxUnavailable) as e:
         check_sandbox(SandboxConfig())
     msg = str(e.value)
     assert "\n" not in msg and "libseccomp" in msg and "apt-get install libseccomp2" in msg, msg
+    assert run_python("print(1)").startswith("Error: the sandbox could not run the code: seccomp filter")
 
 
 # ---------------------------------------------------------------------- limits that always apply

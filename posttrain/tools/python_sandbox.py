@@ -145,7 +145,7 @@ def sweep_leftovers() -> None:
 
 
 def _enable_hint(why: str) -> str:
-    if why.startswith("seccomp"):
+    if "seccomp" in why:
         return ("install the system's libseccomp (Debian/Ubuntu: apt-get install libseccomp2; RHEL: dnf install "
                 "libseccomp) and the pyseccomp package")
     return ("enable unprivileged user namespaces (sysctl user.max_user_namespaces=15000, and "
