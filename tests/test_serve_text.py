@@ -1,13 +1,16 @@
 """The server's text pieces: incremental detokenization with stop strings (`TextStream`), the held-back content of a
-streamed reply that may start a tool call, and log-probs in OpenAI's two layouts (the chosen token always among the
-top ones, with its own number; sorted)."""
+streamed reply that may start a tool call, log-probs in OpenAI's two layouts (the chosen token always among the
+top ones, with its own number; sorted), and conversations rendered in the model's prompt format."""
 
 from __future__ import annotations
 
 import pytest
 
+from posttrain.models.prompt_format import PromptStyle
 from posttrain.models.tokenizer import build_tokenizer
 from posttrain.serve.chat import _Held
+from posttrain.serve.errors import APIError
+from posttrain.serve.models import ServedModel
 from posttrain.serve.text import TextStream, TokenLogprob, chat_logprobs, completion_logprobs
 
 
@@ -66,3 +69,17 @@ def test_log_probs_layouts(tok):
     chat = chat_logprobs(tok, pos[1:], 2, as_ids=True)["content"]
     assert chat[0]["token"] == f"token_id:{b}" and chat[0]["top_logprobs"][0]["logprob"] == -0.5
     assert [t["logprob"] for t in chat[1]["top_logprobs"]] == [-0.2, -0.9]
+
+
+def test_conversations_follow_the_models_prompt_format(tok):
+    convo = [{"role": "system", "content": "s"}, {"role": "user", "content": "first"},
+             {"role": "assistant", "content": "x"}, {"role": "user", "content": "2+2="}]
+    raw = ServedModel("folder", tok, None, None, style=PromptStyle(chat=False))
+    assert raw.render_chat(convo) == (tok.encode("2+2="), [])  # a raw-trained model: the last user turn's text
+    with pytest.raises(APIError, match="needs a user message"):
+        raw.render_chat([{"role": "system", "content": "s"}])
+    chat = ServedModel("folder", tok, None, None, style=PromptStyle(chat=True, system_prompt="Be brief."))
+    ids, _ = chat.render_chat(convo[1:])
+    assert ids == tok.apply_chat_template([{"role": "system", "content": "Be brief."}, *convo[1:]],
+                                          add_generation_prompt=True)
+    assert chat.render_chat(convo)[0] == tok.apply_chat_template(convo, add_generation_prompt=True)

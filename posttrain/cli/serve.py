@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from posttrain.cli.model_arg import add_model_argument
+from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-format", default="hermes", choices=["hermes", "llama3", "mistral"],
                    help="how the model writes tool calls (read into message.tool_calls)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add_prompt_style_arguments(p, default_chat=True)
     p.add_argument("--no-warmup", action="store_true", help="do not compile the common programs before listening")
 
 
@@ -46,7 +47,7 @@ def run(args) -> int:
                              port=args.port, api_key=args.api_key or None, loras=tuple(loras),
                              max_model_len=args.max_model_len, max_slots=args.max_slots, max_queue=args.max_queue,
                              segment_steps=args.segment_steps, dtype=args.dtype, tool_format=args.tool_format,
-                             warmup=not args.no_warmup)
+                             warmup=not args.no_warmup, chat=args.chat, system_prompt=args.system_prompt)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return serve(config)

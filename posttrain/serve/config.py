@@ -16,7 +16,8 @@ class ServeConfig:
     max_model_len: the context of every request (default: the model's). max_slots: sequences decoded at once per
     model. max_queue: sequences waiting for a slot before requests get 429. segment_steps: decode steps between
     looks at the queue and streamed tokens. tool_format: how the model writes tool calls (`hermes`, `llama3`,
-    `mistral`). warmup: compile the common programs before taking requests."""
+    `mistral`). warmup: compile the common programs before taking requests. chat, system_prompt: how conversations
+    are rendered (None: as the model was trained, recorded in its export; else the chat template)."""
 
     model: str
     served_model_name: str | None = None
@@ -32,6 +33,8 @@ class ServeConfig:
     dtype: str = "float32"
     tool_format: str = "hermes"
     warmup: bool = True
+    chat: bool | None = None
+    system_prompt: str | None = None
 
     def __post_init__(self):
         def bad(name, why):

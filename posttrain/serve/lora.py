@@ -56,4 +56,4 @@ def open_adapter(base: ServedModel, path: str | Path) -> ServedModel:
         raise ConfigError(f"--lora {path}: its adapters do not fit the served model ({e}); was it trained on "
                           "another base?") from None
     sampler = Sampler(model, base.tokenizer, program_cache=base.sampler.program_cache)
-    return ServedModel(base.folder, base.tokenizer, model, sampler, base.vision)
+    return ServedModel(base.folder, base.tokenizer, model, sampler, base.vision, base.style)

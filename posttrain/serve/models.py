@@ -2,7 +2,11 @@
 chat conversations (chat template, tools, images) to token ids.
 
 `ServedModel.open(spec)` resolves any model spec the CLI takes (`tiny:`, `pypi:`, GGUF, an HF folder, a run's
-output folder) and builds the `Sampler` the engine runs. Chat rendering goes through the tools' template support
+output folder: `posttrain.models.spec`) and builds the `Sampler` the engine runs. How a conversation becomes a prompt
+follows the model's prompt format (`posttrain.models.prompt_format`: what it was trained with, recorded in its
+export, unless the server's flags say otherwise): through the chat template (with the trained system prompt when the
+conversation has none), or, for a model trained on raw prompts, the last user message's text alone (as `posttrain
+chat` prompts it; tools and images always take the template). Chat rendering goes through the tools' template support
 (`posttrain.tools.chat`): a template that renders `tools=`, assistant `tool_calls` and `tool` messages gets them as
 they are; for one that does not, the tools become a system-prompt section, earlier calls Hermes text and results
 user turns, exactly as RL rollouts and tool-use SFT render them. Image parts (`data:` URLs) go through the
@@ -21,37 +25,35 @@ from posttrain.data.errors import DataError
 from posttrain.data.vlm import VisionSpec, encode_image_prompt
 from posttrain.models import from_pretrained
 from posttrain.models import tokenizer as tok_lib
-from posttrain.models.hf_io import resolve_path
-from posttrain.models.tiny import resolve_model_path
+from posttrain.models.prompt_format import PromptStyle, prompt_style
+from posttrain.models.spec import resolve_checkpoint
 from posttrain.sampling import Sampler
 from posttrain.serve.errors import APIError
 from posttrain.tools.chat import TemplateToolSupport, normalize_tool_calls, to_template_messages
 
-__all__ = ["ServedModel", "model_folder"]
-
-
-def model_folder(spec: str) -> Path:
-    """The checkpoint a model spec names; a run's output folder stands for its `hf/` export."""
-    folder = resolve_path(resolve_model_path(spec))
-    if folder.is_dir() and not (folder / "config.json").exists() and (folder / "hf" / "config.json").exists():
-        return folder / "hf"
-    return folder
+__all__ = ["ServedModel"]
 
 
 class ServedModel:
-    """One checkpoint: its folder, tokenizer, model, sampler and vision spec (None for a text-only model)."""
+    """One checkpoint: its folder, tokenizer, model, sampler, vision spec (None for a text-only model) and the prompt
+    style conversations are rendered with."""
 
-    def __init__(self, folder: Path, tokenizer, model, sampler: Sampler, vision: VisionSpec | None = None):
+    def __init__(self, folder: Path, tokenizer, model, sampler: Sampler, vision: VisionSpec | None = None,
+                 style: PromptStyle = PromptStyle()):
         self.folder, self.tokenizer, self.model, self.sampler, self.vision = folder, tokenizer, model, sampler, vision
+        self.style = style
         self._support: dict[str, TemplateToolSupport] = {}
 
     @classmethod
-    def open(cls, spec: str, *, dtype: str = "float32") -> ServedModel:
-        folder = model_folder(spec)
+    def open(cls, spec: str, *, dtype: str = "float32", chat: bool | None = None,
+             system_prompt: str | None = None) -> ServedModel:
+        """The checkpoint `spec` names; `chat`, `system_prompt`: the prompt style's flags (None: the model's)."""
+        folder = resolve_checkpoint(spec)
         tokenizer = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=dtype, mesh=distributed.devices_mesh())
         vision = VisionSpec.from_checkpoint(folder, tokenizer) if folder.is_dir() and model.cfg.vision else None
-        return cls(folder, tokenizer, model, Sampler(model, tokenizer), vision)
+        style = prompt_style(folder if folder.is_dir() else None, chat, system_prompt, default_chat=True)
+        return cls(folder, tokenizer, model, Sampler(model, tokenizer), vision, style)
 
     @property
     def max_len(self) -> int:
@@ -69,6 +71,10 @@ class ServedModel:
         msgs, images = _plain_messages(messages)
         schemas = [t if isinstance(t, dict) else t.model_dump(exclude_none=True) for t in tools or []]
         kwargs = dict(template_kwargs or {})
+        if not self.style.chat and not schemas and not images:
+            return self._raw_prompt(msgs), []
+        if self.style.system_prompt and not any(m["role"] == "system" for m in msgs):
+            msgs = [{"role": "system", "content": self.style.system_prompt}, *msgs]
         if images:
             if self.vision is None:
                 raise APIError(400, "this model is text-only: it cannot take image parts", param="messages")
@@ -88,6 +94,14 @@ class ServedModel:
             raise APIError(400, f"the chat template cannot render these messages: {type(e).__name__}: "
                                 f"{' '.join(str(e).split())[:300]}", param="messages") from None
         return list(ids), []
+
+    def _raw_prompt(self, msgs: list[dict]) -> list[int]:
+        """A raw-trained model's prompt: the last user message's text, as the model was trained to read it."""
+        users = [m for m in msgs if m["role"] == "user"]
+        if not users:
+            raise APIError(400, "this model was trained on raw prompts: the conversation needs a user message, whose "
+                                "text is the prompt", param="messages")
+        return self.encode_text(users[-1]["content"] or "")
 
     def _tool_support(self, schemas: list[dict], kwargs: dict) -> TemplateToolSupport:
         key = json.dumps([schemas, kwargs], sort_keys=True, default=str)

@@ -35,7 +35,7 @@ log = logging.getLogger("posttrain.serve")
 
 def open_models(config: ServeConfig) -> dict[str, ServedModel]:
     """Served name -> model: the base under `config.name`, then each `--lora NAME=PATH` over it."""
-    base = ServedModel.open(config.model, dtype=config.dtype)
+    base = ServedModel.open(config.model, dtype=config.dtype, chat=config.chat, system_prompt=config.system_prompt)
     models = {config.name: base}
     for name, path in config.loras:
         models[name] = open_adapter(base, path)
