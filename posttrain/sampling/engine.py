@@ -717,6 +717,10 @@ class Sampler:
             return list(self.tokenizer.eos_token_ids)
         return list(self.cfg.eos_token_ids)
 
+    def round_slots(self, slots: int) -> int:
+        """`slots` rounded up to a multiple of the mesh's data x fsdp size (the slots are split over it)."""
+        return self._mesh_round(int(slots))
+
     def stop_ids(self) -> list[int]:
         """The ids that end a sequence by default: the tokenizer's EOS ids, else the model config's."""
         return self._default_stop_ids()

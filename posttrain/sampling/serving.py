@@ -430,6 +430,7 @@ class ServingEngine:
         self.max_len = min(max_len or limit, limit)
         self.vocab_size = first.cfg.vocab_size
         self.slots, self.n_top, self.max_waiting = int(slots), int(n_top), int(max_waiting)
+        self.slots = first.round_slots(self.slots)  # a multiple of the mesh's batch ways
         self._lanes = {name: _Lane(name, s, self.slots, self.max_len, self.n_top, int(segment_steps))
                        for name, s in samplers.items()}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
