@@ -479,7 +479,8 @@ class ServingEngine:
 
     def warmup(self, lane: str) -> None:
         """Compiles a lane's common programs (the prefill at 1 and `PREFILL_ROWS` rows of the first length bucket,
-        the first cache's decode) with a few two-token sequences; returns when they are done."""
+        the first cache's decode, the scoring of one short sequence) with a few two-token sequences; returns when
+        they are done."""
         n = PREFILL_ROWS + 1
         left, done = [n], threading.Event()
 
@@ -491,6 +492,7 @@ class ServingEngine:
 
         self.submit_all(lane, [SequenceRequest([0], 2, temperature=float(i % 2), logprobs=True, seed=i)
                                for i in range(n)], [emit] * n)
+        self.score(lane, [[0, 0]], self.n_top).result()
         done.wait()
 
     def _counted(self, emit):
