@@ -3,7 +3,8 @@
 
 Which rewards and the fields they need: `posttrain.rewards.loading`. Where the calls run: a reusable process
 pool with per-call time limits (`posttrain.rewards.pool`), or in-process with ``num_workers=0``. A score
-call splits the completions into chunks, so one slow or failing item only delays / fails its chunk.
+call splits the completions into chunks, so one slow or failing item only delays / fails its chunk; a reward may
+ask for its own chunk size and time limit, and return counts of its own (`posttrain.rewards.scored`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _Job:
     start: int
     stop: int
     args: tuple
+    hard_timeout_s: float | None = None
 
 
 class RewardRunner:
@@ -91,6 +93,7 @@ class RewardRunner:
             raise ValueError(f"mp_context must be 'forkserver' or 'spawn', got {mp_context!r}")
         self.mp_context = mp_context
 
+        self._fns: list = []  # the resolved rewards (what they ask: `chunk_size`, `time_limit_s`)
         self._fields = [self._resolve(spec) for spec in self.specs]
         self._pool: RewardPool | None = None  # started on the first call that needs it
         self.last_errors: dict[str, list[str]] = {}
@@ -101,9 +104,11 @@ class RewardRunner:
         """The (required, accepted) fields of `spec`'s reward, loaded here to fail before any worker starts;
         a reference that cannot be loaded or sent to the workers is a one-line `LoadError`."""
         try:
-            fields = reward_fields(resolve_reward(spec.ref, spec.kwargs))
+            fn = resolve_reward(spec.ref, spec.kwargs)
+            fields = reward_fields(fn)
         except ValueError as e:  # LoadError, or a factory refusing its settings
-            raise LoadError(f"reward {spec.name!r}: {e}") from None
+            raise LoadError(f"reward {spec.name!r}: {' '.join(str(e).split())}") from None
+        self._fns.append(fn)
         if self.num_workers > 0:
             try:
                 pickle.dumps((spec.ref, spec.kwargs))
@@ -150,7 +155,23 @@ class RewardRunner:
         if self._pool is None:
             hard = None if self.timeout_s is None else self.timeout_s + self.hard_timeout_grace_s
             self._pool = RewardPool(self.num_workers, self.mp_context, hard)
-        return self._pool.run([job.args for job in jobs])
+        return self._pool.run([job.args for job in jobs], [job.hard_timeout_s for job in jobs])
+
+    def _jobs(self, i: int, prompts: list, completions: list, passed: dict[str, list]) -> list[_Job]:
+        """Reward `i`'s calls on the completions: chunks of its `chunk_size` (0: one call) or the runner's, each
+        with its `time_limit_s(n)` or the runner's `timeout_s` (the hard limit `hard_timeout_grace_s` later)."""
+        spec, fn, n = self.specs[i], self._fns[i], len(completions)
+        size = getattr(fn, "chunk_size", None)
+        size = self.chunk_size if size is None else (int(size) or max(n, 1))
+        out = []
+        for start in range(0, n, size):
+            stop = min(n, start + size)
+            limit = fn.time_limit_s(stop - start) if callable(getattr(fn, "time_limit_s", None)) else self.timeout_s
+            hard = None if limit is None else limit + self.hard_timeout_grace_s
+            args = (spec.ref, spec.kwargs, prompts[start:stop], completions[start:stop],
+                    {k: v[start:stop] for k, v in passed.items()}, limit)
+            out.append(_Job(i, start, stop, args, hard))
+        return out
 
     def _warn_once(self, name: str, failed: int, errors: list[str], kinds: list[str]) -> None:
         """One warning line the first time reward `name` fails in each way (an exception type, `timeout`, ...);
@@ -168,7 +189,8 @@ class RewardRunner:
         Returns ``(total, per_reward, stats)``: ``total`` float32 ``[N]`` is the weighted sum,
         ``per_reward`` maps name -> float32 ``[N]`` (failures replaced by ``failure_value``),
         ``stats`` holds ``reward/<name>`` (mean), ``reward/<name>/failures`` (completions that got
-        ``failure_value``, timeouts included), ``reward/<name>/timeouts`` and ``reward/total``.
+        ``failure_value``, timeouts included), ``reward/<name>/timeouts``, the counts a reward reports itself
+        (``reward/<name>/<count>``, `posttrain.rewards.scored.Scored`) and ``reward/total``.
         Raises ``ValueError`` only for caller errors (length mismatch, missing fields).
         """
         completions = list(completions)
@@ -183,13 +205,9 @@ class RewardRunner:
         self.check_fields(fields)
 
         jobs: list[_Job] = []
-        for i, (spec, (_, accepted)) in enumerate(zip(self.specs, self._fields)):
+        for i, (_, accepted) in enumerate(self._fields):
             passed = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
-            for start in range(0, n, self.chunk_size):
-                stop = min(n, start + self.chunk_size)
-                chunk_fields = {k: v[start:stop] for k, v in passed.items()}
-                args = (spec.ref, spec.kwargs, prompts[start:stop], completions[start:stop], chunk_fields, self.timeout_s)
-                jobs.append(_Job(i, start, stop, args))
+            jobs += self._jobs(i, prompts, completions, passed)
         results = self._execute(jobs) if jobs else []
 
         values = np.full((len(self.specs), n), np.nan, dtype=np.float64)
@@ -197,9 +215,12 @@ class RewardRunner:
         timed_out = np.zeros((len(self.specs), n), dtype=bool)
         errors: dict[str, list[str]] = {s.name: [] for s in self.specs}
         kinds: dict[str, list[str]] = {s.name: [] for s in self.specs}
-        for job, (status, vals, msg) in zip(jobs, results):
+        own: dict[str, dict[str, float]] = {s.name: {} for s in self.specs}  # counts rewards report (`Scored`)
+        for job, (status, vals, msg, counts) in zip(jobs, results):
             sl = slice(job.start, job.stop)
             name = self.specs[job.spec_index].name
+            for key, value in counts.items():
+                own[name][key] = own[name].get(key, 0.0) + float(value)
             if status == "ok":
                 arr = np.array([np.nan if v is None else v for v in vals], dtype=np.float64)
                 values[job.spec_index, sl] = arr
@@ -221,6 +242,7 @@ class RewardRunner:
             stats[f"reward/{spec.name}"] = float(values[i].mean()) if n else 0.0
             stats[f"reward/{spec.name}/failures"] = float(failed[i].sum())
             stats[f"reward/{spec.name}/timeouts"] = float(timed_out[i].sum())
+            stats.update({f"reward/{spec.name}/{key}": value for key, value in own[spec.name].items()})
             self._warn_once(spec.name, int(failed[i].sum()), errors[spec.name], kinds[spec.name])
         stats["reward/total"] = float(total.mean()) if n else 0.0
         self.last_errors = errors

@@ -167,14 +167,15 @@ class LearnerConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`, `reasoning_gym`), `module:function`
-    or `file.py:function`.
+    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`, `reasoning_gym`, `judge`),
+    `module:function` or `file.py:function`.
 
     name: which reward: a built-in name (also `exact_answer`), `module:function` or `file.py:function`; a
       completion's reward is the weighted sum over `rewards.functions`.
     weight: this reward's factor in that sum.
-    kwargs: settings of a reward factory (e.g. `overlong_penalty`'s max_length and cache_length), or else
-      keyword arguments passed to every call.
+    kwargs: settings of a reward factory (e.g. `overlong_penalty`'s max_length and cache_length, the `judge`'s url,
+      model, template, score: `posttrain.rewards.judge.JudgeConfig`), or else keyword arguments passed to every
+      call.
     """
 
     name: str = "math_answer"

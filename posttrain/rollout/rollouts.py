@@ -36,7 +36,7 @@ from posttrain.rollout.prompts import Prompt
 from posttrain.sampling import Sampler, SamplingParams
 
 
-COUNT_SUFFIXES = ("failures", "timeouts")  # reward statistics that are counts (summed); the others are means
+COUNT_SUFFIXES = ("failures", "timeouts", "skipped")  # reward statistics that are counts (summed); the others are means
 
 
 @dataclasses.dataclass
