@@ -54,13 +54,16 @@ class _Unbound:
 
 @dataclass(frozen=True)
 class EnvironmentSpec:
-    """A loaded environment class: its reference, the tool schemas of its methods, and what it defines."""
+    """A loaded environment class: its reference, the tool schemas of its methods, and what it defines; `closes`:
+    its instances hold a connection that `close()` ends (an OpenEnv session: `posttrain.agent.env_openenv`),
+    called when the trajectory ends or a call fails."""
     cls: type
     ref: str
     tool_names: tuple[str, ...]
     schemas: tuple[dict, ...]
     has_step: bool
     has_reward: bool
+    closes: bool = False
 
     def make(self, timeout_s: float | None = None) -> "EnvSession":
         """A fresh session for one trajectory, its calls limited to `timeout_s` seconds each (None: no limit)."""
@@ -186,10 +189,19 @@ class EnvSession:
         return self.spec.cls.__name__
 
     def fail(self, method: str, kind: str, text: str) -> EnvFailure:
-        """Records a failure (the session keeps the first) and returns it."""
+        """Records a failure (the session keeps the first), closes the instance's connection, and returns it."""
         failure = EnvFailure(method, kind, _one_line(text))
         self.failure = self.failure or failure
+        self.close()
         return failure
+
+    def close(self) -> None:
+        """End the instance's connection (`EnvironmentSpec.closes`; nothing otherwise); safe more than once."""
+        if self.spec.closes and self.env is not None:
+            try:
+                self.env.close()
+            except Exception:  # noqa: BLE001 - our own client's close: best effort
+                pass
 
     def failed(self, method: str, e: BaseException) -> EnvFailure:
         """Records the failure of a call to `method` that raised `e` (`DeadlineExceeded`: it timed out)."""

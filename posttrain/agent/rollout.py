@@ -114,7 +114,13 @@ class Agent:
         instance), else the record's prompt (text as a user turn, or messages) with the system prompt added. A
         failing `reset` raises `EnvCallError` (one line)."""
         if self.environment is not None:
-            return (env or self.make_env()).reset(self.env_record(record))
+            if env is not None:
+                return env.reset(self.env_record(record))
+            scratch = self.make_env()  # for this record's messages alone: its connection (if any) ends here
+            try:
+                return scratch.reset(self.env_record(record))
+            finally:
+                scratch.close()
         prompt = record["prompt"]
         msgs = [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
@@ -301,7 +307,14 @@ class Trajectory:
 
     def _end(self, reason: str) -> None:
         self.finish_reason = reason
+        if self.env is not None and not self.env.spec.has_reward:  # nothing more to ask: its session ends now
+            self.env.close()
         return None
+
+    def close(self) -> None:
+        """End the environment's session (when it holds a connection; see `EnvSession.close`)."""
+        if self.env is not None:
+            self.env.close()
 
     # ------------------------------------------------------------------ the finished trajectory
     def finish(self, completion) -> None:
@@ -325,13 +338,16 @@ class Trajectory:
         final = None
         if not self.env_failed:  # a failed session's instance is not asked again
             final, _ = self.env.final_reward(self.messages, self.agent.env_record(self.record))
+            self.env.close()
         return trajectory_reward(self.env.turn_rewards, final)
 
     def summary(self) -> dict[str, Any]:
-        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, finish reason, and the
-        environment's failure (`env_errors` 0 or 1; `env_error` its text, `env_error_kind` e.g. `step timeout`)."""
+        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, the environment's per-turn
+        rewards (`turn_rewards`, one per `step`), finish reason, and the environment's failure (`env_errors` 0 or 1;
+        `env_error` its text, `env_error_kind` e.g. `step timeout`)."""
         failure = self.env.failure if self.env is not None else None
         return {"messages": self.messages, "tool_calls": self.tool_calls, "tool_results": self.tool_results,
+                "turn_rewards": list(self.env.turn_rewards) if self.env is not None else [],
                 "turns": self.turns, "num_tool_calls": self.num_calls, "tool_errors": self.tool_errors,
                 "tool_seconds": self.tool_seconds, "finish_reason": self.finish_reason or "stop",
                 "env_errors": int(failure is not None),
@@ -355,6 +371,11 @@ class AgentRollout:
         """`Sampler.generate`'s `on_turn_end` (a `posttrain.sampling.TurnEnd` in)."""
         traj = self.trajectory(end.prompt_index, end.sample_index)
         return traj.on_turn(end.token_ids, end.logprobs, end.finish_reason, end.room)
+
+    def close(self) -> None:
+        """End every trajectory's environment session still open (a `generate` call that failed part way)."""
+        for traj in self.trajectories.values():
+            traj.close()
 
     def finished(self, completion) -> Trajectory:
         """The trajectory of a finished `Completion`, its token buffer read from it (`Trajectory.finish`)."""

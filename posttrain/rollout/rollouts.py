@@ -262,7 +262,11 @@ def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uid
     if agent is not None:
         rollout = AgentRollout(agent, [p.record for p in prompts], prompt_ids)
         kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
-    completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
+    try:
+        completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
+    finally:  # environment sessions that hold a connection (OpenEnv) all end with the call, also when it fails
+        if rollout is not None:
+            rollout.close()
     return completions, [rollout.finished(c) for c in completions] if rollout is not None else None
 
 
