@@ -300,3 +300,20 @@ def test_eval_plays_the_server_and_reports_its_rewards(echo, tmp_path):
     _wait_closed(echo, before + 3 * (1 + 1 + 2))
     opened = echo.lines("open")[before:]
     assert len(opened) == 3 * (1 + 1 + 2) and set(opened) <= set(echo.lines("close"))  # encoding, greedy, 2 samples
+
+
+@pytest.mark.slow
+def test_fleet_workers_play_the_server(echo, tmp_path, compile_cache):
+    """On the Ray fleet each rollout worker's own agent opens the sessions: the same per-turn rewards, every
+    session closed."""
+    before = len(echo.lines("open"))
+    out, code = _rl(tmp_path, echo.url, 1, "fleet.workers=1", "fleet.max_staleness=0", "fleet.stall_timeout_s=300")
+    assert code == 0, out[-3000:]
+    rows = _trajectories(tmp_path)
+    assert len(rows) == 16 and sum(len(r["turn_rewards"]) for r in rows) > 16
+    for row in rows:
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert row["turn_rewards"] == pytest.approx([0.1 * len(r) for r in replies[:len(row["turn_rewards"])]])
+    _wait_closed(echo, before + 6 + 16)
+    opened = echo.lines("open")[before:]
+    assert len(opened) == 16 + 6 and set(opened) <= set(echo.lines("close"))
