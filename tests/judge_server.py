@@ -77,7 +77,7 @@ class FakeJudge(ThreadingHTTPServer):
 
     def record(self, path: str, headers: dict, body: dict) -> None:
         with self._lock:
-            self.requests.append({"path": path, "headers": headers, "body": body})
+            self.requests.append({"path": path, "headers": headers, "body": body, "t": time.monotonic()})
 
     def active(self):
         server = self

@@ -149,3 +149,37 @@ def test_reference_field_is_required_only_when_the_template_reads_it():
     assert with_ref.required_fields == ("answer",)
     assert judge(url="http://x/v1", template="{question} {answer}").required_fields == ()
     assert judge(url="http://x/v1", reference_field="gold").required_fields == ("gold",)
+
+
+def test_judge_requests_overlap_generation_and_ask_once(server):
+    """In a rollout, the judge gets each completion as soon as the sampler finishes it (`on_finish`): requests
+    arrive while other sequences still decode, each completion is asked once, and the rewards are the ones scoring
+    after generation gives."""
+    from posttrain.models import from_pretrained
+    from posttrain.models.tiny import resolve_model_path
+    from posttrain.models.tokenizer import load as load_tokenizer
+    from posttrain.rollout.prompts import PromptSet
+    from posttrain.rollout.rollouts import generate_rollouts
+    from posttrain.sampling import Sampler, SamplingParams
+
+    path = resolve_model_path("tiny:llama")
+    tok = load_tokenizer(path)
+    sampler = Sampler(from_pretrained(path), tok, max_slots=16, segment_steps=8)  # the host sees every 8 tokens
+    ends = []
+    generate = sampler.generate
+    sampler.generate = lambda *a, **k: (out := generate(*a, **k), ends.append(time.monotonic()))[0]
+    records = [{"prompt": f"question {i}", "answer": str(i)} for i in range(8)]
+    prompts = PromptSet.of(records, [tok.encode(r["prompt"]) for r in records])
+    # a few stop ids: lengths from 1 to 48 tokens, so sequences finish in different decode segments
+    params = SamplingParams(max_new_tokens=48, n=2, temperature=1.0, seed=3, stop_token_ids=[2, 9, 23, 35])
+    server.reset()
+    with _runner(server.url, concurrency=4, template="{answer} REPLY:yes") as runner:
+        ro = generate_rollouts(sampler, prompts, params, runner)
+        asked = [r for r in server.requests if r["path"].endswith("/chat/completions")]
+        again = runner.score(ro.prompts_text, ro.texts, {"answer": [records[i]["answer"] for i in ro.record_index]})
+    lengths = ro.completion_lengths()
+    assert len(set(lengths.tolist())) > 3, lengths  # sequences did finish at different times
+    assert len(asked) == 16 - int(ro.reward_stats["reward/judge/skipped"])  # once each
+    assert min(r["t"] for r in asked) < ends[0] - 0.05  # the first requests came while the sampler still decoded
+    assert ro.per_reward["judge"].tolist() == again[1]["judge"].tolist()
+    assert ro.reward_stats["reward/judge/failures"] == 0

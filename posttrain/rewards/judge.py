@@ -35,7 +35,6 @@ import os
 import re
 import string
 import threading
-import time
 from pathlib import Path
 
 from posttrain.rewards.scored import Scored
@@ -285,49 +284,73 @@ class _Client:
 
 
 class Judge:
-    """The `judge` reward: `(prompts, completions, **fields) -> Scored` (module docstring)."""
+    """The `judge` reward: `(prompts, completions, **fields) -> Scored` (module docstring). `submit` asks about one
+    completion and `collect` gathers such answers: the runner's early path (`starts_early`) submits each completion
+    as soon as it is sampled, so the judge's requests overlap the decoding of the others."""
 
     chunk_size = 0  # a scoring call's completions in one call: the judge runs `concurrency` requests itself
+    starts_early = True
 
     def __init__(self, cfg: JudgeConfig):
         self.cfg = cfg
         self.required_fields = (cfg.reference_field,) if cfg.uses_reference else ()
-        self._client: _Client | None = None  # made at the first call (in the reward worker)
+        self._client: _Client | None = None  # made at the first request (in the process that asks)
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     def time_limit_s(self, n: int) -> float:
         """A call on `n` completions: its requests, `concurrency` at a time, each within `timeout_s`, plus slack."""
         return self.cfg.timeout_s * max(1, math.ceil(n / self.cfg.concurrency)) + 5.0
 
-    def __call__(self, prompts, completions, **fields) -> Scored:
-        refs = fields.get(self.cfg.reference_field) or [None] * len(completions)
-        values: list[float | None] = [0.0] * len(completions)
-        asked = [i for i, c in enumerate(completions) if not master_key(c)]
-        counts = {"skipped": len(completions) - len(asked), "parse_failures": 0}
-        errors: list[str] = []
-        if asked:
-            self._client = self._client or _Client(self.cfg)
-            deadline = time.monotonic() + self.time_limit_s(len(asked)) - 2.0
-            pool = cf.ThreadPoolExecutor(max_workers=min(self.cfg.concurrency, len(asked)))
-            futures = {pool.submit(self._client.ask, self.cfg.render(str(prompts[i]), str(completions[i]), refs[i])): i
-                       for i in asked}
-            done, late = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-            pool.shutdown(wait=False, cancel_futures=True)  # a request past the deadline is not waited for
-            for f in late:
-                values[futures[f]] = None
-            errors += [f"no answer within {self.cfg.timeout_s:g}s"] if late else []
-            for f in done:
-                try:
-                    score = self.cfg.read(f.result())
-                except JudgeUnavailable as e:
-                    values[futures[f]] = None
-                    errors.append(str(e))
-                    continue
-                counts["parse_failures"] += score is None
-                values[futures[f]] = 0.0 if score is None else score
+    def submit(self, prompt, completion, **fields) -> cf.Future:
+        """A Future of one completion's outcome: `("score", x)`, `("skipped", 0.0)` (a master key, not sent),
+        `("parse_failure", 0.0)` or `("failed", one line)`; it never fails."""
+        if master_key(str(completion)):
+            out: cf.Future = cf.Future()
+            out.set_result(("skipped", 0.0))
+            return out
+        with self._lock:
+            if self._pool is None:
+                self._client = _Client(self.cfg)
+                self._pool = cf.ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="judge")
+        message = self.cfg.render(str(prompt), str(completion), fields.get(self.cfg.reference_field))
+        return self._pool.submit(self._ask, message)
+
+    def _ask(self, message: str) -> tuple[str, float | str]:
+        try:
+            score = self.cfg.read(self._client.ask(message))
+        except JudgeUnavailable as e:
+            return "failed", str(e)
+        except Exception as e:  # noqa: BLE001 - an answer we cannot read is a failed request, never a crash
+            return "failed", f"{type(e).__name__}: {e}"
+        return ("parse_failure", 0.0) if score is None else ("score", score)
+
+    def collect(self, futures: list[cf.Future], timeout_s: float | None = None) -> Scored:
+        """The outcomes of `futures` (one per completion, in order) as one `Scored`; requests still unanswered
+        after `timeout_s` (default: `time_limit_s` of their number, less slack) are failures."""
+        timeout_s = self.time_limit_s(len(futures)) - 2.0 if timeout_s is None else timeout_s
+        done, late = cf.wait(futures, timeout=max(0.0, timeout_s))
+        values: list[float | None] = []
+        counts = {"skipped": 0, "parse_failures": 0}
+        errors = [f"no answer within {self.cfg.timeout_s:g}s"] if late else []
+        for f in futures:
+            if f not in done:
+                f.cancel()  # still queued: never sent; one in flight ends at its own time-out
+                values.append(None)
+                continue
+            kind, value = f.result()
+            counts["skipped"] += kind == "skipped"
+            counts["parse_failures"] += kind == "parse_failure"
+            errors += [value] if kind == "failed" else []
+            values.append(None if kind == "failed" else float(value))
         error = None
         if errors:
             error = f"{sum(v is None for v in values)} request(s) to the judge failed; first: {errors[0]}"
         return Scored(values, counts, error)
+
+    def __call__(self, prompts, completions, **fields) -> Scored:
+        rows = [{k: v[i] for k, v in fields.items()} for i in range(len(completions))]
+        return self.collect([self.submit(p, c, **row) for p, c, row in zip(prompts, completions, rows)])
 
     def __repr__(self) -> str:
         return f"Judge(url={self.cfg.url!r}, model={self.cfg.model!r}, score={self.cfg.score!r})"

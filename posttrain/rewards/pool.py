@@ -32,7 +32,7 @@ from posttrain.rewards.loading import resolve_reward
 from posttrain.rewards.scored import Scored
 from posttrain.workers import StrictProcessPool, process_start_time, watch_owner
 
-__all__ = ["RewardPool", "run_chunk"]
+__all__ = ["RewardPool", "run_chunk", "settle"]
 
 
 class _SoftTimeout(BaseException):
@@ -110,10 +110,15 @@ def run_chunk(ref, kwargs, prompts, completions, fields, timeout_s):
             tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
             text += "\n" + "".join(tb[-3:])
         return ("error", None, text, {})
+    return settle(out, len(completions))
+
+
+def settle(out, n: int) -> tuple:
+    """A reward's answer for `n` completions (a list of numbers, an array or a `Scored`) as `run_chunk`'s
+    ``(status, values, message, counts)``."""
     counts, note = {}, None
     if isinstance(out, Scored):
         out, counts, note = out.values, {k: int(v) for k, v in out.counts.items()}, out.error
-    n = len(completions)
     if isinstance(out, np.ndarray):
         out = out.reshape(-1).tolist() if out.ndim <= 1 else None
     try:

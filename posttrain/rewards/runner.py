@@ -9,6 +9,7 @@ ask for its own chunk size and time limit, and return counts of its own (`posttr
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import multiprocessing
@@ -20,10 +21,11 @@ import numpy as np
 from posttrain.loading import LoadError
 from posttrain.rewards.checks import FailureStreak, check_reward_records
 from posttrain.rewards.loading import BUILTIN_REWARDS, RewardSpec, load_reward, resolve_reward, reward_fields
-from posttrain.rewards.pool import RewardPool, run_chunk
+from posttrain.rewards.pool import RewardPool, run_chunk, settle
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "EarlyScores",
     "RewardSpec",
     "RewardRunner",
     "load_reward",
@@ -41,6 +43,33 @@ class _Job:
     stop: int
     args: tuple
     hard_timeout_s: float | None = None
+
+
+class EarlyScores:
+    """One scoring call's completions handed, one by one as they are sampled (`add`), to the rewards that start
+    early (`starts_early`, with `submit(prompt, completion, **fields) -> Future` and `collect(futures) -> Scored`:
+    the judge, whose requests then overlap the decoding of the other sequences). They run in this process (their own
+    threads and time limits). `RewardRunner.score(..., early=)` collects their answers instead of calling them."""
+
+    def __init__(self, fns: dict[int, object]):
+        self.fns = fns
+        self.futures: dict[int, dict[int, cf.Future]] = {i: {} for i in fns}
+
+    def add(self, k: int, prompt, completion, fields: dict) -> None:
+        """Completion `k` of the call (its prompt text, text and fields) is sampled: the early rewards get it now."""
+        for i, fn in self.fns.items():
+            self.futures[i][k] = fn.submit(prompt, completion, **fields)
+
+    def result(self, i: int, prompts: list, completions: list, fields: dict[str, list]) -> tuple:
+        """Reward `i`'s answer on every completion as `run_chunk`'s tuple (completions never added are asked now)."""
+        fn = self.fns[i]
+        try:
+            futures = [self.futures[i].get(k) or fn.submit(prompts[k], completions[k], **{f: v[k] for f, v in
+                                                                                          fields.items()})
+                       for k in range(len(completions))]
+            return settle(fn.collect(futures), len(completions))
+        except Exception as e:  # noqa: BLE001 - a failing reward is counted, never a crash
+            return ("error", None, " ".join(f"{type(e).__name__}: {e}".split()), {})
 
 
 class RewardRunner:
@@ -157,6 +186,12 @@ class RewardRunner:
             self._pool = RewardPool(self.num_workers, self.mp_context, hard)
         return self._pool.run([job.args for job in jobs], [job.hard_timeout_s for job in jobs])
 
+    def early(self) -> EarlyScores | None:
+        """An `EarlyScores` for the next scoring call when some reward starts early (None: none does)."""
+        fns = {i: fn for i, fn in enumerate(self._fns) if getattr(fn, "starts_early", False)
+               and callable(getattr(fn, "submit", None)) and callable(getattr(fn, "collect", None))}
+        return EarlyScores(fns) if fns else None
+
     def _jobs(self, i: int, prompts: list, completions: list, passed: dict[str, list]) -> list[_Job]:
         """Reward `i`'s calls on the completions: chunks of its `chunk_size` (0: one call) or the runner's, each
         with its `time_limit_s(n)` or the runner's `timeout_s` (the hard limit `hard_timeout_grace_s` later)."""
@@ -183,8 +218,8 @@ class RewardRunner:
         logger.warning("reward %r: %d completion(s) got failure_value %s: %s (counted in reward/%s/failures; "
                        "this kind is not printed again)", name, failed, self.failure_value, errors[new], name)
 
-    def score(self, prompts, completions, fields: dict[str, list] | None = None):
-        """Score ``completions`` with every reward.
+    def score(self, prompts, completions, fields: dict[str, list] | None = None, early: EarlyScores | None = None):
+        """Score ``completions`` with every reward (those in ``early``, made by `early()`, answer from there).
 
         Returns ``(total, per_reward, stats)``: ``total`` float32 ``[N]`` is the weighted sum,
         ``per_reward`` maps name -> float32 ``[N]`` (failures replaced by ``failure_value``),
@@ -205,10 +240,17 @@ class RewardRunner:
         self.check_fields(fields)
 
         jobs: list[_Job] = []
+        answered: dict[int, tuple] = {}  # job index -> the early rewards' answers
         for i, (_, accepted) in enumerate(self._fields):
             passed = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
-            jobs += self._jobs(i, prompts, completions, passed)
-        results = self._execute(jobs) if jobs else []
+            if early is not None and i in early.fns:
+                answered[len(jobs)] = early.result(i, prompts, completions, passed)
+                jobs.append(_Job(i, 0, n, ()))
+            else:
+                jobs += self._jobs(i, prompts, completions, passed)
+        pooled = iter(self._execute([j for k, j in enumerate(jobs) if k not in answered]) if len(jobs) > len(answered)
+                      else [])
+        results = [answered[k] if k in answered else next(pooled) for k in range(len(jobs))]
 
         values = np.full((len(self.specs), n), np.nan, dtype=np.float64)
         failed = np.zeros((len(self.specs), n), dtype=bool)
