@@ -29,10 +29,9 @@ def server():
         yield s
 
 
-def _runner(url: str, workers: int = 1, max_failed: int = 0, mp_context: str | None = None, **kwargs) -> RewardRunner:
+def _runner(url: str, max_failed: int = 0, **kwargs) -> RewardRunner:
     spec = {"name": "judge", "kwargs": {"url": url, **kwargs}}
-    return RewardRunner([spec], num_workers=workers, max_failed_calls=max_failed, timeout_s=10.0,
-                        mp_context=mp_context)
+    return RewardRunner([spec], num_workers=1, max_failed_calls=max_failed, timeout_s=10.0)
 
 
 def test_master_keys_score_zero_and_answers_pass():
@@ -67,9 +66,8 @@ def test_judge_gives_the_scripted_rewards_and_counts(server, tmp_path, monkeypat
     template = tmp_path / "judge.txt"
     template.write_text("Q: {question}\nREF: {reference}\nANSWER: {answer}\nSay yes or no.")
     completions = ["42 REPLY:yes", "41 REPLY:no", "43 REPLY:hmm, hard to say", "Solution:", ".", "40 REPLY:Correct."]
-    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test")  # a spawned worker sees it (a fork server started earlier not)
-    with _runner(server.url, template=str(template), api_key_env="JUDGE_TEST_KEY", model="fake-judge",
-                 mp_context="spawn") as runner:
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test")
+    with _runner(server.url, template=str(template), api_key_env="JUDGE_TEST_KEY", model="fake-judge") as runner:
         total, per, stats = runner.score([f"q{i}" for i in range(6)], completions, {"answer": ["42"] * 6})
     assert per["judge"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert np.allclose(total, per["judge"])

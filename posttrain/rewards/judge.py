@@ -10,8 +10,9 @@ Settings (`JudgeConfig`): where the judge is (`url` of an OpenAI-compatible serv
 `api_key_env`), what it is asked (`template`: one user message with `{question}`, `{answer}` (the completion) and
 `{reference}` (the record's `reference_field`)), how its reply is read (`score`: `number`, `verdict` or a regex
 with one group; `min`/`max` scale a number to [0, 1]) and how it is called (`max_new_tokens`, `timeout_s` per
-request, `concurrency` requests at once). A scoring call's completions go to the judge in one reward call
-(`chunk_size = 0`), `concurrency` requests at a time, its time limit `time_limit_s(n)`.
+request, `concurrency` requests at once). The judge is our own code calling a model under its own time limits, so
+it runs in the run's process, on threads of its own (`starts_early`: the reward runner hands it each completion as
+soon as the sampler finishes it, and collects the answers when the batch is scored; `posttrain.rewards.runner`).
 
 Outcomes per completion: a parsed score; 0 for a reply that cannot be parsed (counted in
 `reward/judge/parse_failures`); 0 without asking for a "master key" (`master_key`, counted in
@@ -288,8 +289,7 @@ class Judge:
     completion and `collect` gathers such answers: the runner's early path (`starts_early`) submits each completion
     as soon as it is sampled, so the judge's requests overlap the decoding of the others."""
 
-    chunk_size = 0  # a scoring call's completions in one call: the judge runs `concurrency` requests itself
-    starts_early = True
+    starts_early = True  # the runner asks it in the run's process, per completion (`submit`), as they are sampled
 
     def __init__(self, cfg: JudgeConfig):
         self.cfg = cfg

@@ -180,34 +180,31 @@ class RewardPool:
                 "The main module must be importable (not stdin); or use num_workers=0."
             ) from problem
 
-    def run(self, calls: list[tuple], hard_timeouts: list[float | None] | None = None) -> list[tuple]:
-        """`run_chunk(*call)` for every call, in order; a call that outlives its hard limit (`hard_timeouts[k]`,
-        default ``hard_timeout_s``) or whose worker dies gets a `timeout` / `error` status. Calls lost to the pool
-        breaking as a whole (a worker that died before its call was known to have started) run once more on a
-        fresh pool."""
-        limits = list(hard_timeouts) if hard_timeouts is not None else [self.hard_timeout_s] * len(calls)
-        out = self._submit(calls, limits)
+    def run(self, calls: list[tuple]) -> list[tuple]:
+        """`run_chunk(*call)` for every call, in order; a call that outlives ``hard_timeout_s`` or whose
+        worker dies gets a `timeout` / `error` status. Calls lost to the pool breaking as a whole (a worker
+        that died before its call was known to have started) run once more on a fresh pool."""
+        out = self._submit(calls)
         again = [k for k, r in enumerate(out) if r is None]
-        for k, r in zip(again, self._submit([calls[k] for k in again], [limits[k] for k in again]) if again else ()):
+        for k, r in zip(again, self._submit([calls[k] for k in again]) if again else ()):
             out[k] = r or ("error", None, "reward worker pool broke twice while running this call", {})
         return out
 
-    def _submit(self, calls: list[tuple], limits: list[float | None]) -> list[tuple | None]:
+    def _submit(self, calls: list[tuple]) -> list[tuple | None]:
         if self._pool is None or not self._pool.active:  # closed, or broken as a whole: a new one
             self.close(grace_s=0.0)
             self._start()
         try:
-            futures = [self._pool.schedule(run_chunk, args=call, timeout=limit) for call, limit in zip(calls, limits)]
+            futures = [self._pool.schedule(run_chunk, args=call, timeout=self.hard_timeout_s) for call in calls]
         except RuntimeError:  # the pool broke while scheduling
             return [None] * len(calls)
-        return [self._outcome(f, limit) for f, limit in zip(futures, limits)]
+        return [self._outcome(f) for f in futures]
 
-    @staticmethod
-    def _outcome(fut, limit: float | None) -> tuple | None:
+    def _outcome(self, fut) -> tuple | None:
         try:
             return fut.result()
         except TimeoutError:
-            return ("timeout", None, f"no answer within {limit:.1f}s; worker killed", {})
+            return ("timeout", None, f"no answer within {self.hard_timeout_s:.1f}s; worker killed", {})
         except pebble.ProcessExpired as e:
             return ("error", None, f"reward worker process died (crashed or exited, code {e.exitcode})", {})
         except BrokenProcessPool:

@@ -3,8 +3,9 @@
 
 Which rewards and the fields they need: `posttrain.rewards.loading`. Where the calls run: a reusable process
 pool with per-call time limits (`posttrain.rewards.pool`), or in-process with ``num_workers=0``. A score
-call splits the completions into chunks, so one slow or failing item only delays / fails its chunk; a reward may
-ask for its own chunk size and time limit, and return counts of its own (`posttrain.rewards.scored`).
+call splits the completions into chunks, so one slow or failing item only delays / fails its chunk. A reward may
+return counts of its own (`posttrain.rewards.scored`). Rewards that start early (the judge: our own code, calls to a
+model under its own time limits) run in this process instead, on their own threads (`EarlyScores`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class _Job:
     start: int
     stop: int
     args: tuple
-    hard_timeout_s: float | None = None
 
 
 class EarlyScores:
@@ -122,7 +122,7 @@ class RewardRunner:
             raise ValueError(f"mp_context must be 'forkserver' or 'spawn', got {mp_context!r}")
         self.mp_context = mp_context
 
-        self._fns: list = []  # the resolved rewards (what they ask: `chunk_size`, `time_limit_s`)
+        self._fns: list = []  # the resolved rewards (those that start early run in this process)
         self._fields = [self._resolve(spec) for spec in self.specs]
         self._pool: RewardPool | None = None  # started on the first call that needs it
         self.last_errors: dict[str, list[str]] = {}
@@ -184,7 +184,7 @@ class RewardRunner:
         if self._pool is None:
             hard = None if self.timeout_s is None else self.timeout_s + self.hard_timeout_grace_s
             self._pool = RewardPool(self.num_workers, self.mp_context, hard)
-        return self._pool.run([job.args for job in jobs], [job.hard_timeout_s for job in jobs])
+        return self._pool.run([job.args for job in jobs])
 
     def early(self) -> EarlyScores | None:
         """An `EarlyScores` for the next scoring call when some reward starts early (None: none does)."""
@@ -193,19 +193,14 @@ class RewardRunner:
         return EarlyScores(fns) if fns else None
 
     def _jobs(self, i: int, prompts: list, completions: list, passed: dict[str, list]) -> list[_Job]:
-        """Reward `i`'s calls on the completions: chunks of its `chunk_size` (0: one call) or the runner's, each
-        with its `time_limit_s(n)` or the runner's `timeout_s` (the hard limit `hard_timeout_grace_s` later)."""
-        spec, fn, n = self.specs[i], self._fns[i], len(completions)
-        size = getattr(fn, "chunk_size", None)
-        size = self.chunk_size if size is None else (int(size) or max(n, 1))
+        """Reward `i`'s calls on the completions, in chunks of `chunk_size`."""
+        spec, n = self.specs[i], len(completions)
         out = []
-        for start in range(0, n, size):
-            stop = min(n, start + size)
-            limit = fn.time_limit_s(stop - start) if callable(getattr(fn, "time_limit_s", None)) else self.timeout_s
-            hard = None if limit is None else limit + self.hard_timeout_grace_s
+        for start in range(0, n, self.chunk_size):
+            stop = min(n, start + self.chunk_size)
             args = (spec.ref, spec.kwargs, prompts[start:stop], completions[start:stop],
-                    {k: v[start:stop] for k, v in passed.items()}, limit)
-            out.append(_Job(i, start, stop, args, hard))
+                    {k: v[start:stop] for k, v in passed.items()}, self.timeout_s)
+            out.append(_Job(i, start, stop, args))
         return out
 
     def _warn_once(self, name: str, failed: int, errors: list[str], kinds: list[str]) -> None:
@@ -219,7 +214,8 @@ class RewardRunner:
                        "this kind is not printed again)", name, failed, self.failure_value, errors[new], name)
 
     def score(self, prompts, completions, fields: dict[str, list] | None = None, early: EarlyScores | None = None):
-        """Score ``completions`` with every reward (those in ``early``, made by `early()`, answer from there).
+        """Score ``completions`` with every reward (those that start early answer from ``early``, made by `early()`
+        and fed as the completions were sampled, else from a fresh one).
 
         Returns ``(total, per_reward, stats)``: ``total`` float32 ``[N]`` is the weighted sum,
         ``per_reward`` maps name -> float32 ``[N]`` (failures replaced by ``failure_value``),
@@ -239,6 +235,7 @@ class RewardRunner:
                 raise ValueError(f"field {key!r} has {len(col)} values for {n} completions")
         self.check_fields(fields)
 
+        early = early if early is not None else self.early()
         jobs: list[_Job] = []
         answered: dict[int, tuple] = {}  # job index -> the early rewards' answers
         for i, (_, accepted) in enumerate(self._fields):

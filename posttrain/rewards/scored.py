@@ -1,10 +1,5 @@
 """What a reward may return besides a plain list of numbers: `Scored`, the values with counts of its own (logged
 as `reward/<name>/<count>`, summed over chunks and groups) and one line about the completions it could not score.
-
-A reward also may say how it wants to be called (class attributes or attributes of its instances):
-`chunk_size` (completions per call; 0: all of a scoring call's completions in one call, for a reward that runs its
-own concurrency, like the judge) and `time_limit_s(n)` (the time limit of one call on `n` completions, instead of
-`rewards.timeout_s`).
 """
 
 from __future__ import annotations
