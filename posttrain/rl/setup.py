@@ -37,6 +37,7 @@ from posttrain.rl.learner import FrozenScorer, Learner, TrainerScorer
 from posttrain.rl.loss import make_rl_loss
 from posttrain.rl.packing import attention_span
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
+from posttrain.models.prompt_format import trained_style
 from posttrain.rollout.prompts import PromptSet, PromptStyle, encode_prompts
 from posttrain.rollout.rollouts import Rollouts
 from posttrain.sampling import ProgramCache, SamplingParams
@@ -207,6 +208,17 @@ def _encode_all(tok, records, data: PromptData, agent: Agent | None = None, visi
             raise ConfigError(f"{p.where}: the prompt has {len(p.ids)} tokens, more than "
                               f"data.max_prompt_tokens={data.max_prompt_tokens}")
     return prompts
+
+
+def trained_prompt_style(prompts: RLPrompts, agent: Agent | None = None) -> PromptStyle:
+    """How the run prompts its policy, written with its export (`posttrain.models.prompt_format`): the chat
+    template with tools or an environment (the agent renders its first messages), else the training prompts' own
+    (message lists and `data.chat` through the template, text otherwise; `data.system_prompt`)."""
+    data = prompts.data
+    if agent is not None:
+        return PromptStyle(chat=True, system_prompt=data.system_prompt)
+    return trained_style((r.get("prompt") for r in prompts.train.records), chat=data.chat,
+                         system_prompt=data.system_prompt)
 
 
 def policy_loss_kwargs(preset: GRPOFamily, learner: LearnerConfig, max_new_tokens: int) -> dict:
