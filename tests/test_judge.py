@@ -168,8 +168,8 @@ def test_judge_requests_overlap_generation_and_ask_once(server):
     sampler.generate = lambda *a, **k: (out := generate(*a, **k), ends.append(time.monotonic()))[0]
     records = [{"prompt": f"question {i}", "answer": str(i)} for i in range(8)]
     prompts = PromptSet.of(records, [tok.encode(r["prompt"]) for r in records])
-    # a few stop ids: lengths from 1 to 48 tokens, so sequences finish in different decode segments
-    params = SamplingParams(max_new_tokens=48, n=2, temperature=1.0, seed=3, stop_token_ids=[2, 9, 23, 35])
+    # a few stop ids: lengths from 1 to 128 tokens, so sequences finish in different decode segments
+    params = SamplingParams(max_new_tokens=128, n=2, temperature=1.0, seed=3, stop_token_ids=[2, 9, 23])
     server.reset()
     with _runner(server.url, concurrency=4, template="{answer} REPLY:yes") as runner:
         ro = generate_rollouts(sampler, prompts, params, runner)
@@ -178,6 +178,6 @@ def test_judge_requests_overlap_generation_and_ask_once(server):
     lengths = ro.completion_lengths()
     assert len(set(lengths.tolist())) > 3, lengths  # sequences did finish at different times
     assert len(asked) == 16 - int(ro.reward_stats["reward/judge/skipped"])  # once each
-    assert min(r["t"] for r in asked) < ends[0] - 0.05  # the first requests came while the sampler still decoded
+    assert min(r["t"] for r in asked) < ends[0]  # requests came in while the sampler still decoded the others
     assert ro.per_reward["judge"].tolist() == again[1]["judge"].tolist()
     assert ro.reward_stats["reward/judge/failures"] == 0

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.agent.env_openenv import OpenEnvConfig, OpenEnvError, load_openenv, observation_text, ws_url
+from posttrain.agent.env_openenv import (OpenEnvConfig, OpenEnvError, OpenEnvSession, load_openenv, observation_text,
+                                         ws_url)
 from posttrain.agent.setup import load_agent_parts
 from posttrain.config import ConfigError
 from posttrain.rl.config import RolloutConfig
@@ -76,8 +77,22 @@ def echo(tmp_path_factory):
     server.stop()
 
 
-def _session(url: str, timeout: float = 5.0, **cfg):
-    return load_openenv(f"openenv:{url}", OpenEnvConfig(**cfg), timeout).cls()
+class _Session(OpenEnvSession):
+    """An `OpenEnvSession` whose calls take one time limit."""
+
+    def __init__(self, url: str, timeout: float, cfg: OpenEnvConfig):
+        super().__init__(ws_url(url), cfg)
+        self.timeout = timeout
+
+    def reset(self, record, timeout=None):
+        return super().reset(record, self.timeout)
+
+    def step(self, text, timeout=None):
+        return super().step(text, self.timeout)
+
+
+def _session(url: str, timeout: float = 5.0, **cfg) -> _Session:
+    return _Session(url, timeout, OpenEnvConfig(**cfg))
 
 
 def _wait_closed(server: EchoServer, n: int, timeout: float = 10.0) -> None:
@@ -181,27 +196,40 @@ def test_a_server_that_is_down_or_never_accepts_is_one_error():
     assert time.monotonic() - t < 5.0
 
 
-def test_through_the_environment_session_failures_are_counted_and_close(echo):
-    """The run's `EnvSession` over an OpenEnv session: per-turn rewards recorded; a step past the time limit ends
-    the trajectory as one `step timeout` failure naming the URL, and its connection is closed at once."""
+def test_through_the_environment_protocol_failures_are_counted_and_close(echo):
+    """The run's `EnvSession` over an OpenEnv backend: per-turn rewards recorded; a reset past the time limit is
+    one `reset timeout` failure naming the URL, within the limit, and the session is closed at once; a server that
+    hangs up mid-game is one `step exception`."""
     rollout = RolloutConfig(environment=f"openenv:{echo.url}", tool_timeout_s=5.0)
     _, spec = load_agent_parts(rollout)
-    assert spec.has_step and not spec.has_reward and spec.closes and spec.cls.__name__ == (
-        f"OpenEnv[ws://127.0.0.1:{echo.port}/ws]")
+    assert spec.has_step and not spec.has_reward and spec.name == f"OpenEnv[ws://127.0.0.1:{echo.port}/ws]"
     session = spec.make(5.0)
     assert session.reset({"seed": 1})[0]["content"] == "Say something (game 1)."
     assert session.step("abc").reward == pytest.approx(0.3)
     assert session.step("abcd").done and session.turn_rewards == pytest.approx([0.3, 0.4])
+    session.close()
     silent = _BadServer("silent")
     try:
         _, spec = load_agent_parts(RolloutConfig(environment=f"openenv:{silent.url}", tool_timeout_s=1.0))
         session = spec.make(1.0)
+        t = time.monotonic()
         with pytest.raises(Exception) as e:
             session.reset({})
-        assert session.failure.label == "reset timeout" and f"OpenEnv[ws://127.0.0.1:" in session.failure.text
-        assert session.env.closed and "\n" not in str(e.value)
+        assert time.monotonic() - t < 1.8
+        assert session.failure.label == "reset timeout" and "OpenEnv[ws://127.0.0.1:" in session.failure.text
+        assert "its session was closed" in session.failure.text and "\n" not in str(e.value)
+        assert session.backend is None  # closed by the time-out
     finally:
         silent.close()
+    hangup = _BadServer("hangup")
+    try:
+        _, spec = load_agent_parts(RolloutConfig(environment=f"openenv:{hangup.url}", tool_timeout_s=2.0))
+        session = spec.make(2.0)
+        with pytest.raises(Exception):
+            session.reset({})
+        assert session.failure.label == "reset exception" and "the server closed the session" in session.failure.text
+    finally:
+        hangup.close()
 
 
 def test_bad_references_are_config_errors():
@@ -242,10 +270,10 @@ def test_rl_trains_on_the_per_turn_rewards_one_session_per_trajectory(echo, tmp_
         assert row["reward"] == pytest.approx(sum(row["turn_rewards"]))
         steps += len(row["turn_rewards"])
     assert steps > len(rows)  # most games went 2 steps
-    _wait_closed(echo, before + 6 + len(rows))
+    _wait_closed(echo, before + 1 + len(rows))
     opened, closed = echo.lines("open")[before:], echo.lines("close")
-    # one session per trajectory, plus one per record when the prompts were encoded at start (closed at once)
-    assert len(opened) == len(rows) + 6 and set(opened) <= set(closed)
+    # one session per trajectory, plus the one the prompts were encoded through at the start (reset per record)
+    assert len(opened) == len(rows) + 1 and set(opened) <= set(closed)
     assert len(echo.lines("step")) >= steps
 
 
@@ -297,9 +325,9 @@ def test_eval_plays_the_server_and_reports_its_rewards(echo, tmp_path):
         traj = row["greedy"]["trajectory"]
         assert traj["messages"][0] == {"role": "user", "content": f"Say something (game {i})."}
         assert row["greedy"]["reward"] == pytest.approx(sum(traj["turn_rewards"]))
-    _wait_closed(echo, before + 3 * (1 + 1 + 2))
+    _wait_closed(echo, before + 1 + 3 * (1 + 2))
     opened = echo.lines("open")[before:]
-    assert len(opened) == 3 * (1 + 1 + 2) and set(opened) <= set(echo.lines("close"))  # encoding, greedy, 2 samples
+    assert len(opened) == 1 + 3 * (1 + 2) and set(opened) <= set(echo.lines("close"))  # encoding, greedy, 2 samples
 
 
 @pytest.mark.slow
@@ -314,6 +342,6 @@ def test_fleet_workers_play_the_server(echo, tmp_path, compile_cache):
     for row in rows:
         replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
         assert row["turn_rewards"] == pytest.approx([0.1 * len(r) for r in replies[:len(row["turn_rewards"])]])
-    _wait_closed(echo, before + 6 + 16)
+    _wait_closed(echo, before + 1 + 16)
     opened = echo.lines("open")[before:]
-    assert len(opened) == 16 + 6 and set(opened) <= set(echo.lines("close"))
+    assert len(opened) == 16 + 1 and set(opened) <= set(echo.lines("close"))

@@ -15,17 +15,20 @@ and its observation is the first user turn; each assistant turn is one `step` wh
 turn's reward (None: 0) and whose `done` ends the game. The text of an observation: its `observation_field`, else
 its one string field, else the first of text, message, content, prompt it has, else its JSON.
 
-Every call (connect and reset, step) has the environment's time limit (`rollout.tool_timeout_s`), enforced by the
-socket itself (connect, send and receive time-outs), so a server that is down, slow or answers garbage is an
-`OpenEnvError` within the limit, never a hang: the trajectory ends as `env_error`, its one line naming the session
-class, `OpenEnv[URL]`, and the method. The session is closed when the trajectory ends, when a call fails and when
-it times out. This is our own client (the `websockets` package, which openenv-core's client uses too): it runs in
-the trainer's process, and a run needs no openenv-core (whose server side pulls in gradio and an MCP stack); the
+It sits behind the environment protocol (`posttrain.agent.environments`) as the session's backend
+(`OpenEnvBackend`): every call (connecting and `reset`, each `step`) has the environment's time limit
+(`rollout.tool_timeout_s`): past it the call fails as a `timeout` and the session is closed, and the socket's own
+time-outs bound it too, so a server that is down, slow, hangs up or answers garbage ends that trajectory as
+`env_error`, one line naming `OpenEnv[URL]` and the method, counted like any environment's failures; never a hang.
+The session is closed when the trajectory ends, when a call fails and when it times out. This is our own client
+(the `websockets` package, which openenv-core's client uses too): it runs on threads of the trainer's process (no
+user code to isolate), and a run needs no openenv-core (whose server side pulls in gradio and an MCP stack); the
 tests check it against openenv-core's own server.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import json
 import math
@@ -34,7 +37,8 @@ from typing import Any
 
 from posttrain.agent.environments import EnvironmentSpec
 
-__all__ = ["OpenEnvConfig", "OpenEnvError", "OpenEnvSession", "load_openenv", "observation_text", "ws_url"]
+__all__ = ["OpenEnvBackend", "OpenEnvConfig", "OpenEnvError", "OpenEnvSession", "OpenEnvTimeout", "load_openenv",
+           "observation_text", "ws_url"]
 
 PREFIX = "openenv:"
 _TEXT_FIELDS = ("text", "message", "content", "prompt")
@@ -117,17 +121,19 @@ def _json_safe(record: dict) -> dict:
     return out
 
 
+class OpenEnvTimeout(TimeoutError):
+    """A call to an OpenEnv server ran past its time limit (its session is closed)."""
+
+    consequence = "its session was closed"
+
+
 class OpenEnvSession:
-    """One trajectory's WebSocket session with an OpenEnv server: `reset(record)` (connects, then resets),
-    `step(text) -> (observation or None, reward, done)`, `close()`. Every failure is an `OpenEnvError`, after
-    which the session is closed. Made with no arguments by the environment loader (`load_openenv` binds
-    the URL, the config and the time limit as class attributes)."""
+    """One WebSocket session with the OpenEnv server at `url` (its `/ws` endpoint): `reset(record, timeout)`
+    (connects when not connected, then resets: a new episode), `step(text, timeout) -> (observation or None,
+    reward, done)`, `close()`. Every failure is an `OpenEnvError`, after which the session is closed."""
 
-    url: str = ""
-    cfg: OpenEnvConfig = OpenEnvConfig()
-    timeout_s: float | None = 10.0
-
-    def __init__(self):
+    def __init__(self, url: str, cfg: OpenEnvConfig | None = None):
+        self.url, self.cfg = url, cfg or OpenEnvConfig()
         self._ws = None
         self._lock = threading.Lock()
         self._busy = False  # a call is waiting for its answer
@@ -138,15 +144,15 @@ class OpenEnvSession:
         self.close()
         return OpenEnvError(what)
 
-    def _connect(self) -> None:
+    def _connect(self, timeout: float | None) -> None:
         from websockets.exceptions import InvalidHandshake, InvalidURI
         from websockets.sync.client import connect
 
         try:
-            ws = connect(self.url, open_timeout=self.timeout_s, close_timeout=1.0, ping_interval=None,
+            ws = connect(self.url, open_timeout=timeout, close_timeout=1.0, ping_interval=None,
                          max_size=int(self.cfg.max_message_mb * 2**20))
         except TimeoutError:
-            raise self._fail(f"no connection within {self.timeout_s:g}s") from None
+            raise self._fail(f"no connection within {timeout:g}s") from None
         except (OSError, InvalidHandshake, InvalidURI) as e:
             raise self._fail(f"cannot connect ({type(e).__name__}: {' '.join(str(e).split())})") from None
         with self._lock:
@@ -155,7 +161,7 @@ class OpenEnvSession:
                 raise self._fail("the session was closed")
             self._ws = ws
 
-    def _call(self, message: dict, what: str) -> dict:
+    def _call(self, message: dict, what: str, timeout: float | None) -> dict:
         """Send `message`, and read the observation answer's data."""
         from websockets.exceptions import ConnectionClosed
 
@@ -165,10 +171,10 @@ class OpenEnvSession:
         try:
             self._busy = True
             ws.send(json.dumps(message))
-            raw = ws.recv(timeout=self.timeout_s)
+            raw = ws.recv(timeout=timeout)
             self._busy = False
         except TimeoutError:
-            raise self._fail(f"{what}: no answer within {self.timeout_s:g}s") from None
+            raise self._fail(f"{what}: no answer within {timeout:g}s") from None
         except ConnectionClosed as e:
             raise self._fail(f"{what}: the server closed the session ({e})") from None
         except (OSError, RuntimeError) as e:
@@ -195,17 +201,20 @@ class OpenEnvSession:
             raise self._fail(f"{what}: {e.args[0] if e.args else e}") from None
 
     # ------------------------------------------------------------------ the environment's methods
-    def reset(self, record: dict) -> list[dict]:
-        """Open the session and reset its environment with the record's fields: the first user turn."""
-        self._connect()
-        text, _, _ = self._read(self._call({"type": "reset", "data": _json_safe(record)}, "reset"), "reset")
+    def reset(self, record: dict, timeout: float | None = 10.0) -> list[dict]:
+        """Reset the session's environment with the record's fields (connecting first when not connected): the
+        first user turn."""
+        if self._ws is None:
+            self.closed = False
+            self._connect(timeout)
+        text, _, _ = self._read(self._call({"type": "reset", "data": _json_safe(record)}, "reset", timeout), "reset")
         return [{"role": "user", "content": text}]
 
-    def step(self, text: str) -> tuple[str | None, float, bool]:
+    def step(self, text: str, timeout: float | None = 10.0) -> tuple[str | None, float, bool]:
         """The model's turn as the action: (the next user turn, or None when done; the turn's reward; done). The
         session is closed when the game is over."""
-        obs, reward, done = self._read(self._call({"type": "step", "data": {self.cfg.action_field: text}}, "step"),
-                                       "step")
+        data = self._call({"type": "step", "data": {self.cfg.action_field: text}}, "step", timeout)
+        obs, reward, done = self._read(data, "step")
         if done:
             self.close()
         return (None if done else obs), reward, done
@@ -232,15 +241,56 @@ class OpenEnvSession:
             pass
 
 
-def load_openenv(ref: str, cfg: OpenEnvConfig | None = None, timeout_s: float | None = 10.0,
-                 key: str = "rollout.environment") -> EnvironmentSpec:
-    """The environment `openenv:URL` names: a session class bound to the URL, `cfg` and the time limit (errors
-    name `key`). Nothing is contacted here: the first trajectory's `reset` connects."""
+class OpenEnvBackend:
+    """One trajectory's OpenEnv session as the environment protocol's backend (`EnvBackend`): `reset` and `step`
+    each run on a thread of their own (our client, not user code: nothing to isolate in a process), and their Future
+    fails with `OpenEnvTimeout` at the call's time limit (the session is closed then, which ends the call) or with
+    the `OpenEnvError` the call met."""
+
+    def __init__(self, url: str, cfg: OpenEnvConfig):
+        self.session = OpenEnvSession(url, cfg)
+
+    def call(self, method: str, args: tuple = (), kwargs: dict | None = None, *, timeout: float | None,
+             fresh: bool = False, offered: bool = False) -> cf.Future:
+        out: cf.Future = cf.Future()
+
+        def settle(result=None, error: BaseException | None = None) -> None:
+            try:
+                out.set_exception(error) if error is not None else out.set_result(result)
+            except cf.InvalidStateError:  # the time limit came first
+                pass
+
+        def run() -> None:
+            try:
+                if method not in ("reset", "step"):
+                    raise OpenEnvError(f"an OpenEnv environment has no method {method!r}")
+                settle(getattr(self.session, method)(*args, timeout=timeout))
+            except BaseException as e:  # noqa: BLE001 - the call's outcome, whatever it is
+                settle(error=e)
+
+        def expire() -> None:
+            if not out.done():
+                settle(error=OpenEnvTimeout(f"{method}: no answer within {timeout:g}s"))
+                self.session.close()
+
+        threading.Thread(target=run, name=f"openenv-{method}", daemon=True).start()
+        if timeout is not None:
+            timer = threading.Timer(timeout, expire)
+            timer.daemon = True
+            timer.start()
+            out.add_done_callback(lambda _: timer.cancel())
+        return out
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def load_openenv(ref: str, cfg: OpenEnvConfig | None = None, key: str = "rollout.environment") -> EnvironmentSpec:
+    """The environment `openenv:URL` names: each session a WebSocket session with the server (errors name `key`).
+    Nothing is contacted here: the first `reset` connects."""
     url = ref[len(PREFIX):].strip() if ref.startswith(PREFIX) else ref.strip()
     if not url or any(ch.isspace() for ch in url):
         raise ValueError(f"{key}: {ref!r} must be openenv:URL with the server's http(s):// or ws(s):// address")
-    endpoint = ws_url(url)
-    session = type(f"OpenEnv[{endpoint}]", (OpenEnvSession,),
-                   {"url": endpoint, "cfg": cfg or OpenEnvConfig(), "timeout_s": timeout_s})
-    return EnvironmentSpec(cls=session, ref=ref, tool_names=(), schemas=(), has_step=True, has_reward=False,
-                           closes=True)
+    endpoint, cfg = ws_url(url), cfg or OpenEnvConfig()
+    return EnvironmentSpec(name=f"OpenEnv[{endpoint}]", ref=ref, tool_names=(), schemas=(), has_step=True,
+                           has_reward=False, open=lambda pool: OpenEnvBackend(endpoint, cfg))

@@ -6,8 +6,9 @@ is a one-line `ConfigError` naming the key (or the file) at fault."""
 
 from __future__ import annotations
 
+from posttrain.agent.env_classes import load_environment
 from posttrain.agent.env_openenv import PREFIX as OPENENV, OpenEnvConfig, load_openenv
-from posttrain.agent.environments import EnvironmentSpec, load_environment
+from posttrain.agent.environments import EnvironmentSpec
 from posttrain.agent.rollout import Agent
 from posttrain.agent.templates import TemplateError
 from posttrain.config import ConfigError
@@ -43,7 +44,7 @@ def _load_env(rollout) -> EnvironmentSpec:
     ref = rollout.environment.strip()
     if ref.startswith(OPENENV):
         try:
-            return load_openenv(ref, getattr(rollout, "openenv", None) or OpenEnvConfig(), rollout.tool_timeout_s)
+            return load_openenv(ref, getattr(rollout, "openenv", None) or OpenEnvConfig())
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return load_environment(ref, key="rollout.environment")

@@ -277,5 +277,5 @@ def env_watch(rollout: RolloutConfig, agent: Agent | None, say: Callable[[str], 
     """The watch over an environment's failures (None without an environment)."""
     if agent is None or agent.environment is None:
         return None
-    return EnvErrorWatch(agent.environment.cls.__name__, rollout.max_env_error_fraction,
+    return EnvErrorWatch(agent.environment.name, rollout.max_env_error_fraction,
                          warn=lambda line: say(f"warning: {line}"))

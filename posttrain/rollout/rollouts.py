@@ -215,8 +215,21 @@ def generate_rollouts(
     each sample's `routed_experts` (module docstring). Rewards that start early (the judge: `RewardRunner.early`)
     get each completion as soon as it is sampled, so their calls overlap the decoding of the others."""
     prompts = list(prompts)
+    rollout = AgentRollout(agent, [p.record for p in prompts], [p.ids for p in prompts],
+                           [getattr(p, "where", None) for p in prompts]) if agent is not None else None
+    try:
+        return _scored(sampler, prompts, params, reward_runner, uids, rollout, progress, between_segments,
+                       record_experts)
+    finally:
+        if rollout is not None:  # environment sessions still open (a failed call): closed
+            rollout.close()
+
+
+def _scored(sampler, prompts, params, reward_runner, uids, rollout, progress, between_segments,
+            record_experts) -> Rollouts:
+    """`generate_rollouts`' body: sample, score, gather."""
     early = reward_runner.early() if hasattr(reward_runner, "early") and not distributed.is_multiprocess() else None
-    completions, trajs = _sample(sampler, prompts, params, uids, agent, progress, between_segments, record_experts,
+    completions, trajs = _sample(sampler, prompts, params, uids, rollout, progress, between_segments, record_experts,
                                  early)
     n = len(completions)
     records = [p.record for p in prompts]
@@ -255,11 +268,12 @@ def generate_rollouts(
     )
 
 
-def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uids, agent: Agent | None,
+def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uids, rollout: AgentRollout | None,
             progress: bool, between_segments, record_experts: bool = False, early=None):
     """The sampler's completions of `prompts` (their ids, and their images when any has some; with
-    `record_experts`, the experts routed to), and with an `agent` each completion's finished `Trajectory` (None
-    without one). `early` (`posttrain.rewards.runner.EarlyScores`) gets each completion as it finishes."""
+    `record_experts`, the experts routed to), and with an agent's `rollout` each completion's finished
+    `Trajectory` (None without one). `early` (`posttrain.rewards.runner.EarlyScores`) gets each completion as it
+    finishes."""
     prompt_ids = [p.ids for p in prompts]
     kwargs: dict[str, Any] = {"progress": True} if progress else {}
     if between_segments is not None:
@@ -268,17 +282,11 @@ def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uid
         kwargs["record_experts"] = True
     if any(p.images for p in prompts):
         kwargs["images"] = [p.images for p in prompts]
-    rollout = None
-    if agent is not None:
-        rollout = AgentRollout(agent, [p.record for p in prompts], prompt_ids)
-        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
+    if rollout is not None:
+        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, rollout.agent))
     if early is not None:
         kwargs["on_finish"] = _early_feed(early, prompts, params.n, rollout)
-    try:
-        completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
-    finally:  # environment sessions that hold a connection (OpenEnv) all end with the call, also when it fails
-        if rollout is not None:
-            rollout.close()
+    completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
     return completions, [rollout.finished(c) for c in completions] if rollout is not None else None
 
 
