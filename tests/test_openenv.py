@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.agent.env_openenv import (OpenEnvConfig, OpenEnvError, OpenEnvSession, load_openenv, observation_text,
-                                         ws_url)
+from posttrain.agent.env_openenv import OpenEnvConfig, OpenEnvError, OpenEnvSession, observation_text, ws_url
 from posttrain.agent.setup import load_agent_parts
 from posttrain.config import ConfigError
 from posttrain.rl.config import RolloutConfig
