@@ -755,9 +755,8 @@ class Sampler:
         record_experts: a mixture of experts: each `Completion` gets `routed_experts` [n_positions, L_sparse, k],
           the experts the router chose at every position the sampler ran through the model (see "Expert
           recording"). Ignored for a dense model (`routed_experts` stays None); off, the programs are unchanged.
-        on_finish: called with each `Completion` as soon as its sequence is finished (before the call returns; on
-          the host loop's thread, so it must not block): work on early finishers, e.g. scoring, overlaps the
-          decoding of the others.
+        on_finish: called with each `Completion` as its sequence finishes (on the host loop's thread: it must not
+          block), so work on early finishers (scoring) overlaps the decoding of the others.
         """
         params = params or SamplingParams()
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
