@@ -414,11 +414,13 @@ class Trajectory:
         return trajectory_reward(self.env.turn_rewards, final)
 
     def summary(self) -> dict[str, Any]:
-        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, finish reason, and the
-        environment's failure (`env_errors` 0 or 1; `env_error` its text, `env_error_kind` e.g. `step timeout`)."""
+        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, the environment's per-turn
+        rewards (`turn_rewards`, one per `step`), finish reason, and the environment's failure (`env_errors` 0 or 1;
+        `env_error` its text, `env_error_kind` e.g. `step timeout`)."""
         failure = self.env.failure if self.env is not None else None
         where = {"env_error_record": self.where} if failure is not None and self.where else {}
         return {"messages": self.messages, "tool_calls": self.tool_calls, "tool_results": self.tool_results,
+                "turn_rewards": list(self.env.turn_rewards) if self.env is not None else [],
                 "turns": self.turns, "num_tool_calls": self.num_calls, "tool_errors": self.tool_errors,
                 "tool_seconds": self.tool_seconds, "finish_reason": self.finish_reason or "stop",
                 "env_errors": int(failure is not None),
