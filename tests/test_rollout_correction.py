@@ -101,6 +101,19 @@ def test_truncated_importance_weights_hand_computed():
     np.testing.assert_allclose(wg[0, :2], [np.exp(-0.25)] * 2, rtol=1e-6)  # exp(mean of 0.5 and -1)
 
 
+def test_mismatch_kl_does_not_round_a_small_mismatch_to_zero():
+    """float32 log-probs that differ by a few ulps (a matched float32 run): r - 1 - log r computed as written in
+    float32 is ~1e-12 under rounding of 1.2e-7 (the run logged 0.0); the metric is the float64 value to 1e-6, across
+    the series' threshold (|log r| = 0.1) too."""
+    mu = np.array([[-2.3456789, -0.5, -7.25, -1.0]], np.float32)
+    old = (mu + np.array([[1.430511474609375e-06, -2.4e-7, 0.09, 0.3]], np.float32)).astype(np.float32)
+    x = old.astype(np.float64) - mu.astype(np.float64)
+    want = np.mean(np.expm1(x) - x)
+    assert _correct(old, mu, np.ones_like(mu))[1]["mismatch_kl"] == pytest.approx(want, rel=1e-5)
+    small = _correct(old[:, :2], mu[:, :2], np.ones((1, 2), np.float32))[1]["mismatch_kl"]
+    assert small == pytest.approx(np.mean(np.expm1(x[:, :2]) - x[:, :2]), rel=1e-5) and small > 0
+
+
 def test_weights_scale_the_surrogate_and_are_constants():
     logp = jnp.array([[-1.0, -2.0], [-0.5, -0.7]])
     adv, mask = jnp.array([1.0, -2.0]), jnp.ones((2, 2))
@@ -162,7 +175,8 @@ def test_settings_checks_name_the_key():
     assert RolloutCorrection(is_mode="mask", is_cap=4.0).mask_bounds == (0.25, 4.0)  # low: 1 / cap
     assert RolloutCorrection(rejection="geometric").rejection_bounds == (1 / 1.001, 1.001)
     assert RolloutCorrection(rejection="sequence").rejection_bounds == (0.5, 2.0)
-    assert not RolloutCorrection(is_level="none").active and RolloutCorrection(is_level="none", rejection="token").active
+    assert not RolloutCorrection(is_level="none").active
+    assert RolloutCorrection(is_level="none", rejection="token").active
 
 
 def test_config_keys_are_the_learners():

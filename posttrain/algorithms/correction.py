@@ -160,6 +160,16 @@ def _masked_mean(x, m):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def _k3(log_r):
+    """``r - 1 - log r`` at r = exp(log_r), accurate where the two precisions nearly agree: in float32, r - 1 rounds to
+    multiples of 2^-23 and the difference (~log_r^2 / 2, 1e-12 for log_r ~ 1e-6) would be lost; below |log_r| = 0.1
+    the series log_r^2 (1/2 + log_r/6 + log_r^2/24 + log_r^3/120) (truncation below 3e-7 relative), above it
+    expm1(log_r) - log_r (rounding below 2e-6 relative)."""
+    small = jnp.abs(log_r) < 0.1
+    series = log_r * log_r * (0.5 + log_r * (1.0 / 6.0 + log_r * (1.0 / 24.0 + log_r / 120.0)))
+    return jnp.where(small, series, jnp.expm1(jnp.clip(log_r, -MAX_LOG_RATIO, MAX_LOG_RATIO)) - log_r)
+
+
 def level_log_ratios(log_r, mask, level):
     """The log-ratio a `level` acts on, [N, T] (a sequence's on each of its tokens): token log r_t, sequence
     sum_t log r_t, geometric mean_t log r_t (masked tokens only; `log_r` is 0 elsewhere)."""
@@ -197,7 +207,8 @@ def rollout_correction(old_logp, behaviour_logp, mask, corr: RolloutCorrection):
 
     Metrics: ``mismatch_kl``: what it compares is the sampler's log-probs of the sampled tokens with the trainer's
     recomputed ones, KL(pi_sampler || pi_trainer) estimated with k3 per loss token, ``r - 1 - log r`` with
-    r = pi_old / mu (Schulman 2020), averaged over the batch's loss tokens; ``is/ratio_min``, ``is/ratio_max``: the
+    r = pi_old / mu (Schulman 2020; computed so that float32 does not round a small mismatch to 0: `_k3`), averaged
+    over the batch's loss tokens; ``is/ratio_min``, ``is/ratio_max``: the
     extreme ratios the correction acts on (its IS level's; the rejection level's without IS; per token without
     either), over loss tokens or sequences; ``is/weight_mean``: the mean weight over the tokens left in the loss;
     ``is/truncated_frac``: units whose ratio was cut at the cap (truncate); ``is/ess``: effective sample size
@@ -207,8 +218,7 @@ def rollout_correction(old_logp, behaviour_logp, mask, corr: RolloutCorrection):
     m = _f32(mask)
     valid = m > 0
     log_r = jnp.where(valid, _f32(old_logp) - _f32(behaviour_logp), 0.0)
-    r = jnp.exp(jnp.clip(log_r, -MAX_LOG_RATIO, MAX_LOG_RATIO))
-    metrics = {"mismatch_kl": _masked_mean(r - 1.0 - log_r, m)}
+    metrics = {"mismatch_kl": _masked_mean(_k3(log_r), m)}
     level, rejection = ISLevel.of(corr.is_level), ISLevel.of(corr.rejection)
     w = jnp.ones_like(m)
     shown = level if level.corrects else rejection if rejection.corrects else ISLevel.TOKEN
