@@ -418,7 +418,7 @@ class Trainer:
 
         grad_fn = jax.value_and_grad(micro, has_aux=True)
 
-        def step_fn(params, opt_state, rest, frozen, batch, step, loss_scale):
+        def step_fn(params, opt_state, rest, frozen, batch, step, loss_scale=None):
             grads, loss_sum, weight, metrics = self._grads(grad_fn, micro, params, rest, frozen, batch,
                                                            rows_per_example, loss_scale)
             denom = jnp.maximum(weight, 1e-12)
