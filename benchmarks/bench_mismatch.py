@@ -20,7 +20,10 @@ weights: `posttrain models fetch smollm2-135m-instruct`. The full recipe (16 ste
 10-18 min a run on 2 shared cores; `--steps` and `--eval-limit` shrink it:
 
     python benchmarks/bench_mismatch.py [--variants a b c d ref] [--seeds 0 1 2] [--steps N] [--eval-limit N]
-                                        [--out DIR] [key=value ...]
+                                        [--out DIR] [--append] [key=value ...]
+
+`--append` adds a run's rows to those of an earlier invocation with the same `--out` and summarises them together
+(e.g. the accuracy variants at full length, then the mismatch-only variants shorter).
 """
 
 from __future__ import annotations
@@ -114,9 +117,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0, help="override trainer.max_steps (0 = the recipe's 16)")
     p.add_argument("--eval-limit", type=int, default=0, help="held-out problems (0 = the recipe's 200)")
     p.add_argument("--out", default="/tmp/bench_mismatch")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's rows to OUT/summary.json's (an earlier invocation's) and summarise them all")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="more overrides for every run")
     args = p.parse_args(argv)
-    rows, t0 = [], time.perf_counter()
+    summary = Path(args.out) / "summary.json"
+    rows = json.loads(summary.read_text()) if args.append and summary.exists() else []
+    t0 = time.perf_counter()
     for variant in args.variants:
         base = None
         for seed in args.seeds:
@@ -124,12 +131,12 @@ def main(argv=None) -> int:
             base = row["accuracy_before"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\nbench_mismatch: {len(rows)} runs in {time.perf_counter() - t0:.0f} s "
+    print(f"\nbench_mismatch: {len(rows)} runs, this invocation {time.perf_counter() - t0:.0f} s "
           f"(steps {args.steps or 'recipe'}, held-out {args.eval_limit or 'recipe'}, seeds {args.seeds})")
     for line in summarise(rows):
         print(line)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "summary.json").write_text(json.dumps(rows, indent=2))
+    summary.write_text(json.dumps(rows, indent=2))
     return 0
 
 

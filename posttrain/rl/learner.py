@@ -130,9 +130,9 @@ class Learner:
                  pack: bool = False, attn_span: float | None = None, prompt_min: int | None = None):
         """`ref_fn(model_inputs, last=C)`: the reference's log-probs (None: no KL term; with `pack`, a scorer with
         a `packed(batch)` method: `FrozenScorer`, `TrainerScorer`); `correction`: the rollout correction (None:
-        off), with which pi_old is always recomputed; `pack`: train and score
-        packed batches (`posttrain.rl.packing`); `attn_span` (with `pack`): rows may also share a prompt, the
-        cheaper layout chosen per batch by `posttrain.rl.packing.pack_cheapest` with this attention span;
+        off), with which pi_old is always recomputed; `pack`: train and score packed batches
+        (`posttrain.rl.packing`); `attn_span` (with `pack`): rows may also share a prompt, the cheaper layout chosen
+        per batch by `posttrain.rl.packing.pack_cheapest` with this attention span;
         `prompt_min` (with `pack`): the run's shortest prompt, with which the packed sizes are fixed at the first
         batch, so the update and the scoring compile once (`posttrain.rl.packing.PackPlan`)."""
         self.trainer, self.loss_fn = trainer, loss_fn
@@ -200,8 +200,7 @@ class Learner:
     def score(self, batch: RLBatch) -> RLBatch:
         """`batch` with its proximal log-probs set (the behaviour ones, or recomputed: see the module docstring)
         and the reference's when there is one. Both are scored at the completion (loss) tokens only."""
-        recompute = self.recompute_old
-        if not recompute and self.ref_fn is None:
+        if not self.recompute_old and self.ref_fn is None:
             return batch.replace(old_logp=batch.behaviour_logp)
         if self.pack:
             packed, layout = self._pack(batch, "score")
@@ -210,6 +209,6 @@ class Learner:
             c = batch.completion_len  # the vocabulary is projected at the completion columns only
             # the policy replays recorded experts (routing replay); the reference ignores them
             run = lambda scorer: distributed.to_host(scorer(batch.model_inputs(replay=True), last=c))  # noqa: E731
-        old = run(self.policy) if recompute else batch.behaviour_logp
+        old = run(self.policy) if self.recompute_old else batch.behaviour_logp
         ref = run(self.ref_fn) if self.ref_fn is not None else None
         return batch.replace(old_logp=old, ref_logp=ref)

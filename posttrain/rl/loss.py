@@ -5,8 +5,8 @@ vocabulary projection only at completion positions (and chunked, so [tokens, voc
 whole; see `posttrain.rl.batch` for the layout); the loss itself is
 `posttrain.algorithms.policy.policy_loss` (PPO/DAPO clipped ratio or GSPO, KL to the reference).
 The minibatch loss L is returned as (L * w, w) with w the aggregation's weight (`Aggregation.weight`: target
-tokens for token-mean, sequences otherwise), so summing over micro-batches and dividing reproduces the
-aggregate over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
+tokens for token-mean, sequences otherwise; those the batch's rollout correction left, `RLBatch.is_weight`), so
+summing over micro-batches and dividing reproduces the aggregate over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
 A packed batch (`posttrain.rl.packing`) runs the forward over its rows and projects only its loss tokens; its
 per-token fields, read per sequence slot, go through the same `policy_loss`.
 
