@@ -20,7 +20,12 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-turn rollouts (tools or an environment)")
     g.add_argument("--tools", default=None,
                    help="comma-separated tools: calculator, python, module:function or file.py:function")
-    g.add_argument("--environment", default=None, help="environment class: module:Class or file.py:Class")
+    g.add_argument("--environment", default=None,
+                   help="environment: a class (module:Class or file.py:Class) or an OpenEnv server (openenv:URL)")
+    g.add_argument("--openenv-action-field", default=None,
+                   help="an OpenEnv environment's action field that holds the model's turn (default: message)")
+    g.add_argument("--openenv-observation-field", default=None,
+                   help="an OpenEnv observation's field that is the next user turn (default: its text field)")
     g.add_argument("--tool-format", default="hermes", choices=["hermes", "llama3", "mistral"],
                    help="how the model writes tool calls (default: hermes <tool_call>)")
     for flag, key, kind, text in LIMIT_OPTIONS:
@@ -33,18 +38,22 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
 
 def rollout_section(args):
     """The rollout config section of the options (validated as `posttrain rl` validates it)."""
+    from posttrain.agent.env_openenv import OpenEnvConfig
     from posttrain.rl.config import RolloutConfig
     from posttrain.tools.python_sandbox import SandboxConfig
 
     tools = [t.strip() for t in args.tools.split(",") if t.strip()] if args.tools else []
+    openenv = {k: v for k, v in (("action_field", args.openenv_action_field),
+                                 ("observation_field", args.openenv_observation_field)) if v is not None}
     try:
         return RolloutConfig(tools=tools, environment=args.environment, tool_format=args.tool_format,
                              sandbox=SandboxConfig(backend=args.sandbox, url=args.sandbox_url),
+                             openenv=OpenEnvConfig(**openenv),
                              **{key: getattr(args, key) for _, key, _, _ in LIMIT_OPTIONS
                                 if getattr(args, key) is not None})
     except ValueError as e:
         msg = (str(e).replace("rollout.sandbox.backend", "--sandbox").replace("rollout.sandbox.url", "--sandbox-url")
-               .replace("rollout.tool_timeout_s", "--tool-timeout"))
+               .replace("rollout.tool_timeout_s", "--tool-timeout").replace("rollout.openenv.", "--openenv-"))
         raise ConfigError(msg.replace("rollout.", "--").replace("_", "-")) from None
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import re
 from typing import Any, Literal
 
+from posttrain.agent.env_openenv import OpenEnvConfig
 from posttrain.agent.rollout import AgentLimits
 from posttrain.algorithms.correction import RolloutCorrection
 from posttrain.algorithms.registry import PRESETS, GRPOFamily
@@ -82,7 +83,8 @@ class RolloutConfig(AgentLimits):
     tools: tool references, like reward functions (`calculator`, `posttrain.tools:calculator`,
       `my_tools.py:search`); the built-in `python` runs in `sandbox`.
     environment: an environment class (`my_env.py:Wordle`) whose `reset` makes each conversation and whose
-      public typed methods are tools too; None = none.
+      public typed methods are tools too, or an OpenEnv server (`openenv:http://HOST:PORT`: one WebSocket session
+      per trajectory, see `openenv`); None = none.
     tool_format: how the model writes calls: hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`.
     tool_workers: processes that run the tool calls (an environment's methods run in threads of the run).
     max_env_error_fraction: an environment method that times out, raises or returns the wrong type ends its
@@ -90,6 +92,8 @@ class RolloutConfig(AgentLimits):
       stops with an error (1: never).
     sandbox: where the built-in `python` tool runs model-written code (`posttrain.tools.python_sandbox.SandboxConfig`:
       the kernel's namespaces by default, a SandboxFusion service, or an explicitly unsafe plain process).
+    openenv: how an OpenEnv environment's actions and observations map to text
+      (`posttrain.agent.env_openenv.OpenEnvConfig`: `action_field`, `observation_field`).
     compute_dtype: the sampler's activation and matmul dtype, independent of the trainer's (the weights stay in
       model.param_dtype, cast at each use), in-process, in the held-out evaluation and on the fleet's workers;
       None = the model's (model.compute_dtype). The sampler's log-probs then differ from the trainer's: what the
@@ -110,6 +114,7 @@ class RolloutConfig(AgentLimits):
     tool_workers: int = 4
     max_env_error_fraction: float = 0.5
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    openenv: OpenEnvConfig = dataclasses.field(default_factory=OpenEnvConfig)
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @property
@@ -174,14 +179,15 @@ class LearnerConfig(RolloutCorrection):
 
 @dataclasses.dataclass
 class RewardConfig:
-    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`, `reasoning_gym`), `module:function`
-    or `file.py:function`.
+    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`, `reasoning_gym`, `judge`),
+    `module:function` or `file.py:function`.
 
     name: which reward: a built-in name (also `exact_answer`), `module:function` or `file.py:function`; a
       completion's reward is the weighted sum over `rewards.functions`.
     weight: this reward's factor in that sum.
-    kwargs: settings of a reward factory (e.g. `overlong_penalty`'s max_length and cache_length), or else
-      keyword arguments passed to every call.
+    kwargs: settings of a reward factory (e.g. `overlong_penalty`'s max_length and cache_length, the `judge`'s url,
+      model, template, score: `posttrain.rewards.judge.JudgeConfig`), or else keyword arguments passed to every
+      call.
     """
 
     name: str = "math_answer"

@@ -36,7 +36,7 @@ from posttrain.rollout.prompts import Prompt
 from posttrain.sampling import Sampler, SamplingParams
 
 
-COUNT_SUFFIXES = ("failures", "timeouts")  # reward statistics that are counts (summed); the others are means
+COUNT_SUFFIXES = ("failures", "timeouts", "skipped")  # reward statistics that are counts (summed); the others are means
 
 
 @dataclasses.dataclass
@@ -159,13 +159,27 @@ def prompt_text(prompt: str | list[dict]) -> str:
     return "\n".join(str(m.get("content", "")) for m in prompt)
 
 
-def score_once(reward_runner, prompts: list[str], texts: list[str], fields: dict[str, list]):
+def _reward_input(record: dict, completion, traj=None) -> tuple[str, str, dict]:
+    """What the rewards see of one completion: its prompt as text (a record without a prompt, whose conversation
+    an environment's `reset` made: its first messages), its text (a trajectory's last assistant message), and its
+    fields (the record's other columns, `completion_lengths`, and a trajectory's `messages`)."""
+    prompt = prompt_text(record["prompt"] if "prompt" in record else traj.first)
+    text = traj.final_text if traj is not None else (completion.text if completion.text is not None else "")
+    fields = {key: value for key, value in record.items() if key != "prompt"}
+    fields["completion_lengths"] = len(completion.token_ids)
+    if traj is not None:
+        fields["messages"] = traj.messages
+    return prompt, text, fields
+
+
+def score_once(reward_runner, prompts: list[str], texts: list[str], fields: dict[str, list], early=None):
     """`reward_runner.score(...)`; in a multi-host run process 0 scores (every process holds the same
     completions: the sampler's results are read whole on every process) and broadcasts the rewards, so reward
     code runs once per sample and every process trains on the same numbers (a user's reward that times out or
     is random cannot make the processes disagree)."""
     if not distributed.is_multiprocess():
-        return reward_runner.score(prompts, texts, fields)
+        return reward_runner.score(prompts, texts, fields, early) if early is not None else \
+            reward_runner.score(prompts, texts, fields)
     result = None
     if distributed.is_primary():
         total, per_reward, stats = reward_runner.score(prompts, texts, fields)
@@ -198,24 +212,33 @@ def generate_rollouts(
     its trajectories at every turn end; see the module docstring). `progress` shows the sampler's progress bar.
     `between_segments`: newer weights between decode segments (`Sampler.generate`; partial rollouts): each
     token is stamped with the version that produced it. `record_experts` (a mixture of experts, routing replay):
-    each sample's `routed_experts` (module docstring)."""
+    each sample's `routed_experts` (module docstring). Rewards that start early (the judge: `RewardRunner.early`)
+    get each completion as soon as it is sampled, so their calls overlap the decoding of the others."""
     prompts = list(prompts)
-    completions, trajs = _sample(sampler, prompts, params, uids, agent, progress, between_segments, record_experts)
+    rollout = AgentRollout(agent, [p.record for p in prompts], [p.ids for p in prompts],
+                           [getattr(p, "where", None) for p in prompts]) if agent is not None else None
+    try:
+        return _scored(sampler, prompts, params, reward_runner, uids, rollout, progress, between_segments,
+                       record_experts)
+    finally:
+        if rollout is not None:  # environment sessions still open (a failed call): closed
+            rollout.close()
+
+
+def _scored(sampler, prompts, params, reward_runner, uids, rollout, progress, between_segments,
+            record_experts) -> Rollouts:
+    """`generate_rollouts`' body: sample, score, gather."""
+    early = reward_runner.early() if hasattr(reward_runner, "early") and not distributed.is_multiprocess() else None
+    completions, trajs = _sample(sampler, prompts, params, uids, rollout, progress, between_segments, record_experts,
+                                 early)
     n = len(completions)
     records = [p.record for p in prompts]
     prompt_ids = [p.ids for p in prompts]
-    recs = [records[c.prompt_index] for c in completions]
-    if trajs is None:
-        texts = [c.text if c.text is not None else "" for c in completions]
-    else:
-        texts = [t.final_text for t in trajs]
-    # a record without a prompt (an environment's `reset` made the conversation): its first messages
-    prompts_text = [prompt_text(r["prompt"] if "prompt" in r else trajs[k].first) for k, r in enumerate(recs)]
-    fields: dict[str, list] = {key: [r.get(key) for r in recs] for key in records[0] if key != "prompt"}
-    fields["completion_lengths"] = [len(c.token_ids) for c in completions]
-    if trajs is not None:
-        fields["messages"] = [t.messages for t in trajs]
-    total, per_reward, stats = score_once(reward_runner, prompts_text, texts, fields)
+    inputs = [_reward_input(records[c.prompt_index], c, trajs[k] if trajs is not None else None)
+              for k, c in enumerate(completions)]
+    prompts_text, texts = [x[0] for x in inputs], [x[1] for x in inputs]
+    fields: dict[str, list] = {key: [x[2].get(key) for x in inputs] for key in (inputs[0][2] if inputs else {})}
+    total, per_reward, stats = score_once(reward_runner, prompts_text, texts, fields, early)
     if trajs is not None:
         total, per_reward = _add_env_rewards(trajs, total, per_reward)
     version = int(getattr(sampler, "version", None) or 0)  # the weights' policy version (`Sampler.load_weights`)
@@ -245,11 +268,12 @@ def generate_rollouts(
     )
 
 
-def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uids, agent: Agent | None,
-            progress: bool, between_segments, record_experts: bool = False):
+def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uids, rollout: AgentRollout | None,
+            progress: bool, between_segments, record_experts: bool = False, early=None):
     """The sampler's completions of `prompts` (their ids, and their images when any has some; with
-    `record_experts`, the experts routed to), and with an `agent` each completion's finished `Trajectory` (None
-    without one)."""
+    `record_experts`, the experts routed to), and with an agent's `rollout` each completion's finished
+    `Trajectory` (None without one). `early` (`posttrain.rewards.runner.EarlyScores`) gets each completion as it
+    finishes."""
     prompt_ids = [p.ids for p in prompts]
     kwargs: dict[str, Any] = {"progress": True} if progress else {}
     if between_segments is not None:
@@ -258,12 +282,25 @@ def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uid
         kwargs["record_experts"] = True
     if any(p.images for p in prompts):
         kwargs["images"] = [p.images for p in prompts]
-    rollout = None
-    if agent is not None:
-        rollout = AgentRollout(agent, [p.record for p in prompts], prompt_ids)
-        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
+    if rollout is not None:
+        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, rollout.agent))
+    if early is not None:
+        kwargs["on_finish"] = _early_feed(early, prompts, params.n, rollout)
     completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
     return completions, [rollout.finished(c) for c in completions] if rollout is not None else None
+
+
+def _early_feed(early, prompts: list[Prompt], n: int, rollout: AgentRollout | None):
+    """The sampler's `on_finish`: a finished completion's reward inputs to the early rewards (a problem here only
+    leaves the completion to be asked again when the batch is scored)."""
+    def on_finish(c) -> None:
+        try:
+            traj = rollout.trajectory(c.prompt_index, c.sample_index) if rollout is not None else None
+            early.add(c.prompt_index * n + c.sample_index, *_reward_input(prompts[c.prompt_index].record, c, traj))
+        except Exception:  # noqa: BLE001 - never the sampler's problem
+            pass
+
+    return on_finish
 
 
 def _recorded_experts(c, prompt_ids) -> np.ndarray:
