@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from posttrain.config import ConfigError
 from posttrain.models import expert_kernels
 
 CHOICES = ("auto", "generic", "cpu")
@@ -498,8 +499,6 @@ def check_compute_dtype(dtype: str, key: str, kernels: str = "auto") -> None:
         return
     problem = _cannot_run(resolve(kernels), dtype)
     if problem is not None:
-        from posttrain.config import ConfigError
-
         raise ConfigError(f"{key}={dtype}: the {_platform()} backend cannot compute in {dtype} with the "
                           f"{resolve(kernels)} kernels ({problem}); use float32 or bfloat16")
 
