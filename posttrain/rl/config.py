@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from posttrain.agent.env_openenv import OpenEnvConfig
 from posttrain.agent.rollout import AgentLimits
+from posttrain.algorithms.correction import RolloutCorrection
 from posttrain.algorithms.registry import PRESETS, GRPOFamily
 from posttrain.config import at_least
 from posttrain.tools.python_sandbox import SandboxConfig
@@ -93,6 +94,10 @@ class RolloutConfig(AgentLimits):
       the kernel's namespaces by default, a SandboxFusion service, or an explicitly unsafe plain process).
     openenv: how an OpenEnv environment's actions and observations map to text
       (`posttrain.agent.env_openenv.OpenEnvConfig`: `action_field`, `observation_field`).
+    compute_dtype: the sampler's activation and matmul dtype, independent of the trainer's (the weights stay in
+      model.param_dtype, cast at each use), in-process, in the held-out evaluation and on the fleet's workers;
+      None = the model's (model.compute_dtype). The sampler's log-probs then differ from the trainer's: what the
+      learner's rollout correction (learner.is_level, learner.rejection) is for, and what `mismatch_kl` shows.
     """
 
     batch_prompts: int = 8
@@ -110,6 +115,7 @@ class RolloutConfig(AgentLimits):
     max_env_error_fraction: float = 0.5
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
     openenv: OpenEnvConfig = dataclasses.field(default_factory=OpenEnvConfig)
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @property
     def multi_turn(self) -> bool:
@@ -129,15 +135,17 @@ class RolloutConfig(AgentLimits):
 
 
 @dataclasses.dataclass
-class LearnerConfig:
-    """How a rollout batch is trained on (`posttrain.rl.learner`).
+class LearnerConfig(RolloutCorrection):
+    """How a rollout batch is trained on (`posttrain.rl.learner`). The rollout correction's keys (`is_level`,
+    `is_mode`, `is_cap`, `is_low`, `rejection`, `rejection_low`, `rejection_high`) are
+    `posttrain.algorithms.correction.RolloutCorrection`'s, with its defaults: with any of them on, the proximal
+    log-probs are the trainer's own, recomputed before every update, and `mismatch_kl` compares them with the
+    sampler's.
 
     ppo_epochs x minibatches: optimizer steps per rollout batch (minibatches per epoch).
-    old_logprobs: the proximal (old) log-probs are the sampler's, or recomputed by the trainer before the update.
-    is_level, is_cap: off-policy correction (`posttrain.algorithms.policy.truncated_is_weights`): the loss's
-      proximal log-probs are the trainer's (recomputed whenever the policy moved since sampling, or always with
-      old_logprobs=recompute), and each token (or sequence) is weighted by min(pi_old / pi_sampler, is_cap);
-      none = off.
+    old_logprobs: the proximal (old) log-probs without a rollout correction (is_level=none, rejection=none): the
+      sampler's (the PPO ratio is then against the sampler: verl's "bypass" mode, no extra forward pass), or
+      recomputed by the trainer before the update. With a correction on they are always recomputed.
     max_resample_rounds: dynamic sampling: extra sampling rounds to fill the batch, at most.
     pack: pack each minibatch's prompt+completion sequences into rows (segment ids, positions per sequence;
       attention never crosses sequences) instead of padding every sequence to the longest, for the update and
@@ -157,14 +165,13 @@ class LearnerConfig:
     ppo_epochs: int = 1
     minibatches: int = 1
     old_logprobs: Literal["sampler", "recompute"] = "sampler"
-    is_level: Literal["token", "sequence", "none"] = "token"
-    is_cap: float = 2.0
     max_resample_rounds: int = 3
     pack: bool = False
     share_prompts: bool | None = None
     routing_replay: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         at_least("learner.ppo_epochs", self.ppo_epochs, 1)
         at_least("learner.minibatches", self.minibatches, 1)
         at_least("learner.max_resample_rounds", self.max_resample_rounds, 0)

@@ -23,11 +23,11 @@ from posttrain.agent.failures import EnvErrorWatch
 from posttrain.agent.rollout import Agent
 from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
 from posttrain.algorithms import dapo
-from posttrain.algorithms.policy import ISLevel
 from posttrain.algorithms.registry import ADVANTAGES, GRPOFamily, get, loss_kwargs
 from posttrain.config import ConfigError
 from posttrain.data import read_prompts
 from posttrain.data.vlm import VisionSpec, has_images
+from posttrain.models.kernels import check_compute_dtype
 from posttrain.models.moe_loss import RouterLoss
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.batch import RLBatch, bucket_length, build_rl_batch
@@ -121,6 +121,8 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
         records, eval_records, data = read_records(cfg, runner)
         image_prompts = _check_image_prompts(cfg, records, eval_records)
         lc = cfg.learner
+        if cfg.rollout.compute_dtype:  # the sampler's own (the trainer's is checked with its model)
+            check_compute_dtype(cfg.rollout.compute_dtype, "rollout.compute_dtype", cfg.model.kernels)
         trainer = run.build_trainer(updates=cfg.trainer.max_steps * lc.ppo_epochs * lc.minibatches)
         check_routing_replay(lc, trainer.model().cfg)
         tok = run.tokenizer()
@@ -221,15 +223,14 @@ def trained_prompt_style(prompts: RLPrompts, agent: Agent | None = None) -> Prom
                          system_prompt=data.system_prompt)
 
 
-def policy_loss_kwargs(preset: GRPOFamily, learner: LearnerConfig, max_new_tokens: int) -> dict:
-    """The policy loss's keyword arguments: the algorithm preset's, the length normaliser (default: the
-    generation budget) and the learner's off-policy correction."""
+def policy_loss_kwargs(preset: GRPOFamily, max_new_tokens: int) -> dict:
+    """The policy loss's keyword arguments: the algorithm preset's and the length normaliser (default: the
+    generation budget). The learner's rollout correction travels with each batch (`RLBatch.is_weight`)."""
     kw = loss_kwargs(preset)
     kw["max_tokens"] = max_new_tokens if preset.max_tokens is None else preset.max_tokens
     kw["beta"] = float(preset.beta)
     if kw["beta"] == 0.0:
         kw.pop("kl_estimator")
-    kw.update(is_level=ISLevel.of(learner.is_level), is_cap=learner.is_cap)
     return kw
 
 
@@ -247,7 +248,7 @@ def build_learner(cfg: RLConfig, preset: GRPOFamily, run: Run, image_prompts: bo
     routes with its own router: a batch's recorded experts, `learner.routing_replay`, are the policy's only);
     packed rows sized once by the shortest of the train `prompts`."""
     lc, trainer = cfg.learner, run.trainer
-    kw = policy_loss_kwargs(preset, lc, cfg.rollout.completion_budget)
+    kw = policy_loss_kwargs(preset, cfg.rollout.completion_budget)
     share = lc.share_prompts if lc.share_prompts is not None else not image_prompts
     chunk = cfg.trainer.loss_chunk_size or None
     ref_fn = None
@@ -259,7 +260,7 @@ def build_learner(cfg: RLConfig, preset: GRPOFamily, run: Run, image_prompts: bo
     router = RouterLoss(**dataclasses.asdict(cfg.moe))  # a mixture of experts' router terms (none when dense)
     return Learner(trainer, make_rl_loss(kw, chunk_size=chunk, router=router), ppo_epochs=lc.ppo_epochs, minibatches=lc.minibatches,
                    seed=cfg.trainer.seed, recompute_old=lc.old_logprobs == "recompute",
-                   correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn, pack=lc.pack or share,
+                   correction=lc.settings(), ref_fn=ref_fn, pack=lc.pack or share,
                    attn_span=attention_span(trainer.model().cfg) if share else None,
                    prompt_min=min((len(x) for x in prompts.ids), default=1))
 

@@ -26,6 +26,7 @@ from flax import nnx
 from posttrain import distributed
 from posttrain.agent.failures import EnvironmentFailedError
 from posttrain.eval.evaluate import evaluate as held_out
+from posttrain.models.numerics import with_compute_dtype
 from posttrain.rl.ledger import ROW_FILES, Ledger
 from posttrain.rl.setup import RLParts, trained_prompt_style
 from posttrain.rollout.rollouts import Rollouts
@@ -62,10 +63,10 @@ def _copy_tree(tree):
 
 def local_sampler(parts: RLParts, state: RLState) -> Sampler:
     """The sampler on the trainer's devices (in-process rollouts and held-out evaluation), built once over its own
-    copy of the trained weights (`Sampler.load_weights` refreshes them)."""
+    copy of the trained weights (`Sampler.load_weights` refreshes them), computing in `rollout.compute_dtype`."""
     if state.sampler is None:
         t, ro = parts.trainer, parts.cfg.rollout
-        model = nnx.merge(t.graphdef, _copy_tree(t.params), t.rest)
+        model = with_compute_dtype(nnx.merge(t.graphdef, _copy_tree(t.params), t.rest), ro.compute_dtype)
         state.sampler = Sampler(model, parts.tok, max_slots=ro.max_slots or ro.batch_prompts * ro.group_size,
                                 program_cache=parts.programs)
     return state.sampler

@@ -37,6 +37,7 @@ import ray
 from posttrain.agent.setup import agent_enabled, build_agent
 from posttrain.algorithms.registry import GRPOFamily
 from posttrain.models import tokenizer as tok_lib
+from posttrain.models.numerics import with_compute_dtype
 from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
 from posttrain.rl.fleet.shards import assemble
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
@@ -68,6 +69,7 @@ class RolloutWorker:
                             "record_experts": record_experts}
         self._state, self._since, self.busy_s = "starting", time.time(), 0.0
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
+        net = with_compute_dtype(net, rollout.compute_dtype)  # the sampler's own compute dtype (its weights: as sent)
         slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
         tok = tok_lib.load(folder)
         self.sampler = Sampler(net, tok, max_slots=slots,
