@@ -22,7 +22,7 @@ _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 #: Names of `posttrain.api` reachable as `posttrain.NAME`.
 API = ("sft", "rl", "dpo", "distill", "evaluate", "generate", "demo_task", "RunResult", "EvalResult",
-       "GenerateResult", "DemoTask", "CommandError")
+       "GenerateResult", "DemoTask")
 #: API functions that share their name with a subpackage.
 _CALLABLE_PACKAGES = ("rl", "distill")
 

@@ -372,4 +372,4 @@ def test_generate_runs_the_multi_turn_rollout(tmp_path):
         assert len(r["loss_mask"]) == len(r["token_ids"]) and r["turns"] >= 1
         assert r["text"] == [m for m in r["messages"] if m["role"] == "assistant"][-1]["content"]
     assert main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--output", str(out),
-                 "--tools", "nonexist.py:f"]) == 1
+                 "--tools", "nonexist.py:f"]) == 2

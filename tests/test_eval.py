@@ -142,9 +142,13 @@ def test_model_paths(tmp_path):
     folder, which stands for its hf/ export; a missing folder is a CheckpointError."""
     import shutil
 
-    from posttrain.cli.eval import default_ks, model_folder
+    from posttrain.eval.run import default_ks
+    from posttrain.models.checkpoints import resolve_checkpoint
     from posttrain.models.hf_io import CheckpointError
     from posttrain.models.tiny import resolve_model_path
+
+    def model_folder(spec):
+        return resolve_checkpoint(spec).weights
 
     tiny = resolve_model_path("tiny:llama")
     assert model_folder("tiny:llama") == model_folder(tiny) and (model_folder(tiny) / "config.json").exists()

@@ -80,15 +80,17 @@ def test_agent_limits_are_one_section_with_one_set_of_defaults():
 
 
 def test_eval_and_generate_options_fill_the_same_limits():
-    from posttrain.cli.agent_args import (
-        LIMIT_OPTIONS,
-        add_agent_arguments,
-        rollout_section,
-    )
+    from posttrain.cli.agent_args import LIMIT_OPTIONS, add_agent_arguments, options
+    from posttrain.rollout.config import LIMIT_KEYS, AgentOptions
+
+    def rollout_section(args):
+        return options(AgentOptions, args).rollout_section()
 
     p = argparse.ArgumentParser()
     add_agent_arguments(p)
-    assert {key for _, key, _, _ in LIMIT_OPTIONS} <= {f.name for f in dataclasses.fields(AgentLimits)}
+    assert {key for _, key, _, _ in LIMIT_OPTIONS} == set(LIMIT_KEYS)
+    assert set(LIMIT_KEYS) <= {f.name for f in dataclasses.fields(AgentLimits)}
+    assert set(LIMIT_KEYS) <= {f.name for f in dataclasses.fields(AgentOptions)}
     section = rollout_section(p.parse_args(["--tools", "calculator"]))
     assert section.limits(1) == AgentLimits().limits(1)  # unset options: the section's defaults
     section = rollout_section(p.parse_args(["--tools", "calculator", "--max-turns", "2", "--tool-timeout", "1.5"]))

@@ -5,8 +5,7 @@ when stdin is not a terminal, one turn per non-empty line of stdin (`echo "What 
 The reply is printed to stdout. With `--tools` the model may call tools within a turn (the same multi-turn rollout
 as `posttrain rl` and `eval`: calls parsed in `--tool-format`, run under the tool limits); calls and results are
 printed to stderr. `--image FILE` (repeatable) attaches images to the first user turn (a vision-language
-checkpoint). The conversation is rendered from its messages at each turn (inference: no training data is made
-here).
+checkpoint). The conversation is `posttrain.rollout.chat.Conversation` over a `Policy`.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
-from posttrain.cli.model_arg import add_model_argument, load_model
+from posttrain.cli.agent_args import add_agent_arguments, options
+from posttrain.cli.model_arg import add_model_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,59 +47,6 @@ def user_turns(stream=None):
             yield line.rstrip("\n")
 
 
-class Chat:
-    """One conversation: its messages (the user's view: no tools section), the sampler, the optional agent."""
-
-    def __init__(self, folder, tokenizer, model, args, agent=None):
-        from posttrain.sampling import Sampler, SamplingParams
-
-        self.folder, self.tok, self.agent = folder, tokenizer, agent
-        self.system_prompt, self.images = args.system_prompt, list(args.image)
-        self.params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                     top_p=args.top_p, n=1, seed=args.seed)
-        self.sampler = Sampler(model, tokenizer, max_slots=1)
-        self.messages: list[dict] = []
-        self.turn = 0
-
-    def reset(self) -> None:
-        self.messages, self.turn = [], 0
-
-    def _user_message(self, text: str) -> dict:
-        if self.turn == 0 and self.images:
-            return {"role": "user", "content": [*({"type": "image", "path": p} for p in self.images),
-                                                {"type": "text", "text": text}]}
-        return {"role": "user", "content": text}
-
-    def _encode(self):
-        """The conversation as one prompt (`posttrain.rollout.prompts`: the chat template, images, tools)."""
-        from posttrain.data.vlm import VisionSpec
-        from posttrain.rollout.prompts import PromptStyle, encode_prompts
-
-        vision = VisionSpec.from_checkpoint(self.folder, self.tok) if self.images and self.folder.is_dir() else None
-        record = {"prompt": self.messages}
-        return record, encode_prompts([record], self.tok, PromptStyle(chat=True, system_prompt=self.system_prompt),
-                                      agent=self.agent, vision=vision, where=lambda i: f"turn {self.turn + 1}")[0]
-
-    def reply(self, text: str) -> list[dict]:
-        """Adds the user's turn, generates, and returns the new messages (the assistant's, and tool results)."""
-        from posttrain.agent.rollout import AgentRollout
-
-        self.messages.append(self._user_message(text))
-        record, prompt = self._encode()
-        images = [prompt.images] if prompt.images else None
-        if self.agent is None:
-            c = self.sampler.generate([prompt.ids], self.params, images=images)[0]
-            new = [{"role": "assistant", "content": c.text}]
-        else:
-            rollout = AgentRollout(self.agent, [record], [prompt.ids])
-            c = self.sampler.generate([prompt.ids], self.params, images=images, on_turn_end=rollout)[0]
-            first = self.agent.appender.prompt_messages(self.agent.first_messages(record))
-            new = rollout.finished(c).messages[len(first):]
-        self.messages.extend(new)
-        self.turn += 1
-        return new
-
-
 def _show(new: list[dict]) -> None:
     """The reply on stdout; tool calls and results (every message before the last) on stderr."""
     for m in new[:-1]:
@@ -108,11 +54,25 @@ def _show(new: list[dict]) -> None:
     print(new[-1]["content"] if new else "", flush=True)
 
 
+def conversation(args):
+    """The `Conversation` the flags ask for, and its agent (None without tools); a bad tool reference fails before
+    the model loads."""
+    from posttrain.rollout.chat import Conversation
+    from posttrain.rollout.config import AgentOptions
+    from posttrain.rollout.policy import Policy
+    from posttrain.sampling import SamplingParams
+
+    agent_options = options(AgentOptions, args)
+    checked = agent_options.check_agent()
+    policy = Policy.open(args.model, dtype=args.dtype, max_slots=1)
+    agent = agent_options.make_agent(checked, policy.tokenizer, system_prompt=args.system_prompt)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            n=1, seed=args.seed)
+    return Conversation(policy, params, system_prompt=args.system_prompt, images=args.image, agent=agent), agent
+
+
 def run(args) -> int:
-    checked = check_agent(args)  # a bad tool reference fails before the model loads
-    folder, tokenizer, model = load_model(args.model, args.dtype)
-    agent = make_agent(checked, tokenizer, system_prompt=args.system_prompt)
-    chat = Chat(folder, tokenizer, model, args, agent)
+    chat, agent = conversation(args)
     print(f"posttrain chat: {args.model} ({'tools: ' + args.tools if args.tools else 'no tools'}); "
           "/reset starts over, /exit leaves", file=sys.stderr, flush=True)
     try:
