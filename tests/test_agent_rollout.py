@@ -26,7 +26,9 @@ from posttrain.models.tokenizer import load as load_tokenizer
 from posttrain.rl.batch import build_rl_batch
 from posttrain.rl.metrics import agent_metrics
 from posttrain.rollout.prompts import PromptSet
-from posttrain.rollout.rollouts import Rollouts, generate_rollouts
+from posttrain.rollout.collect import generate_rollouts
+from posttrain.rollout.policy import Policy
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
 from posttrain.sampling.params import Completion, TurnEnd
@@ -125,8 +127,8 @@ def run(tok, pool, tools, script, records, *, limits=AgentLimits(), max_new=2000
     prompts = [agent.prompt_ids(agent.first_messages(r)) for r in records]
     sampler = ScriptedSampler(tok, script)
     runner = RewardRunner([], num_workers=0)
-    ro = generate_rollouts(sampler, PromptSet.of(records, prompts), SamplingParams(max_new_tokens=max_new, n=n),
-                           runner, agent=agent)
+    ro = generate_rollouts(Policy(None, tok, sampler=sampler), PromptSet.of(records, prompts),
+                           SamplingParams(max_new_tokens=max_new, n=n), runner, agent=agent)
     return ro, agent
 
 

@@ -25,8 +25,10 @@ from posttrain.agent.failures import EnvErrorWatch, EnvironmentFailedError
 from posttrain.agent.rollout import Agent
 from posttrain.rl.ledger import Ledger
 from posttrain.rl.metrics import agent_metrics
-from posttrain.rollout.prompts import PromptSet
-from posttrain.rollout.rollouts import Rollouts, generate_rollouts
+from posttrain.rollout.collect import generate_rollouts
+from posttrain.rollout.policy import Policy
+from posttrain.rollout.prompts import PromptEncoder, PromptSet
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
 from posttrain.tools import ToolPool
@@ -184,13 +186,13 @@ def test_hanging_reset_is_an_error_at_set_up_and_in_a_trajectory(tok, pool, envs
     records = read_prompts(str(data), optional=True)
     t0 = time.monotonic()
     with pytest.raises(DataError) as e:
-        _encode_all(tok, records, PromptData(), agent)
+        _encode_all(PromptEncoder(tok), records, PromptData(), agent)
     assert time.monotonic() - t0 < LIMIT + 2.0
     assert str(e.value) == f"{data}, line 2: HangingReset.reset ran past its 1s time limit (its thread was abandoned)"
     prompt = agent.prompt_ids(agent.first_messages({}))
     sampler = ScriptedSampler(tok, lambda p, i, k: "a move")
-    ro = generate_rollouts(sampler, PromptSet.of([{"hang": True}], [prompt]), SamplingParams(max_new_tokens=50),
-                           RewardRunner([], num_workers=0), agent=agent)
+    ro = generate_rollouts(Policy(None, tok, sampler=sampler), PromptSet.of([{"hang": True}], [prompt]),
+                           SamplingParams(max_new_tokens=50), RewardRunner([], num_workers=0), agent=agent)
     assert ro.finish_reasons == ["env_error"] and ro.trajectories[0]["env_error_kind"] == "reset timeout"
     with pytest.raises(EnvCallError, match="HangingReset.reset ran past"):
         agent.first_messages({"hang": True})

@@ -1,8 +1,10 @@
 """`Policy` (`posttrain.rollout.policy`): a checkpoint opened once. Its samples equal the sampler's, its scores are the
-learner's numbers, and every kind of model spec resolves (a LoRA adapter folder merged as a hand computation says)."""
+learner's numbers, every kind of model spec resolves (a LoRA adapter folder merged as a hand computation says), and
+the package builds a sampler and reads a vision spec only where the design says (the counts are pinned)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +21,7 @@ from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import PromptStyle
 from posttrain.sampling import SamplingParams
 
+PACKAGE = Path(__file__).resolve().parents[1] / "posttrain"
 PARAMS = SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=3)
 
 
@@ -146,3 +149,26 @@ def test_an_agent_needs_records_and_style_is_the_policys_default(policy):
     assert chat.encode(["hi"])[0].ids == list(want)
     assert chat.encode(["hi"], style=PromptStyle(chat=False))[0].ids == policy.encode(["hi"])[0].ids
 
+
+def _calls(name: str, attribute: str | None = None) -> list[str]:
+    """`path:line` of every call `name(...)` (or `name.attribute(...)`) in the package."""
+    out = []
+    for f in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            hit = (isinstance(fn, ast.Name) and fn.id == name and attribute is None) or (
+                isinstance(fn, ast.Attribute) and fn.attr == (attribute or name)
+                and (attribute is None or (isinstance(fn.value, ast.Name) and fn.value.id == name)))
+            if hit:
+                out.append(f"{f.relative_to(PACKAGE).as_posix()}:{node.lineno}")
+    return out
+
+
+def test_one_sampler_and_two_vision_spec_reads_outside_sampling():
+    """Who opens a checkpoint and samples: the `Policy` (and the SFT data path for its image processor)."""
+    samplers = [c for c in _calls("Sampler") if not c.startswith("sampling/")]
+    assert samplers == [c for c in samplers if c.startswith("rollout/policy.py:")] and len(samplers) <= 1, samplers
+    vision = _calls("VisionSpec", "from_checkpoint")
+    assert len(vision) <= 2 and {c.split(":")[0] for c in vision} <= {"rollout/prompts.py", "training/sft.py"}, vision

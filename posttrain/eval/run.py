@@ -126,7 +126,7 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
         agent = cfg.make_agent(checked, policy.tokenizer, system_prompt=cfg.system_prompt,
                                prompt_field=records.prompt_field or "prompt")
         try:  # each prompt carries its ids, images (handed to its prefill) and record
-            e = evaluate(policy.sampler, policy.encode(records, agent=agent), runner, correctness=correctness,
+            e = evaluate(policy, policy.encode(records, agent=agent), runner, correctness=correctness,
                          max_new_tokens=cfg.max_new_tokens, k=cfg.k, n_samples=cfg.n, temperature=cfg.temperature,
                          top_p=cfg.top_p, seed=cfg.seed, progress=not cfg.no_progress and primary, agent=agent)
         finally:

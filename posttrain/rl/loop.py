@@ -39,7 +39,7 @@ from posttrain.rl.steps import (
     close,
     evaluate,
     finish,
-    local_sampler,
+    local_policy,
     resume,
     save,
 )
@@ -115,7 +115,7 @@ def make_source(parts: RLParts, state: RLState) -> RolloutSource:
     0 drives the fleet and the others follow it: `posttrain.rl.fleet.follower`)."""
     cfg = parts.cfg
     if not cfg.fleet.enabled:
-        return InProcessSource(group_intake(parts), local_sampler(parts, state), parts.prompts.train, parts.sampling,
+        return InProcessSource(group_intake(parts), local_policy(parts, state), parts.prompts.train, parts.sampling,
                                parts.runner, parts.agent, record_experts=cfg.learner.routing_replay)
     # lazy: posttrain.rl.fleet loads Ray (seconds): only fleet runs need it
     from posttrain.rl.fleet import FleetFollower, FleetSource, check_hosts

@@ -27,7 +27,7 @@ from posttrain.algorithms.policy import ISLevel
 from posttrain.algorithms.registry import ADVANTAGES, GRPOFamily, get, loss_kwargs
 from posttrain.config import ConfigError
 from posttrain.data import read_prompts
-from posttrain.data.vlm import VisionSpec, has_images
+from posttrain.data.vlm import has_images
 from posttrain.models.moe_loss import RouterLoss
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.batch import RLBatch, bucket_length, build_rl_batch
@@ -37,7 +37,7 @@ from posttrain.rl.learner import FrozenScorer, Learner, TrainerScorer
 from posttrain.rl.loss import make_rl_loss
 from posttrain.rl.packing import attention_span
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
-from posttrain.rollout.prompts import PromptSet, PromptStyle, encode_prompts
+from posttrain.rollout.prompts import PromptEncoder, PromptSet, PromptStyle
 from posttrain.rollout.rollouts import Rollouts
 from posttrain.sampling import ProgramCache, SamplingParams
 from posttrain.training.run import Run
@@ -128,9 +128,10 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
             agent = build_agent(cfg.rollout, tok, system_prompt=cfg.data.system_prompt,
                                 prompt_field=data.prompt_field, parts=agent_parts)
             undo.callback(agent.close)
-        vision = VisionSpec.from_checkpoint(run.model_folder(), tok) if image_prompts else None
-        train = _encode_all(tok, records, cfg.data, agent, vision)
-        held_out = _encode_all(tok, eval_records, cfg.data, agent, vision) if eval_records else None
+        encoder = PromptEncoder(tok, PromptStyle(chat=cfg.data.chat, system_prompt=cfg.data.system_prompt),
+                                run.model_folder())  # a vision-language checkpoint's image settings read there
+        train = _encode_all(encoder, records, cfg.data, agent)
+        held_out = _encode_all(encoder, eval_records, cfg.data, agent) if eval_records else None
         parts = RLParts(
             cfg=cfg, run=run, preset=preset, runner=runner, prompts=RLPrompts(train, held_out, data), tok=tok,
             trainer=trainer, learner=build_learner(cfg, preset, run, image_prompts, train),
@@ -196,12 +197,11 @@ def _check_image_prompts(cfg: RLConfig, records, eval_records) -> bool:
     return True
 
 
-def _encode_all(tok, records, data: PromptData, agent: Agent | None = None, vision=None) -> PromptSet:
-    """Every record's prompt (`posttrain.rollout.prompts`: chat template or text; with an `agent`, its first
-    messages rendered with the tools; image prompts with their pixels, expanded for `vision`). A prompt longer than
-    `data.max_prompt_tokens` is a config error naming its file and line."""
-    prompts = encode_prompts(records, tok, PromptStyle(chat=data.chat, system_prompt=data.system_prompt),
-                             agent=agent, vision=vision)
+def _encode_all(encoder: PromptEncoder, records, data: PromptData, agent: Agent | None = None) -> PromptSet:
+    """Every record's prompt (`PromptEncoder`: chat template or text; with an `agent`, its first messages rendered
+    with the tools; image prompts with their pixels, expanded for the checkpoint's vision spec). A prompt longer
+    than `data.max_prompt_tokens` is a config error naming its file and line."""
+    prompts = encoder.encode(records, agent=agent)
     for p in prompts:
         if len(p.ids) > data.max_prompt_tokens:
             raise ConfigError(f"{p.where}: the prompt has {len(p.ids)} tokens, more than "

@@ -1,6 +1,6 @@
 """The RL loop's named steps, as functions of the run's parts (`posttrain.rl.setup.RLParts`) and of its state
 (`RLState`: what the steps add to as the run goes: the ledger, the metrics history, the held-out evaluations, and
-the sampler on the trainer's devices).
+the policy on the trainer's devices).
 
 `resume` restores the latest checkpoint and opens the logs; `check_environment` stops the run when too many
 trajectories failed; `after_step` writes the ledger, metrics and samples and runs the periodic held-out evaluation
@@ -28,8 +28,8 @@ from posttrain.agent.failures import EnvironmentFailedError
 from posttrain.eval.evaluate import evaluate as held_out
 from posttrain.rl.ledger import ROW_FILES, Ledger
 from posttrain.rl.setup import RLParts
+from posttrain.rollout.policy import Policy
 from posttrain.rollout.rollouts import Rollouts
-from posttrain.sampling import Sampler
 
 __all__ = [
     "RLState",
@@ -38,7 +38,7 @@ __all__ = [
     "close",
     "evaluate",
     "finish",
-    "local_sampler",
+    "local_policy",
     "resume",
     "save",
 ]
@@ -51,7 +51,7 @@ class RLState:
     ledger: Ledger | None = None
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    sampler: Sampler | None = None
+    policy: Policy | None = None
 
 
 @jax.jit
@@ -60,15 +60,15 @@ def _copy_tree(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def local_sampler(parts: RLParts, state: RLState) -> Sampler:
-    """The sampler on the trainer's devices (in-process rollouts and held-out evaluation), built once over its own
-    copy of the trained weights (`Sampler.load_weights` refreshes them)."""
-    if state.sampler is None:
+def local_policy(parts: RLParts, state: RLState) -> Policy:
+    """The policy on the trainer's devices (in-process rollouts and held-out evaluation), built once over its own
+    copy of the trained weights (`Policy.swap_weights` refreshes them)."""
+    if state.policy is None:
         t, ro = parts.trainer, parts.cfg.rollout
         model = nnx.merge(t.graphdef, _copy_tree(t.params), t.rest)
-        state.sampler = Sampler(model, parts.tok, max_slots=ro.max_slots or ro.batch_prompts * ro.group_size,
-                                program_cache=parts.programs)
-    return state.sampler
+        state.policy = Policy(model, parts.tok, folder=parts.run.model_folder(),
+                              max_slots=ro.max_slots or ro.batch_prompts * ro.group_size, program_cache=parts.programs)
+    return state.policy
 
 
 def resume(parts: RLParts, state: RLState) -> int:
@@ -124,11 +124,11 @@ def evaluate(parts: RLParts, state: RLState, step: int) -> None:
     if parts.prompts.eval is None:
         return
     cfg, logger = parts.cfg, parts.run.logger
-    sampler = local_sampler(parts, state)
-    if sampler.version != step:
-        sampler.load_weights(parts.trainer.params, step)
+    policy = local_policy(parts, state)
+    if policy.version != step:
+        policy.swap_weights(parts.trainer.params, step)
     t0 = time.perf_counter()
-    e = held_out(sampler, parts.prompts.eval, parts.runner, correctness=cfg.rewards.correctness,
+    e = held_out(policy, parts.prompts.eval, parts.runner, correctness=cfg.rewards.correctness,
                  max_new_tokens=cfg.rollout.max_new_tokens, k=cfg.eval.k, n_samples=cfg.eval.n_samples,
                  temperature=cfg.eval.temperature, seed=cfg.trainer.seed + 7919 * step, agent=parts.agent)
     greedy = e.pop("_greedy")
