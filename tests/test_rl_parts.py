@@ -170,3 +170,64 @@ def test_no_class_on_the_rl_path_holds_more_than_15_instance_attributes():
     from posttrain.rl.setup import RLParts
 
     assert len(dataclasses.fields(RLParts)) <= 15  # the parts record: frozen, and no larger than that either
+
+
+# ---------------------------------------------------------------------- each concept once
+def test_rl_builders_take_their_sections_and_the_steps_leave_the_parts_alone():
+    """Only `build_rl` takes the whole `RLConfig`; the loop's steps assign nothing on the parts (what changes as
+    the run goes is the loop's `RLState`), and the trainer is reached one way (`parts.run.trainer`)."""
+    from posttrain.rl.setup import RLParts
+
+    setup = ast.parse((PACKAGE / "rl" / "setup.py").read_text())
+    whole = [fn.name for fn in ast.walk(setup) if isinstance(fn, ast.FunctionDef)
+             and any(a.annotation is not None and "RLConfig" in ast.unparse(a.annotation) for a in fn.args.args)]
+    assert whole == ["build_rl"]
+    assert "trainer" not in {f.name for f in dataclasses.fields(RLParts)} and RLParts.__dataclass_params__.frozen
+    for name in ("steps.py", "loop.py", "sources.py"):
+        tree = ast.parse((PACKAGE / "rl" / name).read_text())
+        written = [ast.unparse(t) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
+                   for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                   if ast.unparse(t).startswith("parts.")]
+        assert written == [], (name, written)
+
+
+def test_rollouts_per_sample_fields_are_declared_once_and_the_record_is_plain(tmp_path):
+    """Selecting groups, joining them and saving them carry every per-sample field (`per_sample_fields`, read from
+    the declarations); the record's module loads neither JAX nor the sampler, so the dispatcher imports it at the top."""
+    import json
+    import subprocess
+    import sys
+
+    from posttrain.rollout.rollouts import per_sample_fields
+
+    lists = [f.name for f in dataclasses.fields(Rollouts) if str(f.type).startswith("list")]
+    assert list(per_sample_fields()) == lists and len(lists) == 14
+    n = 4
+    values = {k: [[i] if k not in ("finish_reasons", "texts", "prompts_text", "trajectories") else
+                  {"trajectories": {"turns": i}}.get(k, str(i)) for i in range(n)] for k in lists}
+    values["routed_experts"] = [np.full((2, 1, 2), i, np.int8) for i in range(n)]
+    ro = Rollouts(group_size=2, rewards=np.arange(n, dtype=np.float32), per_reward={}, reward_stats={}, **values)
+    again = Rollouts.concat(ro.groups())
+    back = Rollouts.from_json(json.loads(json.dumps(again.to_json())))
+    for k in lists:
+        assert [np.asarray(x).tolist() for x in getattr(back, k)] == [np.asarray(x).tolist() for x in values[k]], k
+    code = ("import sys, posttrain.rollout.rollouts, posttrain.rl.dispatcher; "
+            "print(sorted(m for m in ('jax', 'posttrain.sampling') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert "lazy" not in (PACKAGE / "rl" / "dispatcher.py").read_text()
+
+
+def test_the_python_tools_limits_are_one_record():
+    """The sandbox section extends `PythonLimits` (its keys and defaults), which every backend takes as it is."""
+    from posttrain.tools.limits import PythonLimits
+    from posttrain.tools.python_sandbox import SandboxConfig
+
+    assert issubclass(SandboxConfig, PythonLimits)
+    cfg = load_config(RLConfig, None, ["rollout.sandbox.memory_mb=512", "rollout.sandbox.max_output_bytes=100"])
+    assert (cfg.rollout.sandbox.memory_bytes, cfg.rollout.sandbox.max_output_bytes) == (512 << 20, 100)
+    with pytest.raises(ConfigError, match="rollout.sandbox.work_mb must be > 0"):
+        load_config(RLConfig, None, ["rollout.sandbox.work_mb=0"])
+    records = [node.name for f in (PACKAGE / "tools").rglob("*.py") for node in ast.walk(ast.parse(f.read_text()))
+               if isinstance(node, ast.ClassDef) and node.name.endswith("Limits")]
+    assert records == ["PythonLimits"]

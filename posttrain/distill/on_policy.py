@@ -75,8 +75,9 @@ def build_on_policy(dcfg) -> RLParts:
     try:
         if distributed.is_primary():  # the distillation config, not the RL one (multi-host: written once)
             save_config(dcfg, parts.run.out / "config.yaml")
-        teacher = load_teacher(dcfg.teacher, dcfg.model, parts.tok, parts.trainer.cfg.vocab_size, parts.run.mesh)
-        scorer = FrozenScorer(teacher, parts.trainer, parts.cfg.trainer.loss_chunk_size or None)
+        trainer = parts.run.trainer
+        teacher = load_teacher(dcfg.teacher, dcfg.model, parts.tok, trainer.cfg.vocab_size, parts.run.mesh)
+        scorer = FrozenScorer(teacher, trainer, parts.cfg.trainer.loss_chunk_size or None)
         return dataclasses.replace(parts, prepare=TeacherAdvantages(scorer, parts.tok.pad_token_id or 0,
                                                                            parts.prepare.columns))
     except BaseException:

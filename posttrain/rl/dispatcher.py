@@ -45,6 +45,7 @@ from typing import Any, Callable
 import numpy as np
 
 from posttrain.rl.curation import Curation
+from posttrain.rollout.rollouts import Rollouts
 
 __all__ = ["PromptStream", "Lease", "Dispatcher"]
 
@@ -277,8 +278,6 @@ class Dispatcher:
     def state_dict(self) -> dict:
         """JSON-able state: a checkpoint holds it with the trainer's. Leased and taken groups are saved as
         queued and ready: a restored run has no live leases."""
-        from posttrain.rollout.rollouts import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
-
         ready = {**self.ready, **self.taken}
         return {
             "next_uid": self.next_uid,
@@ -290,8 +289,6 @@ class Dispatcher:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from posttrain.rollout.rollouts import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
-
         self.next_uid = int(state["next_uid"])
         self.queue = [int(u) for u in state["queue"]]
         self.leases, self.leased, self.taken = {}, {}, {}

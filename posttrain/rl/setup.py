@@ -4,8 +4,10 @@ The order: the run skeleton (`posttrain.training.run.Run`: run lock, output fold
 algorithm preset (the config's `algorithm` section); the reward runner, then the prompt records checked against the
 rewards, and the agent's tools and environment (all before any model loads); the trainer and tokenizer; the agent and
 the encoded prompts (`posttrain.rollout.prompts`); the learner; the dispatcher; the sampling parameters and the batch
-builder. A failure part way closes what was built (the run lock released). The loop (`posttrain.rl.loop`) runs the
-named steps of `posttrain.rl.steps` over these parts; the rollout sources (`posttrain.rl.sources`,
+builder; last, the latest checkpoint restored when resuming (trainer and dispatcher: `start_step`) and the logs
+opened. Each builder takes the config sections it reads. A failure part way closes what was built (the run lock
+released). The loop (`posttrain.rl.loop`) runs the named steps of `posttrain.rl.steps` over these parts, which they
+do not change (what changes as the run goes is the loop's `RLState`); the rollout sources (`posttrain.rl.sources`,
 `posttrain.rl.fleet`) get only the pieces they use.
 """
 
@@ -31,8 +33,9 @@ from posttrain.data.vlm import has_images
 from posttrain.models.moe_loss import RouterLoss
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.batch import RLBatch, bucket_length, build_rl_batch
-from posttrain.rl.config import LearnerConfig, PromptData, RLConfig, RolloutConfig
+from posttrain.rl.config import CurationConfig, FleetConfig, LearnerConfig, PromptData, RLConfig, RolloutConfig
 from posttrain.rl.dispatcher import Dispatcher
+from posttrain.rl.ledger import ROW_FILES
 from posttrain.rl.learner import FrozenScorer, Learner, TrainerScorer
 from posttrain.rl.loss import make_rl_loss
 from posttrain.rl.packing import attention_span
@@ -40,8 +43,8 @@ from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
 from posttrain.rollout.prompts import PromptEncoder, PromptSet, PromptStyle
 from posttrain.rollout.rollouts import Rollouts
 from posttrain.sampling import ProgramCache, SamplingParams
+from posttrain.training.config import MoELossConfig, TrainerConfig
 from posttrain.training.run import Run
-from posttrain.training.trainer import Trainer
 
 __all__ = ["GroupAdvantages", "RLParts", "RLPrompts", "build_rl", "policy_loss_kwargs"]
 
@@ -85,10 +88,10 @@ def batch_columns(prompts: PromptSet, completion_budget: int) -> tuple[int, int]
 
 @dataclasses.dataclass(frozen=True)
 class RLParts:
-    """The built pieces of one RL run (module docstring). `run`: the shared skeleton (output folder, trainer,
-    checkpoints, logs, profiler); `prepare(rollouts) -> (batch, metrics)`: the step's batch builder
+    """The built pieces of one RL run (module docstring). `run`: the shared skeleton (output folder, the trainer
+    `run.trainer`, checkpoints, logs, profiler); `prepare(rollouts) -> (batch, metrics)`: the step's batch builder
     (`GroupAdvantages`; on-policy distillation supplies its own); `programs`: compiled sampler programs shared with
-    the caller's samplers (the demo's)."""
+    the caller's policies (the demo's); `start_step`: the step the run starts from (the restored checkpoint's, or 0)."""
 
     cfg: RLConfig
     run: Run
@@ -96,7 +99,6 @@ class RLParts:
     runner: RewardRunner
     prompts: RLPrompts
     tok: Any
-    trainer: Trainer
     learner: Learner
     dispatcher: Dispatcher
     agent: Agent | None
@@ -104,6 +106,7 @@ class RLParts:
     sampling: SamplingParams
     prepare: Callable[[Rollouts], tuple[RLBatch, dict[str, float]]]
     programs: ProgramCache | None = None
+    start_step: int = 0
 
 
 def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLParts:
@@ -113,12 +116,13 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
     with contextlib.ExitStack() as undo:
         run = Run(cfg, "rl")  # the run lock, the output folder + config.yaml, the mesh
         undo.callback(run.close)
-        preset = algorithm_preset(cfg)
+        preset = algorithm_preset(cfg.algorithm, cfg.rollout)
         runner = reward_runner(cfg.rewards, cfg.rollout, preset)
         undo.callback(runner.close)
-        agent_parts = check_agent(cfg)  # tools and environment, then the prompts: all before any model loads
-        records, eval_records, data = read_records(cfg, runner)
-        image_prompts = _check_image_prompts(cfg, records, eval_records)
+        # tools and environment, then the prompts: all before any model loads
+        agent_parts = check_agent(cfg.rollout, cfg.fleet, cfg.data)
+        records, eval_records, data = read_records(cfg.data, runner, environment=bool(cfg.rollout.environment))
+        image_prompts = _check_image_prompts(cfg.rollout, cfg.data, records, eval_records)
         lc = cfg.learner
         trainer = run.build_trainer(updates=cfg.trainer.max_steps * lc.ppo_epochs * lc.minibatches)
         check_routing_replay(lc, trainer.model().cfg)
@@ -132,67 +136,69 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
                                 run.model_folder())  # a vision-language checkpoint's image settings read there
         train = _encode_all(encoder, records, cfg.data, agent)
         held_out = _encode_all(encoder, eval_records, cfg.data, agent) if eval_records else None
+        learner = build_learner(lc, preset, run, cfg.trainer, cfg.moe, completion_budget=cfg.rollout.completion_budget,
+                                image_prompts=image_prompts, prompts=train)
+        dispatcher = build_dispatcher(cfg.data, cfg.rollout, cfg.fleet, cfg.curation, len(records))
+        start = restore(run, dispatcher)  # when resuming: the latest checkpoint (trainer, dispatcher)
+        run.open_logger(start, description="rl", row_files=ROW_FILES)  # rows of steps after it are dropped
         parts = RLParts(
             cfg=cfg, run=run, preset=preset, runner=runner, prompts=RLPrompts(train, held_out, data), tok=tok,
-            trainer=trainer, learner=build_learner(cfg, preset, run, image_prompts, train),
-            dispatcher=build_dispatcher(cfg, len(records)), agent=agent,
-            env_watch=env_watch(cfg.rollout, agent, run.say),
+            learner=learner, dispatcher=dispatcher, agent=agent, env_watch=env_watch(cfg.rollout, agent, run.say),
             sampling=rollout_sampling_params(cfg.rollout, cfg.trainer.seed),
             prepare=GroupAdvantages(get(ADVANTAGES, preset.advantage), preset.overlong_filtering, train,
                                     tok.pad_token_id or 0, batch_columns(train, cfg.rollout.completion_budget)),
-            programs=program_cache)
+            programs=program_cache, start_step=start)
         undo.pop_all()
     return parts
 
 
 # ---------------------------------------------------------------------- the builders, in build_rl's order
-def algorithm_preset(cfg: RLConfig) -> GRPOFamily:
+def algorithm_preset(algorithm: GRPOFamily, rollout: RolloutConfig) -> GRPOFamily:
     """The typed preset of the `algorithm` section, checked against the rollout section."""
-    if cfg.algorithm.advantage == "rloo" and cfg.rollout.group_size < 2:
+    if algorithm.advantage == "rloo" and rollout.group_size < 2:
         raise ValueError("rollout.group_size must be >= 2 for RLOO")
-    return cfg.algorithm
+    return algorithm
 
 
-def check_agent(cfg: RLConfig):
+def check_agent(rollout: RolloutConfig, fleet: FleetConfig, data: PromptData):
     """The tools and environment of multi-turn rollouts (None: single-turn), checked before the model loads."""
-    if not agent_enabled(cfg.rollout):
+    if not agent_enabled(rollout):
         return None
-    if distributed.is_multiprocess() and not (cfg.fleet.enabled and not cfg.data.eval):
+    if distributed.is_multiprocess() and not (fleet.enabled and not data.eval):
         raise ConfigError("rollout.tools: a multi-process trainer runs multi-turn rollouts only on the fleet "
                           "(fleet.workers) and without data.eval (sampling in-process, every process would run "
                           "the tools and could read different results)")
-    return load_agent_parts(cfg.rollout)
+    return load_agent_parts(rollout)
 
 
-def read_records(cfg: RLConfig, runner: RewardRunner):
+def read_records(data: PromptData, runner: RewardRunner, *, environment: bool = False):
     """(train records, held-out records or None, the data section with the prompt field found), checked against the
     rewards. The prompt field: `data.prompt_field`; when the records lack the default `prompt`, the first of
-    question, problem, messages they have (as `posttrain eval`); with an environment, none at all (its `reset`
+    question, problem, messages they have (as `posttrain eval`); with an `environment`, none at all (its `reset`
     makes the conversation)."""
-    env = bool(cfg.rollout.environment)
-    records = read_prompts(cfg.data.train, prompt_field=cfg.data.prompt_field,
-                           fallback=cfg.data.prompt_field == "prompt", optional=env)
+    records = read_prompts(data.train, prompt_field=data.prompt_field, fallback=data.prompt_field == "prompt",
+                           optional=environment)
     field = records.prompt_field
-    data = dataclasses.replace(cfg.data, prompt_field=field or cfg.data.prompt_field)
+    found = dataclasses.replace(data, prompt_field=field or data.prompt_field)
     runner.check_records(records)
     eval_records = None
-    if cfg.data.eval:
-        eval_records = read_prompts(cfg.data.eval, prompt_field=field, optional=env)
-        if cfg.data.eval_limit:
-            eval_records = eval_records[: cfg.data.eval_limit]
+    if data.eval:
+        eval_records = read_prompts(data.eval, prompt_field=field, optional=environment)
+        if data.eval_limit:
+            eval_records = eval_records[: data.eval_limit]
         runner.check_records(eval_records)
-    return records, eval_records, data
+    return records, eval_records, found
 
 
-def _check_image_prompts(cfg: RLConfig, records, eval_records) -> bool:
+def _check_image_prompts(rollout: RolloutConfig, data: PromptData, records, eval_records) -> bool:
     """Whether the train or held-out prompts have images (they travel with their prompts: in-process, on the
     fleet, in packed and shared-prompt rows); image prompts with multi-turn rollouts are a one-line config error:
     the agent renders its first messages and appended turns as text (no image expansion, no pixels for the
     sampler's extend program)."""
     if not any(has_images(r, ("prompt",)) for recs in (records, eval_records or []) for r in recs):
         return False
-    if agent_enabled(cfg.rollout):
-        raise ConfigError(f"rollout.tools: not supported with image prompts ({cfg.data.train} has images); "
+    if agent_enabled(rollout):
+        raise ConfigError(f"rollout.tools: not supported with image prompts ({data.train} has images); "
                           "image prompts are single-turn")
     return True
 
@@ -230,35 +236,47 @@ def check_routing_replay(learner: LearnerConfig, model_cfg) -> None:
                           "model has no experts (set learner.routing_replay=false)")
 
 
-def build_learner(cfg: RLConfig, preset: GRPOFamily, run: Run, image_prompts: bool, prompts: PromptSet) -> Learner:
-    """The learner: the policy loss, its epochs and minibatches, and the reference scorer when beta > 0 (which
-    routes with its own router: a batch's recorded experts, `learner.routing_replay`, are the policy's only);
-    packed rows sized once by the shortest of the train `prompts`."""
-    lc, trainer = cfg.learner, run.trainer
-    kw = policy_loss_kwargs(preset, lc, cfg.rollout.completion_budget)
+def build_learner(lc: LearnerConfig, preset: GRPOFamily, run: Run, tc: TrainerConfig, moe: MoELossConfig, *,
+                  completion_budget: int, image_prompts: bool, prompts: PromptSet) -> Learner:
+    """The learner of `run.trainer`: the policy loss (the length normaliser defaults to `completion_budget`), its
+    epochs and minibatches, and the reference scorer when beta > 0 (which routes with its own router: a batch's
+    recorded experts, `learner.routing_replay`, are the policy's only); packed rows sized once by the shortest of
+    the train `prompts`."""
+    trainer = run.trainer
+    kw = policy_loss_kwargs(preset, lc, completion_budget)
     share = lc.share_prompts if lc.share_prompts is not None else not image_prompts
-    chunk = cfg.trainer.loss_chunk_size or None
+    chunk = tc.loss_chunk_size or None
     ref_fn = None
     if kw["beta"] > 0:
         if trainer.has_lora:  # the base model with adapters off: no second copy of the weights
             ref_fn = TrainerScorer(trainer, adapters=False)
         else:
             ref_fn = FrozenScorer(run.frozen_model(), trainer, chunk)
-    router = RouterLoss(**dataclasses.asdict(cfg.moe))  # a mixture of experts' router terms (none when dense)
-    return Learner(trainer, make_rl_loss(kw, chunk_size=chunk, router=router), ppo_epochs=lc.ppo_epochs, minibatches=lc.minibatches,
-                   seed=cfg.trainer.seed, recompute_old=lc.old_logprobs == "recompute",
+    router = RouterLoss(**dataclasses.asdict(moe))  # a mixture of experts' router terms (none when dense)
+    return Learner(trainer, make_rl_loss(kw, chunk_size=chunk, router=router), ppo_epochs=lc.ppo_epochs,
+                   minibatches=lc.minibatches, seed=tc.seed, recompute_old=lc.old_logprobs == "recompute",
                    correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn, pack=lc.pack or share,
                    attn_span=attention_span(trainer.model().cfg) if share else None,
                    prompt_min=min((len(x) for x in prompts.ids), default=1))
 
 
-def build_dispatcher(cfg: RLConfig, num_records: int) -> Dispatcher:
+def build_dispatcher(data: PromptData, rollout: RolloutConfig, fleet: FleetConfig, curation: CurationConfig,
+                     num_records: int) -> Dispatcher:
     """The dispatcher of prompt groups: the data stream, staleness bound, leases and curation."""
-    fc, cc = cfg.fleet, cfg.curation
-    return Dispatcher(num_records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, batch_groups=cfg.rollout.batch_prompts,
-                      max_staleness=fc.max_staleness if fc.enabled else 0, lease_timeout_s=fc.lease_timeout_s,
-                      curation_window=cc.window, skip_always_solved=cc.skip_always_solved,
-                      skip_never_solved=cc.skip_never_solved)
+    return Dispatcher(num_records, seed=data.seed, shuffle=data.shuffle, batch_groups=rollout.batch_prompts,
+                      max_staleness=fleet.max_staleness if fleet.enabled else 0, lease_timeout_s=fleet.lease_timeout_s,
+                      curation_window=curation.window, skip_always_solved=curation.skip_always_solved,
+                      skip_never_solved=curation.skip_never_solved)
+
+
+def restore(run: Run, dispatcher: Dispatcher) -> int:
+    """The step the run starts from: when resuming, the latest checkpoint that restores (the trainer's state and
+    the dispatcher's, with its buffered rollouts) and its RL step; else 0."""
+    meta = run.restore()  # the newest checkpoint that restores (when trainer.resume)
+    if meta is None:
+        return 0
+    dispatcher.load_state_dict(meta["data_state"]["dispatcher"])
+    return int(meta["metadata"]["rl_step"])
 
 
 def env_watch(rollout: RolloutConfig, agent: Agent | None, say: Callable[[str], None]) -> EnvErrorWatch | None:

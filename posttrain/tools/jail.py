@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from posttrain.tools.cgroups import CallGroup
+from posttrain.tools.limits import PythonLimits
 
-__all__ = ["JailLimits", "JailResult", "jail_support", "run_jailed"]
+__all__ = ["JailResult", "jail_support", "run_jailed"]
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_launcher.py")
 INSIDE_UID = 1000  # the snippet's uid inside its user namespace
@@ -42,18 +43,6 @@ SNIPPET_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHO
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 WORK_NAMES = ("/work", "/sandbox", "/sandbox-work")
 START_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class JailLimits:
-    """What one snippet may use: wall and CPU seconds, memory (address space per process and, with cgroups,
-    all processes together), bytes per written file (stdout and stderr included), processes, /work's size."""
-    wall_s: float
-    cpu_s: int
-    memory_bytes: int
-    file_bytes: int
-    max_processes: int
-    work_bytes: int
 
 
 @dataclass(frozen=True)
@@ -135,7 +124,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_jailed(code: str, limits: JailLimits, max_output_bytes: int) -> JailResult:
+def run_jailed(code: str, limits: PythonLimits, max_output_bytes: int) -> JailResult:
     """Run `code` in the sandbox (see the module docstring); raises `JailError` if the sandbox fails to start."""
     root = tempfile.mkdtemp(prefix="posttrain-python-tool-")
     group = None
@@ -196,8 +185,7 @@ def jail_support() -> str | None:
     """None when the kernel sandbox works on this machine, else why not (one line); checked once per process."""
     if sys.platform != "linux":
         return f"the kernel sandbox needs Linux, this is {sys.platform}"
-    limits = JailLimits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, file_bytes=1 << 20, max_processes=16,
-                        work_bytes=1 << 20)
+    limits = PythonLimits(wall_s=20.0, cpu_s=10, memory_mb=1024, file_mb=1, max_processes=16, work_mb=1)
     try:
         result = run_jailed("print('ok')", limits, 4096)
     except (JailError, OSError) as e:
