@@ -224,24 +224,22 @@ def distill(config: str | Path | Mapping | None = None, *, overrides: Mapping | 
     return _train("distill", load_distill_config, run_distill, config, overrides, kwargs)
 
 
-def _run_config(cls, function: str, options: Mapping[str, Any]):
-    """The run config `cls` of keyword options (an unknown one is a TypeError naming it and the accepted ones)."""
+def _check_options(cls, function: str, options: Mapping[str, Any]) -> None:
+    """Keyword options of the run config `cls`: an unknown one is a TypeError naming it and the accepted ones."""
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(options) - set(names))
     if unknown:
         raise TypeError(f"posttrain.{function}: unknown option {unknown[0]!r}; accepted: {', '.join(names)}")
-    return cls(**options)
 
 
-def _run(run: Callable, cfg):
-    """What the CLI does around a sampling command: the compilation cache, several processes joined (from the
-    environment or the cluster; else a no-op), then the run."""
+def _start_sampling() -> None:
+    """What the CLI does before a sampling command: the compilation cache, and several processes joined (from the
+    environment or the cluster; else a no-op)."""
     # lazy: distributed imports JAX
     from posttrain import distributed
 
     _start()
     distributed.initialize()
-    return run(cfg)
 
 
 def evaluate(model: str | Path, data: str | Path, **options: Any):
@@ -252,7 +250,9 @@ def evaluate(model: str | Path, data: str | Path, **options: Any):
     # lazy: the eval run loads JAX
     from posttrain.eval.run import EvalConfig, run_eval
 
-    return _run(run_eval, _run_config(EvalConfig, "evaluate", {"model": str(model), "data": str(data), **options}))
+    _check_options(EvalConfig, "evaluate", options)
+    _start_sampling()
+    return run_eval(EvalConfig(model=model, data=data, **options))
 
 
 def generate(model: str | Path, prompts: str | Path | Iterable[str | dict], output: str | Path, **options: Any):
@@ -270,9 +270,9 @@ def generate(model: str | Path, prompts: str | Path | Iterable[str | dict], outp
             rows = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
             path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
             prompts = path
-        cfg = _run_config(GenerateConfig, "generate",
-                          {"model": str(model), "prompts": str(prompts), "output": str(output), **options})
-        return _run(run_generate, cfg)
+        _check_options(GenerateConfig, "generate", options)
+        _start_sampling()
+        return run_generate(GenerateConfig(model=model, prompts=prompts, output=output, **options))
 
 
 def demo_task(folder: str | Path, *, seed: int = 0, n_sft: int = 20000, n_rl: int = 4000, n_heldout: int = 500,

@@ -71,8 +71,9 @@ def test_a_config_mapping_loads_as_its_yaml_does(tmp_path):
 def test_options_are_the_runs_config_and_unknown_ones_are_type_errors():
     from posttrain.eval.run import EvalConfig
 
-    cfg = api._run_config(EvalConfig, "evaluate", {"model": "m", "data": "d.jsonl", "n": 4, "chat": True,
-                                                   "k": [1, 4], "max_new_tokens": 8, "tools": "calculator"})
+    options = {"n": 4, "chat": True, "k": [1, 4], "max_new_tokens": 8, "tools": "calculator"}
+    api._check_options(EvalConfig, "evaluate", options)
+    cfg = EvalConfig(model="m", data="d.jsonl", **options)
     assert (cfg.n, cfg.chat, cfg.k, cfg.max_new_tokens, cfg.tools) == (4, True, [1, 4], 8, "calculator")
     assert EvalConfig(n=8, k="1,2").k == [1, 2] and EvalConfig(n=6).k == [1, 2, 4, 6]
     with pytest.raises(TypeError, match="unknown option 'nonsense'"):

@@ -177,7 +177,7 @@ def test_hanging_reset_is_an_error_at_set_up_and_in_a_trajectory(tok, pool, envs
     from posttrain.data import read_prompts
     from posttrain.data.sources import DataError
     from posttrain.rl.config import PromptData
-    from posttrain.rl.setup import _encode_all
+    from posttrain.rl.prompts import encode_prompt_set
 
     env = load_environment(f"{envs}:HangingReset")
     agent = Agent(tok, environment=env, limits=AgentLimits(tool_timeout_s=LIMIT), pool=pool)
@@ -186,7 +186,7 @@ def test_hanging_reset_is_an_error_at_set_up_and_in_a_trajectory(tok, pool, envs
     records = read_prompts(str(data), optional=True)
     t0 = time.monotonic()
     with pytest.raises(DataError) as e:
-        _encode_all(PromptEncoder(tok), records, PromptData(), agent)
+        encode_prompt_set(PromptEncoder(tok), records, PromptData(), agent)
     assert time.monotonic() - t0 < LIMIT + 2.0
     assert str(e.value) == f"{data}, line 2: HangingReset.reset ran past its 1s time limit (its thread was abandoned)"
     prompt = agent.prompt_ids(agent.first_messages({}))

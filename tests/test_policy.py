@@ -172,3 +172,17 @@ def test_one_sampler_and_two_vision_spec_reads_outside_sampling():
     assert samplers == [c for c in samplers if c.startswith("rollout/policy.py:")] and len(samplers) <= 1, samplers
     vision = _calls("VisionSpec", "from_checkpoint")
     assert len(vision) <= 2 and {c.split(":")[0] for c in vision} <= {"rollout/prompts.py", "training/sft.py"}, vision
+
+
+def test_the_sampling_commands_only_parse_flags():
+    """`posttrain eval`, `generate` and `chat` turn flags into a run's config (or a conversation) and print: no
+    function in cli/ is longer than 30 lines, and none of them opens a checkpoint itself."""
+    long = []
+    for f in sorted((PACKAGE / "cli").glob("*.py")):
+        for fn in ast.walk(ast.parse(f.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.end_lineno - fn.lineno + 1 > 30:
+                long.append(f"{f.name}:{fn.name} {fn.end_lineno - fn.lineno + 1}")
+    assert long == []
+    for name in ("eval.py", "generate.py", "chat.py"):
+        text = (PACKAGE / "cli" / name).read_text()
+        assert "posttrain.models" not in text and "Sampler(" not in text, name  # `Policy.open` resolves and loads

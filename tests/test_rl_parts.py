@@ -53,7 +53,7 @@ def test_algorithm_section_errors_name_the_key_and_what_it_accepts(override, mes
 
 def test_policy_loss_kwargs_come_from_the_typed_preset():
     from posttrain.rl.config import LearnerConfig
-    from posttrain.rl.setup import policy_loss_kwargs
+    from posttrain.rl.learner import policy_loss_kwargs
 
     kw = policy_loss_kwargs(registry.get_preset("gspo", beta=0.02), LearnerConfig(is_cap=3.0), 64)
     assert (kw["ratio_level"], kw["epsilon_high"], kw["beta"], kw["kl_estimator"]) == ("sequence", 4e-4, 0.02, "k3")
@@ -135,12 +135,14 @@ def test_build_rl_releases_the_run_after_a_config_error(tmp_path):
 
     from posttrain.rl.setup import build_rl
 
-    write_toy_task(tmp_path, "def reward(completion, **kw):\n    return 0.0\n")
+    write_toy_task(tmp_path, "def reward(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     args = ["model.path=tiny:llama", f"output_dir={tmp_path / 'out'}", f"data.train={tmp_path / 'prompts.jsonl'}",
             f"rewards.functions=[{{name: {tmp_path / 'reward.py'}:reward}}]", "rewards.correctness=null"]
-    cfg = load_config(RLConfig, None, [*args, "algorithm.preset=rloo", "rollout.group_size=1"])
+    with pytest.raises(ConfigError, match="group_size must be >= 2 for RLOO"):  # sections that disagree: at load
+        load_config(RLConfig, None, [*args, "algorithm.preset=rloo", "rollout.group_size=1"])
+    cfg = load_config(RLConfig, None, [*args, "learner.routing_replay=true"])  # an error once the trainer is built
     for _ in range(2):  # the second time, the same error: the first released the output folder's run lock
-        with pytest.raises(ValueError, match="group_size must be >= 2 for RLOO"):
+        with pytest.raises(ConfigError, match="learner.routing_replay: needs a mixture-of-experts model"):
             build_rl(cfg)
 
 
@@ -174,14 +176,15 @@ def test_no_class_on_the_rl_path_holds_more_than_15_instance_attributes():
 
 # ---------------------------------------------------------------------- each concept once
 def test_rl_builders_take_their_sections_and_the_steps_leave_the_parts_alone():
-    """Only `build_rl` takes the whole `RLConfig`; the loop's steps assign nothing on the parts (what changes as
-    the run goes is the loop's `RLState`), and the trainer is reached one way (`parts.run.trainer`)."""
+    """Only the run's entry points (`run_rl`, `build_rl`) take the whole `RLConfig`, the builders take their
+    sections; the loop's steps assign nothing on the parts (what changes as the run goes is the loop's `RLState`),
+    and the trainer is reached one way (`parts.run.trainer`)."""
     from posttrain.rl.setup import RLParts
 
-    setup = ast.parse((PACKAGE / "rl" / "setup.py").read_text())
-    whole = [fn.name for fn in ast.walk(setup) if isinstance(fn, ast.FunctionDef)
+    whole = [f"{f.name}:{fn.name}" for f in sorted((PACKAGE / "rl").glob("*.py"))
+             for fn in ast.walk(ast.parse(f.read_text())) if isinstance(fn, ast.FunctionDef)
              and any(a.annotation is not None and "RLConfig" in ast.unparse(a.annotation) for a in fn.args.args)]
-    assert whole == ["build_rl"]
+    assert whole == ["loop.py:run_rl", "setup.py:build_rl"], whole  # the run's entry points; every builder a section
     assert "trainer" not in {f.name for f in dataclasses.fields(RLParts)} and RLParts.__dataclass_params__.frozen
     for name in ("steps.py", "loop.py", "sources.py"):
         tree = ast.parse((PACKAGE / "rl" / name).read_text())

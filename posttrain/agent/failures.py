@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-__all__ = ["EnvErrorWatch", "EnvironmentFailedError"]
+__all__ = ["EnvErrorWatch", "EnvironmentFailedError", "env_watch"]
 
 
 class EnvironmentFailedError(RuntimeError):
@@ -42,3 +42,11 @@ class EnvErrorWatch:
             raise EnvironmentFailedError(
                 f"environment {self.env_name}: {len(failed)} of {len(trajectories)} trajectories of step {step} "
                 f"failed, more than {self.key}={self.max_fraction:g}; first error: {failed[0].get('env_error', '')}")
+
+
+def env_watch(agent, max_fraction: float, say: Callable[[str], None]) -> EnvErrorWatch | None:
+    """The watch over an `agent`'s environment failures, stopping past `max_fraction` of a step's trajectories (None
+    without an environment); its warnings go to `say`."""
+    if agent is None or agent.environment is None:
+        return None
+    return EnvErrorWatch(agent.environment.cls.__name__, max_fraction, warn=lambda line: say(f"warning: {line}"))

@@ -63,11 +63,10 @@ def run(args) -> int:
     from posttrain import distributed
     from posttrain.eval.run import EvalConfig, run_eval
 
-    cfg = options(EvalConfig, args)
-    result = run_eval(cfg)
+    result = run_eval(options(EvalConfig, args))
     if distributed.is_primary():
-        m, later = result.metrics, [k for k in cfg.k if k > 1]
-        title = f"{cfg.model} on {cfg.data} ({m['eval/num_prompts']} problems, n={cfg.n})"
+        m, later = result.metrics, [k for k in result.k if k > 1]
+        title = f"{args.model} on {args.data} ({m['eval/num_prompts']} problems, n={args.n})"
         Console(stderr=True).print(summary_table(m, title))
         print(f"eval: greedy pass@1 {m['eval/accuracy']:.4f}" + "".join(f", pass@{k} {m[f'eval/pass@{k}']:.4f}"
               for k in later) + "".join(f", maj@{k} {m[f'eval/maj@{k}']:.4f}" for k in later)

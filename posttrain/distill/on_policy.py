@@ -50,7 +50,7 @@ class TeacherAdvantages:
 
     teacher: FrozenScorer
     pad_id: int
-    columns: tuple[int, int] = (0, 0)  # (P, C) at least (`posttrain.rl.setup.batch_columns`)
+    columns: tuple[int, int] = (0, 0)  # (P, C) at least (`posttrain.rl.prompts.batch_columns`)
 
     def __call__(self, ro: Rollouts) -> tuple[RLBatch, dict[str, float]]:
         batch = build_rl_batch(ro, np.zeros(len(ro), np.float32), pad_id=self.pad_id, at_least=self.columns)

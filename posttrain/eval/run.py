@@ -103,11 +103,14 @@ class EvalResult:
     """What an evaluation wrote: one JSONL row per problem in `output`, the summary beside it (`summary_path`).
 
     metrics: the summary (`eval/accuracy` = greedy pass@1, `eval/pass@k`, `eval/maj@k`, ... and the settings).
+
+    k: the k of pass@k and maj@k.
     """
 
     output: Path
     summary_path: Path
     metrics: dict[str, Any]
+    k: list[int] = dataclasses.field(default_factory=list)
 
     def problems(self) -> list[dict]:
         """The per-problem rows (greedy completion, samples, their answers and correctness, pass@k / maj@k)."""
@@ -143,7 +146,7 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     out = Path(cfg.output)
     if primary:
         _write(out, per_problem(e, records, correctness=correctness, k=cfg.k), summary)
-    return EvalResult(output=out, summary_path=out.with_suffix(".summary.json"), metrics=summary)
+    return EvalResult(output=out, summary_path=out.with_suffix(".summary.json"), metrics=summary, k=cfg.k)
 
 
 def _records(cfg: EvalConfig):

@@ -18,14 +18,19 @@ is fixed for a run, so the jitted step sees one structure (the learner always fi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
+from posttrain.algorithms import dapo
 from posttrain.rollout.layout import bucket_length, stack_images, teacher_forced
+from posttrain.rollout.prompts import PromptSet
 from posttrain.rollout.rollouts import Rollouts
 
-__all__ = ["RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs", "place_experts", "stack_images"]
+__all__ = ["GroupAdvantages", "RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs", "place_experts",
+           "stack_images"]
 
 
 @jax.tree_util.register_dataclass
@@ -145,3 +150,23 @@ def place_experts(rollouts: Rollouts, p: int, t: int) -> np.ndarray:
 def completion_logprobs(full: np.ndarray, batch: RLBatch) -> np.ndarray:
     """Slices [N, P+C-1] per-token log-probs (`Trainer.token_logprobs`) to the completion columns [N, C]."""
     return np.asarray(full)[:, -batch.completion_len:]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupAdvantages:
+    """The GRPO family's batch builder: a step's rollouts -> (the training batch, extra metrics: none). Group
+    advantages (the preset's estimator), loss masks (DAPO's overlong filtering), the prompts' images, and the
+    sampler's log-probs as behaviour log-probs (the learner adds the proximal and reference ones)."""
+
+    advantage: Callable[..., Any]
+    overlong_filtering: bool
+    prompts: PromptSet
+    pad_id: int
+    columns: tuple[int, int] = (0, 0)  # (P, C) at least: `posttrain.rl.prompts.batch_columns`
+
+    def __call__(self, ro: Rollouts) -> tuple[RLBatch, dict[str, float]]:
+        adv = np.asarray(self.advantage(ro.rewards, ro.group_size))
+        weights = dapo.overlong_mask(ro.finish_reasons) if self.overlong_filtering else None
+        images = [p.images for p in self.prompts.select(ro.record_index)] if self.prompts.has_images else None
+        return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.pad_id, images=images,
+                              at_least=self.columns), {}

@@ -309,4 +309,8 @@ class RLConfig(RunConfig):
     curation: CurationConfig = dataclasses.field(default_factory=CurationConfig)
     fleet: FleetConfig = dataclasses.field(default_factory=FleetConfig)
 
+    def __post_init__(self):
+        if self.algorithm.advantage == "rloo" and self.rollout.group_size < 2:
+            raise ValueError("rollout.group_size must be >= 2 for RLOO")
+
 

@@ -27,6 +27,7 @@ from flax import nnx
 from posttrain import distributed
 from posttrain.agent.failures import EnvironmentFailedError
 from posttrain.eval.evaluate import evaluate as held_out
+from posttrain.rl import checkpoints
 from posttrain.rl.ledger import Ledger
 from posttrain.rl.setup import RLParts
 from posttrain.rollout.policy import Policy
@@ -107,10 +108,9 @@ def check_environment(parts: RLParts, state: RLState, step: int, ro: Rollouts) -
 
 
 def save(parts: RLParts, step: int, *, wait: bool = False) -> None:
-    """A checkpoint of `step`: the trainer's state and the dispatcher's (`wait`: until it is on disk)."""
-    parts.run.save(data_state={"dispatcher": parts.dispatcher.state_dict()}, metadata={"rl_step": step})
-    if wait:
-        parts.run.ckpt.wait()
+    """A checkpoint of `step` (`posttrain.rl.checkpoints`: the trainer's state and the dispatcher's; `wait`: until it
+    is on disk)."""
+    checkpoints.save(parts.run, parts.dispatcher, step, wait=wait)
 
 
 def evaluate(parts: RLParts, state: RLState, step: int) -> None:

@@ -63,6 +63,9 @@ class GenerateConfig(AgentOptions):
     max_len: int | None = None
     no_progress: bool = False
 
+    def __post_init__(self):
+        self.model, self.prompts, self.output = str(self.model), str(self.prompts), str(self.output)
+
     def sampling(self) -> SamplingParams:
         """The sampling parameters (an option out of range is an `InputError`)."""
         try:
