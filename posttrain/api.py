@@ -14,7 +14,8 @@ They run the command's own code (`run_sft`, `run_rl`, `run_dpo`, `run_distill`: 
 `output_dir`, the same resume) and return a `RunResult`. `evaluate` and `generate` call the runs `posttrain eval`
 and `posttrain generate` call (`posttrain.eval.run.run_eval`, `posttrain.rollout.generate.run_generate`) with
 those commands' options as keyword arguments, named as their flags (`max_new_tokens=32` for `--max-new-tokens 32`,
-`chat=True` for `--chat`, a list for a comma-separated value), and return what the runs wrote. Bad input raises
+`chat=True` for `--chat`, `chat=False` for `--no-chat`, a list for a comma-separated value), and return what the
+runs wrote. Bad input raises
 the package's typed errors (`ConfigError`, `DataError`, `CheckpointError`, ...: the CLI prints them as one line),
 never `SystemExit`; an unknown option is a `TypeError` naming it. Sampling from Python without files: `Policy`
 (`posttrain.rollout.policy`). Nothing here loads JAX until a function is called, so `import posttrain` stays

@@ -76,6 +76,7 @@ class ScriptedSampler:
         self.rng = np.random.default_rng(0)
         self.cfg = SimpleNamespace(max_position_embeddings=100_000)
         self.max_len = None
+        self.context = 100_000  # as `Sampler.context`: the model's positions (no cache limit)
 
     def generate(self, prompts, params, *, key_ids=None, on_turn_end=None, max_len=None, progress=False):
         out = []

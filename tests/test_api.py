@@ -76,6 +76,7 @@ def test_options_are_the_runs_config_and_unknown_ones_are_type_errors():
     cfg = EvalConfig(model="m", data="d.jsonl", **options)
     assert (cfg.n, cfg.chat, cfg.k, cfg.max_new_tokens, cfg.tools) == (4, True, [1, 4], 8, "calculator")
     assert EvalConfig(n=8, k="1,2").k == [1, 2] and EvalConfig(n=6).k == [1, 2, 4, 6]
+    assert EvalConfig().chat is None and EvalConfig(chat=False).chat is False  # unset: the model's own prompt format
     with pytest.raises(TypeError, match="unknown option 'nonsense'"):
         api.evaluate("m", "d.jsonl", nonsense=1)
     with pytest.raises(ConfigError, match="--k"):
@@ -139,3 +140,9 @@ def test_rl_dpo_and_distill_return_their_outputs(tmp_path, monkeypatch):
     distill = posttrain.distill("configs/distill_smoke.yaml", output_dir=tmp_path / "distill", trainer__max_steps=2,
                                trainer__eval_every=0, overrides=quiet)
     assert distill.hf_dir is not None and distill.summary.startswith("distill (logit): done at step 2")
+    # each export records how its data prompted the model: rl_smoke's `data.chat`, dpo_smoke's text pairs,
+    # distill_smoke's `messages`
+    from posttrain.models.prompt_format import PromptStyle, read_prompt_style
+
+    assert [read_prompt_style(r.hf_dir) for r in (rl, dpo, distill)] == [PromptStyle(chat=True),
+                                                                        PromptStyle(chat=False), PromptStyle(chat=True)]

@@ -144,12 +144,9 @@ def test_model_paths(tmp_path):
     import shutil
 
     from posttrain.eval.run import default_ks
-    from posttrain.models.checkpoints import resolve_checkpoint
     from posttrain.models.hf_io import CheckpointError
+    from posttrain.models.spec import resolve_checkpoint as model_folder
     from posttrain.models.tiny import resolve_model_path
-
-    def model_folder(spec):
-        return resolve_checkpoint(spec).weights
 
     tiny = resolve_model_path("tiny:llama")
     assert model_folder("tiny:llama") == model_folder(tiny) and (model_folder(tiny) / "config.json").exists()

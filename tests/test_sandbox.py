@@ -167,24 +167,32 @@ def test_attack_sees_no_trainer_environment(pool, tools, trainer_files):
 @needs_jail
 def test_nothing_outside_can_be_written(pool, tools, after_attack):
     site = sysconfig.get_paths()["purelib"]
-    targets = [str(after_attack / "new.txt"), os.path.join(site, "zz_posttrain_attack.pth"),
+    outside = [str(after_attack / "new.txt"), os.path.join(site, "zz_posttrain_attack.pth"),
                os.path.join(os.path.dirname(os.__file__), "zz_posttrain_attack.py"), "/usr/zz_attack", "/etc/zz_attack",
-               "/root/zz_attack", os.path.join(tempfile.gettempdir(), "zz_posttrain_attack")]
-    code = ("import os\n"
-            f"for p in {targets!r}:\n"
+               "/root/zz_attack"]
+    tmp = os.path.join(tempfile.gettempdir(), "zz_posttrain_attack")
+    code = ("import json, os\n"
+            "def attempt(p):\n"
+            "    out = []\n"
             "    try:\n"
             "        with open(p, 'w') as f: f.write('import os; os.system(\"touch /tmp/pwned\")')\n"
-            "        print('wrote', p)\n"
-            "    except OSError as e: print('refused', p, type(e).__name__)\n"
+            "        out.append('wrote')\n"
+            "    except OSError: out.append('refused')\n"
             "    try:\n"
-            "        fd = os.open(os.path.dirname(p), os.O_RDONLY)\n"
-            "        os.close(os.open(os.path.basename(p), os.O_WRONLY | os.O_CREAT, dir_fd=fd)); print('wrote', p)\n"
-            "    except OSError as e: print('refused', p, type(e).__name__)\n")
-    out = call(pool, tools, code)
-    # /tmp inside is the sandbox's own tmpfs: written there, never on the host
-    assert out.count("refused") == 2 * (len(targets) - 1) and out.count("wrote") == 2, out
-    for p in targets:
-        assert not os.path.exists(p), p
+            "        fd = os.open(os.path.dirname(p) or '.', os.O_RDONLY)\n"
+            "        os.close(os.open(os.path.basename(p) + '2', os.O_WRONLY | os.O_CREAT, dir_fd=fd))\n"
+            "        out.append('wrote')\n"
+            "    except OSError: out.append('refused')\n"
+            "    return out\n"
+            f"print(json.dumps({{p: attempt(p) for p in {outside + [tmp, 'zz_own_folder']!r}}}))\n")
+    out = json.loads(call(pool, tools, code))
+    assert out.pop("zz_own_folder") == ["wrote", "wrote"], out  # the snippet's own folder: the attempts can succeed
+    # /tmp inside is the sandbox's own tmpfs, or (a virtual environment under /tmp is bound there) read-only: never
+    # the host's
+    assert out.pop(tmp) in (["wrote", "wrote"], ["refused", "refused"]), out
+    assert out == {p: ["refused", "refused"] for p in outside}, out
+    for p in outside + [tmp]:
+        assert not os.path.exists(p) and not os.path.exists(p + "2"), p
 
 
 @needs_jail
@@ -320,6 +328,167 @@ def test_ordinary_code_still_works(pool, tools):
     assert call(pool, tools, code) == "hi\n45\nchild\nTrue"
 
 
+# ---------------------------------------------------------------------- the boundary's settings, seen from inside
+@needs_jail
+def test_system_and_python_folders_are_read_only_mounts(pool, tools):
+    """Read-only by the mount (statvfs's ST_RDONLY), not only by permissions: the snippet's uid could not write
+    a root run's /usr anyway, which would hide a bind left writable (and a non-root run's own venv is its uid's)."""
+    paths = sysconfig.get_paths()
+    python = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, paths["stdlib"], paths["purelib"],
+                                            paths["platlib"], os.path.dirname(os.path.realpath(sys.executable)))}
+    bound = sorted(python | {"/", "/usr", "/usr/bin", "/etc"})
+    code = ("import json, os\n"
+            "flag = lambda p: bool(os.statvfs(p).f_flag & os.ST_RDONLY)\n"
+            f"print(json.dumps([{{p: flag(p) for p in {bound!r}}}, [flag(os.getcwd()), flag('/dev/shm')]]))\n")
+    read_only, writable = json.loads(call(pool, tools, code))
+    assert read_only == {p: True for p in bound}, read_only
+    assert writable == [False, False]  # its own folder and /dev/shm: the check tells them apart
+
+
+LIMIT = 8  # max_processes of the process-limit tests (the default is 32)
+
+
+def _fork_code(n: int) -> str:
+    """A snippet that tries to have `n` processes at once (itself and n - 1 children waiting on a pipe) and prints
+    [the processes it had, the error name of the refused fork or None]."""
+    return ("import errno, json, os\n"
+            "r, w = os.pipe()\n"
+            "children, refused = 0, None\n"
+            f"while children < {n - 1}:\n"
+            "    try:\n"
+            "        pid = os.fork()\n"
+            "    except OSError as e:\n"
+            "        refused = errno.errorcode.get(e.errno, str(e.errno))\n"
+            "        break\n"
+            "    if pid == 0:\n"
+            "        os.close(w)\n"
+            "        os.read(r, 1)\n"
+            "        os._exit(0)\n"
+            "    children += 1\n"
+            "os.close(w)\n"
+            "for _ in range(children):\n"
+            "    os.wait()\n"
+            "print(json.dumps([children + 1, refused]))\n")
+
+
+def _check_process_limit(out: str) -> None:
+    """One process more than `LIMIT` was refused, and the snippet got the configured number: LIMIT, or up to 2
+    fewer where the sandbox's launcher and init count too (in the call's cgroup; under a non-root run's uid)."""
+    assert not out.startswith("Error"), out  # (the sandbox did not start, say)
+    processes, refused = json.loads(out)
+    assert refused == "EAGAIN" and LIMIT - 2 <= processes <= LIMIT, out
+
+
+@needs_jail
+def test_process_limit_is_the_configured_one(tools, host_tmp):
+    """`rollout.sandbox.max_processes` as a rollout's tool workers get it (cgroups too, where this machine has them)."""
+    limited = ToolPool(num_workers=1, mp_context="spawn", sandbox=SandboxConfig(max_processes=LIMIT))
+    try:
+        out = call(limited, tools, _fork_code(LIMIT + 1))
+    finally:
+        limited.close()
+        python_sandbox.use_sandbox(SandboxConfig())  # (a pool sets its sandbox in this process too)
+    _check_process_limit(out)
+
+
+@needs_jail
+def test_process_limit_holds_without_cgroups(monkeypatch, tmp_path):
+    """Where no cgroup can be written (a default container, a non-root run without delegation) the rlimit alone
+    holds the configured number: forced here by a cgroup tree with nothing in it."""
+    from posttrain.tools import cgroups
+
+    monkeypatch.setattr(cgroups, "ROOT", str(tmp_path))
+    assert cgroup_support() is None
+    _check_process_limit(run_python(_fork_code(LIMIT + 1), config=SandboxConfig(max_processes=LIMIT)))
+
+
+NOBODY = 65534
+
+# Runs as root: a private mount namespace where the interpreter's folders are reachable for `nobody` (a root-only
+# folder above them, such as /root holding pyenv, is covered by a tmpfs that shows only them), then drops to nobody
+# (no groups, no capabilities) and calls the python tool once as a tool worker does (the run's sandbox setting, then
+# the tool). Run as a non-root user: the same call without the first part. Prints {"uid", "content"} or
+# {"skip": why}.
+AS_NOBODY = r'''
+import ctypes, json, os, sys, sysconfig, tempfile
+
+code, limit, nobody = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def mount(src, target, fstype, flags, data=None):
+    enc = lambda x: None if x is None else os.fsencode(x)
+    if libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {target}")
+
+
+def closed_above(path):
+    parts = path.split(os.sep)
+    return next((f for f in (os.sep.join(parts[:i]) for i in range(2, len(parts))) if not os.stat(f).st_mode & 1),
+                None)
+
+
+def reachable_for_nobody(paths):
+    paths = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
+    tops = [p for p in paths if not any(p.startswith(q + "/") for q in paths)]
+    covers = {}
+    for p in tops:
+        if closed_above(p):
+            covers.setdefault(closed_above(p), []).append(p)
+    if not covers:
+        return
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        print(json.dumps({"skip": f"no mount namespace for the test: {os.strerror(ctypes.get_errno())}"}))
+        sys.exit(0)
+    mount(None, "/", None, 16384 | (1 << 18))  # MS_REC | MS_PRIVATE: nothing below reaches the host
+    stage = tempfile.mkdtemp()
+    for n, (closed, inner) in enumerate(covers.items()):
+        staged = [(os.path.join(stage, f"{n}-{k}"), p) for k, p in enumerate(inner)]
+        for s, p in staged:
+            os.mkdir(s)
+            mount(p, s, None, 4096 | 16384)  # MS_BIND | MS_REC
+        mount("tmpfs", closed, "tmpfs", 0, "mode=755")
+        for s, p in staged:
+            os.makedirs(p)
+            mount(s, p, None, 4096 | 16384)
+
+
+if os.geteuid() == 0:
+    reachable_for_nobody([sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values(),
+                          os.path.dirname(os.path.realpath(sys.executable)), *sys.path])
+    os.setgroups([])
+    os.setresgid(nobody, nobody, nobody)
+    os.setresuid(nobody, nobody, nobody)
+
+from posttrain.tools.python_sandbox import SandboxConfig, python, use_sandbox
+
+use_sandbox(SandboxConfig(max_processes=limit))  # what a tool worker does with the run's setting
+print(json.dumps({"uid": os.geteuid(), "content": python(code)}))
+'''
+
+
+@needs_jail
+def test_sandbox_starts_for_an_unprivileged_user():
+    """The tool as a non-root run gets it (these tests run as root, whose sandbox skips the steps an unprivileged
+    user namespace needs: `setgroups` denied before the gid map, only its own uid mapped): a call answers, and
+    the process limit holds there too (an unprivileged run has no cgroup of its own to write)."""
+    home = tempfile.mkdtemp(prefix="posttrain-unprivileged-", dir="/tmp")  # where nobody may write
+    try:
+        if os.geteuid() == 0:
+            os.chown(home, NOBODY, NOBODY)
+        proc = subprocess.run([sys.executable, "-c", AS_NOBODY, _fork_code(LIMIT + 1), str(LIMIT), str(NOBODY)],
+                              env={**os.environ, "HOME": home, "TMPDIR": home}, capture_output=True, text=True,
+                              timeout=120, check=False)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    assert result["uid"] != 0, result
+    _check_process_limit(result["content"])
+
+
 # ---------------------------------------------------------------------- no silent downgrade
 def test_unavailable_namespaces_refuse_to_start(monkeypatch, caplog):
     monkeypatch.setattr(python_sandbox, "jail_support", lambda: "unshare: Operation not permitted")
@@ -369,8 +538,8 @@ class _Fusion(http.server.BaseHTTPRequestHandler):
             with st["lock"]:
                 st["active"] -= 1
         try:
-            if answer is None:
-                self.send_response(503)
+            if isinstance(answer, int):
+                self.send_response(answer)
                 self.end_headers()
                 return
             self.send_response(200)
@@ -381,13 +550,15 @@ class _Fusion(http.server.BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (the time-out case)
             pass
 
-    def _run(self, code: str) -> bytes | None:
-        """The answer to `code` (None: a 503), after the time its first line asks for."""
+    def _run(self, code: str) -> bytes | int:
+        """The answer to `code` (an int: that HTTP error status), after the time its first line asks for."""
         st = self.state
         with st["lock"]:
             if code.startswith("#flaky") and st["flaky"] > 0:
                 st["flaky"] -= 1
-                return None
+                return 503
+        if code.startswith("#status "):  # "#status 400": always that answer
+            return int(code.split()[1])
         if code.startswith("#slow"):
             time.sleep(0.3)
         if code.startswith("#hang"):
@@ -432,6 +603,16 @@ def test_remote_backend(fusion):
     for t in threads:
         t.join()
     assert state["max_active"] == 2
+
+
+def test_remote_backend_retries_server_errors_only(fusion):
+    """A 4xx answer (the request is wrong) is not sent again: one request; a 5xx is retried `retries` times."""
+    url, state = fusion
+    for status, retries in ((400, 2), (422, 1), (500, 1), (503, 0)):
+        state["requests"].clear()
+        out = run_python(f"#status {status}", config=SandboxConfig(backend="remote", url=url, retries=retries))
+        assert out.startswith("Error: the sandbox could not run the code") and f"HTTP {status}" in out, out
+        assert len(state["requests"]) == (1 if status < 500 else retries + 1), (status, retries)
 
 
 def test_remote_backend_unreachable():

@@ -4,6 +4,9 @@
 
 The flags become an `EvalConfig` and `posttrain.eval.run.run_eval` runs it (RL's held-out evaluator through a
 `Policy`): one JSONL row per problem in `--output`, the summary beside it (`.summary.json`), printed as a table.
+Text prompts are rendered as the model was trained to be prompted (the prompt format its export records:
+`posttrain.models.prompt_format`; raw text for a checkpoint that records none); `--chat` / `--no-chat` and
+`--system-prompt` override it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from posttrain.cli.agent_args import add_agent_arguments, options
-from posttrain.cli.model_arg import add_model_argument
+from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,8 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of the n samples")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--chat", action="store_true", help="render text prompts with the tokenizer's chat template")
-    p.add_argument("--system-prompt", default=None, help="system message for chat prompts")
+    add_prompt_style_arguments(p, default_chat=False)
     p.add_argument("--prompt-field", default=None,
                    help="the record field holding the prompt (default: the first of prompt, question, problem, "
                         "messages; with --environment, none is needed)")

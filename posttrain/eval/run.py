@@ -5,7 +5,9 @@ evaluator (`posttrain.eval.evaluate`: the same sampling, rewards and estimators)
 sharded over every device (of every process: on several hosts every process runs the same sampler on the global
 mesh, process 0 scores the rewards and writes the outputs). Writes one JSONL row per problem to `output` (the
 greedy completion, the n samples with their answers and correctness, the problem's pass@k / maj@k) and the
-summary beside it (`.summary.json`). Bad input is a typed error naming the file, line or option (`ConfigError`,
+summary beside it (`.summary.json`). Text prompts are rendered as the model was trained to be prompted (the prompt
+format its export records: `posttrain.models.prompt_format`; raw text for a checkpoint that records none) unless
+`chat` / `system_prompt` say otherwise. Bad input is a typed error naming the file, line or option (`ConfigError`,
 `DataError`, `CheckpointError`, ...).
 """
 
@@ -22,8 +24,8 @@ from posttrain.data.sources import PROMPT_FIELDS, DataError, read_prompts
 from posttrain.eval.evaluate import evaluate, per_problem
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rollout.config import AgentOptions
+from posttrain.rollout.generate import fitted_budget
 from posttrain.rollout.policy import Policy
-from posttrain.rollout.prompts import PromptStyle
 
 __all__ = ["EvalConfig", "EvalResult", "default_ks", "run_eval"]
 
@@ -51,8 +53,11 @@ class EvalConfig(AgentOptions):
     n: samples per problem for pass@k / maj@k (0 = greedy only). k: the k of pass@k and maj@k (a list, or
     comma-separated text; None = 1, 2, 4, ... up to n, and n).
 
-    temperature, top_p: how the n samples are drawn. max_new_tokens: tokens per completion (a turn) at most.
-    chat: render text prompts with the chat template. system_prompt: a system turn for chat prompts.
+    temperature, top_p: how the n samples are drawn. max_new_tokens: tokens per completion (a turn) at most (cut
+    to the room a small model's context leaves).
+
+    chat: render text prompts with the chat template (False: as raw text; None: as the model was trained).
+    system_prompt: a system turn for chat prompts (None: the one the model was trained with; "": none).
     prompt_field: the record field holding the prompt (None: the first of prompt, question, problem, messages).
 
     limit: evaluate the first N problems only (0 = all). output: the per-problem JSONL file. seed: the samples'
@@ -68,7 +73,7 @@ class EvalConfig(AgentOptions):
     temperature: float = 0.6
     top_p: float = 1.0
     max_new_tokens: int = 512
-    chat: bool = False
+    chat: bool | None = None
     system_prompt: str | None = None
     prompt_field: str | None = None
     limit: int = 0
@@ -128,21 +133,23 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     with RewardRunner([spec] if spec else [], num_workers=cfg.reward_workers if primary else 0) as runner:
         runner.check_records(records)  # a missing field fails before the model loads
         policy = Policy.open(cfg.model, dtype=cfg.dtype, max_slots=cfg.max_slots,
-                             sequences=len(records) * max(cfg.n, 1),
-                             style=PromptStyle(chat=cfg.chat, system_prompt=cfg.system_prompt))
-        agent = cfg.make_agent(checked, policy.tokenizer, system_prompt=cfg.system_prompt,
+                             sequences=len(records) * max(cfg.n, 1), chat=cfg.chat, system_prompt=cfg.system_prompt)
+        style = policy.style  # the flags, else the export's
+        agent = cfg.make_agent(checked, policy.tokenizer, system_prompt=style.system_prompt,
                                prompt_field=records.prompt_field or "prompt")
         try:  # each prompt carries its ids, images (handed to its prefill) and record
-            e = evaluate(policy, policy.encode(records, agent=agent), runner, correctness=correctness,
-                         max_new_tokens=cfg.max_new_tokens, k=cfg.k, n_samples=cfg.n, temperature=cfg.temperature,
-                         top_p=cfg.top_p, seed=cfg.seed, progress=not cfg.no_progress and primary, agent=agent)
+            prompts = policy.encode(records, agent=agent)
+            e = evaluate(policy, prompts, runner, correctness=correctness, k=cfg.k, n_samples=cfg.n,
+                         max_new_tokens=fitted_budget(policy, prompts.ids, cfg.max_new_tokens, "eval"),
+                         temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                         progress=not cfg.no_progress and primary, agent=agent)
         finally:
             if agent is not None:
                 agent.close()
     distributed.finish()
     summary = {k: v for k, v in e.items() if not k.startswith("_")}
     summary.update({"model": cfg.model, "data": cfg.data, "reward": correctness, "n": cfg.n,
-                    "temperature": cfg.temperature, "chat": bool(cfg.chat)})
+                    "temperature": cfg.temperature, "chat": style.chat, "system_prompt": style.system_prompt})
     out = Path(cfg.output)
     if primary:
         _write(out, per_problem(e, records, correctness=correctness, k=cfg.k), summary)

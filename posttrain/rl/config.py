@@ -34,8 +34,8 @@ class PromptData:
       (the environment's `reset` makes the conversation).
     chat: render prompts with the tokenizer's chat template (a `messages` list always is).
     system_prompt: a system turn put first in a prompt rendered with the chat template that has none (text with
-      `chat`, message lists, the first messages of tool rollouts; not an environment's nor image prompts);
-      None = none.
+      `chat`, message lists, image prompts, the first messages of tool rollouts; not an environment's, whose
+      `reset` makes the conversation); None = none.
     shuffle: draw the training prompts in a random order, a fresh permutation each pass over the set (false:
       file order).
     seed: seed of that order (sampling draws from `trainer.seed`).

@@ -1,6 +1,7 @@
 """An RL run's prompt sets (`RLPrompts`): the train and held-out records, read and checked against the rewards before
 any model loads (`read_records`, `check_image_prompts`), then encoded once (`encode_prompt_set`, with the
-checkpoint's `PromptEncoder`), and the batch columns the longest of them fixes (`batch_columns`)."""
+checkpoint's `PromptEncoder`), the batch columns the longest of them fixes (`batch_columns`), and how they prompt
+the policy, written with its export (`trained_prompt_style`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from posttrain.agent.setup import agent_enabled
 from posttrain.config import ConfigError
 from posttrain.data import read_prompts
 from posttrain.data.vlm import has_images
+from posttrain.models.prompt_format import trained_style
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.config import PromptData, RolloutConfig
 from posttrain.rollout.layout import bucket_length
-from posttrain.rollout.prompts import PromptEncoder, PromptSet
+from posttrain.rollout.prompts import PromptEncoder, PromptSet, PromptStyle
 
-__all__ = ["RLPrompts", "batch_columns", "check_image_prompts", "encode_prompt_set", "read_records"]
+__all__ = ["RLPrompts", "batch_columns", "check_image_prompts", "encode_prompt_set", "read_records",
+           "trained_prompt_style"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +81,14 @@ def batch_columns(prompts: PromptSet, completion_budget: int) -> tuple[int, int]
     """(P, C): the prompt and completion columns every batch of the run is padded to (the longest train prompt,
     and the tokens after a prompt at most), so the train step and the scoring compile once (issue 40)."""
     return (bucket_length(max((len(x) for x in prompts.ids), default=1)), bucket_length(completion_budget))
+
+
+def trained_prompt_style(prompts: RLPrompts, agent: Agent | None = None) -> PromptStyle:
+    """How the run prompts its policy, written with its export (`posttrain.models.prompt_format`): the chat
+    template with tools or an environment (the agent renders its first messages), else the training prompts' own
+    (message lists and `data.chat` through the template, text otherwise; `data.system_prompt`)."""
+    data = prompts.data
+    if agent is not None:
+        return PromptStyle(chat=True, system_prompt=data.system_prompt)
+    return trained_style((r.get("prompt") for r in prompts.train.records), chat=data.chat,
+                         system_prompt=data.system_prompt)

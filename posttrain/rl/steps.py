@@ -29,6 +29,7 @@ from posttrain.agent.failures import EnvironmentFailedError
 from posttrain.eval.evaluate import evaluate as held_out
 from posttrain.rl import checkpoints
 from posttrain.rl.ledger import Ledger
+from posttrain.rl.prompts import trained_prompt_style
 from posttrain.rl.setup import RLParts
 from posttrain.rollout.policy import Policy
 from posttrain.rollout.rollouts import Rollouts
@@ -157,7 +158,7 @@ def finish(parts: RLParts, state: RLState, step: int) -> Path | None:
     """Final evaluation and checkpoint; the HF export (LoRA merged)."""
     evaluate(parts, state, step)
     save(parts, step, wait=True)
-    return parts.run.export_hf(quiet=True)
+    return parts.run.export_hf(quiet=True, prompt_style=trained_prompt_style(parts.prompts, parts.agent))
 
 
 def close(parts: RLParts, state: RLState | None = None) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from posttrain import distributed
 from posttrain.agent.rollout import Agent
-from posttrain.rollout.policy import Policy
+from posttrain.rollout.policy import Policy, Samples
 from posttrain.rollout.prompts import Prompt
 from posttrain.rollout.rollouts import Rollouts
 from posttrain.sampling import SamplingParams
@@ -72,6 +72,15 @@ def generate_rollouts(
     max_len = None if agent is None else _context_limit(policy, prompts, params, agent)
     samples = policy.sample(prompts, params, agent=agent, key_ids=uids, progress=progress, max_len=max_len,
                             between_segments=between_segments, record_experts=record_experts)
+    try:
+        return _scored(samples, prompts, params, reward_runner, uids, policy.version, record_experts)
+    finally:
+        samples.close()  # environment sessions still open (a failed call): closed
+
+
+def _scored(samples: Samples, prompts: list[Prompt], params: SamplingParams, reward_runner, uids,
+            version: int | None, record_experts: bool) -> Rollouts:
+    """`generate_rollouts`' scoring: the rewards of `samples` and the `Rollouts` record of them."""
     completions, trajs = samples.completions, samples.trajectories
     recs = [prompts[c.prompt_index].record for c in completions]
     texts = samples.texts
@@ -84,7 +93,7 @@ def generate_rollouts(
     total, per_reward, stats = score_once(reward_runner, prompts_text, texts, fields)
     if trajs is not None:
         total, per_reward = _add_env_rewards(trajs, total, per_reward)
-    version = int(policy.version or 0)  # the weights' policy version (`Policy.swap_weights`)
+    version = int(version or 0)  # the weights' policy version (`Policy.swap_weights`)
     versions = [_token_versions(c, version) for c in completions]
     assert len(total) == len(completions)
     return Rollouts(

@@ -5,8 +5,11 @@ With tools or an environment (`AgentOptions`) each sample is a multi-turn conver
 output line then holds the whole trajectory (messages, tool calls and results, turns, the token ids after the
 prompt with their `loss_mask`: 1 where sampled, 0 where appended) and `text` is the last assistant message. The
 model is sharded over every device (of every process: on several hosts every process runs the same sampler on the
-global mesh and gets every completion, and process 0 writes the file). A prompts file or option that cannot be
-used is an `InputError` naming the file (`<stdin>` for `-`) and line.
+global mesh and gets every completion, and process 0 writes the file, or standard output for `-`). Text prompts
+are rendered as the model was trained to be prompted (the prompt format its export records:
+`posttrain.models.prompt_format`; raw text for a checkpoint that records none) unless `chat` / `system_prompt` say
+otherwise; a message list always goes through the chat template. A prompts file or option that cannot be used is
+an `InputError` naming the file (`<stdin>` for `-`) and line.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from typing import Any, Literal
 
 from posttrain import distributed
 from posttrain.data.errors import DataError
+from posttrain.data.sources import json_error_column
 from posttrain.rollout.config import AgentOptions
 from posttrain.rollout.policy import Policy, Samples
-from posttrain.rollout.prompts import PromptStyle
 from posttrain.sampling import SamplingParams
 
-__all__ = ["GenerateConfig", "GenerateResult", "InputError", "read_prompt_lines", "run_generate"]
+__all__ = ["GenerateConfig", "GenerateResult", "InputError", "fitted_budget", "read_prompt_lines", "run_generate"]
 
 
 class InputError(DataError):
@@ -38,18 +41,21 @@ class GenerateConfig(AgentOptions):
     `AgentOptions`').
 
     model: a model spec (`Policy.open`). prompts: the JSONL prompts file (`-`: standard input). output: the JSONL
-    output file, one line per completion.
+    output file, one line per completion (`-`: standard output).
 
-    max_new_tokens, temperature (0 = greedy), top_p, top_k, min_p, n (samples per prompt), seed: the sampling.
+    max_new_tokens (cut to the room a small model's context leaves), temperature (0 = greedy), top_p, top_k, min_p,
+    n (samples per prompt), seed: the sampling.
 
-    chat: also wrap plain `prompt` text as one user message. dtype: the parameters' dtype. max_slots: sequences
-    decoded at once at most. max_len: the KV cache's length (None: fitted to the prompts). no_progress: no progress
-    bar.
+    chat: also wrap plain `prompt` text as one user message (False: raw text; None: as the model was trained).
+    system_prompt: a system turn for chat prompts (None: the one the model was trained with; "": none).
+
+    dtype: the parameters' dtype. max_slots: sequences decoded at once at most. max_len: the KV cache's length
+    (None: fitted to the prompts). no_progress: no progress bar.
     """
 
     model: str = ""
     prompts: str = ""
-    output: str = ""
+    output: str = "-"
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -57,7 +63,8 @@ class GenerateConfig(AgentOptions):
     min_p: float = 0.0
     n: int = 1
     seed: int = 0
-    chat: bool = False
+    chat: bool | None = None
+    system_prompt: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_slots: int = 32
     max_len: int | None = None
@@ -77,11 +84,11 @@ class GenerateConfig(AgentOptions):
 
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
-    """What a generation wrote: `output`, one JSON line per completion (`prompt_index`, `sample_index`, `text`,
-    `token_ids`, `logprobs`, `finish_reason`; multi-turn samples their trajectory), those lines as `completions`,
-    and the sampler's figures of the call (`stats`: generated tokens, seconds, ...)."""
+    """What a generation wrote: `output` (None: standard output), one JSON line per completion (`prompt_index`,
+    `sample_index`, `text`, `token_ids`, `logprobs`, `finish_reason`; multi-turn samples their trajectory), those
+    lines as `completions`, and the sampler's figures of the call (`stats`: generated tokens, seconds, ...)."""
 
-    output: Path
+    output: Path | None
     completions: list[dict] = dataclasses.field(repr=False)
     stats: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -107,7 +114,8 @@ def _parse_lines(lines, path) -> list[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            raise InputError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {json_error_column(line, e)})"
+                             ) from None
         if not isinstance(rec, dict):
             raise InputError(f"{path}, line {lineno}: expected a JSON object, got {type(rec).__name__}")
         if "messages" in rec:
@@ -138,10 +146,12 @@ def run_generate(cfg: GenerateConfig) -> GenerateResult:
     records = [{**{k: v for k, v in r.items() if k != "messages"}, "prompt": r.get("messages", r.get("prompt"))}
                for r in lines]
     policy = Policy.open(cfg.model, dtype=cfg.dtype, max_slots=cfg.max_slots, sequences=len(records) * params.n,
-                         max_len=cfg.max_len, style=PromptStyle(chat=cfg.chat))
-    agent = cfg.make_agent(checked, policy.tokenizer)
+                         max_len=cfg.max_len, chat=cfg.chat, system_prompt=cfg.system_prompt)
+    agent = cfg.make_agent(checked, policy.tokenizer, system_prompt=policy.style.system_prompt)
     try:
         prompts = policy.encode(records, agent=agent, where=lambda i: f"{source}, line {records[i]['_line']}")
+        params = dataclasses.replace(params, max_new_tokens=fitted_budget(policy, prompts.ids, params.max_new_tokens,
+                                                                          "generate"))
         samples = policy.sample(prompts, params, agent=agent, progress=not cfg.no_progress and distributed.is_primary())
     except DataError:
         raise
@@ -152,13 +162,34 @@ def run_generate(cfg: GenerateConfig) -> GenerateResult:
         if agent is not None:
             agent.close()
     distributed.finish()  # multi-host: every process has every completion; process 0 writes them
-    lines = [json.dumps(_row(c, samples, i), ensure_ascii=False) for i, c in enumerate(samples)]
-    out = Path(cfg.output)
+    lines = [json.dumps(_row(c, samples, i), ensure_ascii=False) + "\n" for i, c in enumerate(samples)]
+    samples.close()
+    out = None if cfg.output == "-" else Path(cfg.output)
     if distributed.is_primary():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+        _write(lines, out)
     return GenerateResult(output=out, completions=[json.loads(x) for x in lines],
                           stats=dict(getattr(policy.sampler, "last_stats", {})))
+
+
+def _write(lines: list[str], out: Path | None) -> None:
+    """The output lines to the file `out`, or to standard output (None)."""
+    if out is None:
+        sys.stdout.write("".join(lines))
+        sys.stdout.flush()
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(lines), encoding="utf-8")
+
+
+def fitted_budget(policy: Policy, prompt_ids, max_new_tokens: int, command: str) -> int:
+    """`max_new_tokens`, cut to the room the model's context leaves after the longest prompt (`Policy.budget_for`),
+    saying so on stderr: a default budget larger than a small model's context (the demo's 256) is no error."""
+    budget = policy.budget_for(prompt_ids, max_new_tokens)
+    if budget < max_new_tokens:
+        longest = max(len(p) for p in prompt_ids)
+        print(f"{command}: --max-new-tokens {max_new_tokens} cut to {budget}: the model's context holds "
+              f"{longest + budget} tokens and the longest prompt has {longest}", file=sys.stderr, flush=True)
+    return budget
 
 
 def _row(c, samples: Samples, i: int) -> dict:

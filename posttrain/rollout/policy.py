@@ -6,7 +6,7 @@ and on the fleet's workers, on-policy distillation, evaluation, `generate`, `cha
     out = policy.sample(prompts, SamplingParams(n=4, max_new_tokens=8))
     logp = policy.score([prompts[0].ids] * 4, [c.token_ids for c in out])
 
-`Policy.open(spec, ...)` resolves the spec once (`posttrain.models.checkpoints`: `tiny:`, `pypi:`, a `.gguf` file, a
+`Policy.open(spec, ...)` resolves the spec once (`posttrain.models.spec.resolve_model`: `tiny:`, `pypi:`, a `.gguf` file, a
 Hugging Face folder or hub id, a run's output folder, a LoRA adapter folder merged into its base) and loads the
 tokenizer, the prompt encoder (the chat template, the default prompt style, a vision-language checkpoint's vision
 spec) and the model, with the dtype and mesh asked for. `Policy(model, tokenizer, ...)` wraps weights already held:
@@ -46,8 +46,10 @@ from posttrain import distributed
 from posttrain.agent.rollout import Agent, AgentRollout, Trajectory
 from posttrain.algorithms.sft import token_logprobs
 from posttrain.models import tokenizer as tokenizer_lib
-from posttrain.models.checkpoints import merge_adapter, resolve_checkpoint
+from posttrain.models.adapters import merge_adapter
+from posttrain.models.spec import resolve_model
 from posttrain.models.hf_io import from_pretrained
+from posttrain.models.prompt_format import prompt_style
 from posttrain.rollout.layout import stack_images, teacher_forced
 from posttrain.rollout.prompts import Prompt, PromptEncoder, PromptSet, PromptStyle
 from posttrain.sampling import Completion, ProgramCache, Sampler, SamplingParams
@@ -61,10 +63,17 @@ DEVICES = "devices"
 @dataclasses.dataclass(frozen=True)
 class Samples(Sequence):
     """What `Policy.sample` returns: a sequence of `Completion`s (prompt order, the n samples of a prompt in a row)
-    and, when an agent drove them, each one's finished `Trajectory` (`trajectories`; None without an agent)."""
+    and, when an agent drove them, each one's finished `Trajectory` (`trajectories`; None without an agent), whose
+    environment sessions `close()` ends once their rewards are read."""
 
     completions: list[Completion]
     trajectories: list[Trajectory] | None = None
+    rollout: AgentRollout | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def close(self) -> None:
+        """Closes the environment sessions still open (those that ended close themselves after their reward)."""
+        if self.rollout is not None:
+            self.rollout.close()
 
     def __getitem__(self, i):
         return self.completions[i]
@@ -113,18 +122,23 @@ class Policy:
 
     @classmethod
     def open(cls, spec: str | Path, *, dtype: str = "float32", compute_dtype: str | None = None, mesh=DEVICES,
-             style: PromptStyle | None = None, **options: Any) -> Policy:
+             chat: bool | None = None, system_prompt: str | None = None, default_chat: bool = False,
+             **options: Any) -> Policy:
         """The checkpoint `spec` names (module docstring), its parameters in `dtype` (computing in `compute_dtype`,
         default the same), sharded over `mesh` (`DEVICES`: every device; None: unsharded); `options` are the
-        constructor's (`max_slots`, `sequences`, `max_len`, `program_cache`, ...). A spec that names nothing usable
-        is a `CheckpointError` (or `TokenizerError`) naming it."""
-        ck = resolve_checkpoint(spec)
+        constructor's (`max_slots`, `sequences`, `max_len`, `program_cache`, ...). Text prompts are rendered as
+        `chat` and `system_prompt` say when given (an empty system prompt: none), else as the checkpoint was trained
+        to be prompted (the prompt format its export records: `posttrain.models.prompt_format`), else through the
+        chat template when `default_chat`, as raw text otherwise. A spec that names nothing usable is a
+        `CheckpointError` (or `TokenizerError`) naming it."""
+        ck = resolve_model(spec)
         tokenizer = tokenizer_lib.load(ck.tokenizer)
         model = from_pretrained(ck.weights, dtype=dtype, compute_dtype=compute_dtype,
                                 mesh=distributed.devices_mesh() if mesh == DEVICES else mesh)
         if ck.adapter is not None:
             merge_adapter(model, ck.adapter)
-        return cls(model, tokenizer, folder=ck.weights, style=style or PromptStyle(chat=False), **options)
+        style = prompt_style(ck.weights, chat, system_prompt, default_chat=default_chat)
+        return cls(model, tokenizer, folder=ck.weights, style=style, **options)
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -138,9 +152,19 @@ class Policy:
         return getattr(self.sampler, "version", None)
 
     @property
+    def style(self) -> PromptStyle:
+        """How `encode` renders text prompts by default (chat template or raw text, a system prompt)."""
+        return self.encoder.style
+
+    @property
     def context(self) -> int:
         """The longest sequence (prompt and completion) it samples: the sampler's cache, else the model's context."""
-        return min(x for x in (getattr(self.sampler, "max_len", None), self.cfg.max_position_embeddings) if x)
+        return self.sampler.context
+
+    def budget_for(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+        """`max_new_tokens`, cut to the room the longest of `prompt_ids` leaves in the `context` (what a command asks
+        for by default may not fit a small model; `Sampler.budget_for`)."""
+        return self.sampler.budget_for(prompt_ids, max_new_tokens)
 
     # ------------------------------------------------------------------ prompts in, completions out
     def encode(self, records: Sequence[dict | str], *, agent: Agent | None = None, style: PromptStyle | None = None,
@@ -172,10 +196,16 @@ class Policy:
             kwargs["max_len"] = max_len
         rollout = None
         if agent is not None:
-            rollout = AgentRollout(agent, [p.record for p in items], ids)
+            rollout = AgentRollout(agent, [p.record for p in items], ids, [p.where for p in items])
             kwargs["on_turn_end"] = rollout
-        completions = self.sampler.generate(ids, params or SamplingParams(), key_ids=key_ids, **kwargs)
-        return Samples(completions, None if rollout is None else [rollout.finished(c) for c in completions])
+        try:
+            completions = self.sampler.generate(ids, params or SamplingParams(), key_ids=key_ids, **kwargs)
+            trajectories = None if rollout is None else [rollout.finished(c) for c in completions]
+        except BaseException:
+            if rollout is not None:  # environment sessions still open (a failed call): closed
+                rollout.close()
+            raise
+        return Samples(completions, trajectories, rollout)
 
     def _prompt_items(self, prompts, agent: Agent | None) -> Sequence[Prompt] | None:
         """`prompts` as `Prompt` items (records and strings encoded), or None for bare token-id lists."""

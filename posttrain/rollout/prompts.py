@@ -6,8 +6,9 @@ A record's prompt (under `prompt`: text, or chat messages whose content may hold
   prompt with the tools section) through its chat-template appender;
 - with image parts: the chat template with the image tokens expanded for the checkpoint's `VisionSpec`, and the
   preprocessed pixel arrays (a text-only model, `vision` None, is an error);
-- otherwise: the chat template (messages, or `chat` text as one user turn, `system_prompt` added when there is
-  none) or the text itself.
+- otherwise: the chat template (messages, or `chat` text as one user turn) or the text itself.
+A prompt rendered with the chat template (image prompts too) gets `system_prompt` as its first turn when it has no
+system turn (an agent adds it to its first messages; an environment's `reset` makes its own).
 Every problem is one `PromptError` naming the record's place (`FILE, line N`).
 """
 
@@ -24,19 +25,13 @@ import numpy as np
 from posttrain.agent.environments import EnvCallError
 from posttrain.data.errors import DataError
 from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
+from posttrain.models.prompt_format import PromptStyle  # re-exported: how text prompts are rendered
 
 __all__ = ["Prompt", "PromptEncoder", "PromptError", "PromptSet", "PromptStyle", "encode_prompt", "encode_prompts"]
 
 
 class PromptError(DataError):
     """A prompt that cannot be encoded (empty, unrenderable, images for a text-only model, a failed `reset`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptStyle:
-    """How text prompts are rendered: `chat` (through the chat template) and the `system_prompt` to add."""
-    chat: bool = True
-    system_prompt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +100,18 @@ class PromptSet(Sequence):
         return PromptSet(tuple(by_index[i] for i in indices))
 
 
+def _with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    """`messages` with the system turn `system_prompt` first when they have none (as they are without one)."""
+    if system_prompt and not any(m.get("role") == "system" for m in messages):
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
 def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool, system_prompt: str | None = None) -> list[int]:
     """Token ids of a prompt: chat messages through the chat template (with the generation prompt), or text."""
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        if system_prompt and not any(m.get("role") == "system" for m in messages):
-            messages = [{"role": "system", "content": system_prompt}, *messages]
+        messages = _with_system(messages, system_prompt)
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     return list(tokenizer.encode(prompt, add_special_tokens=True))
 
@@ -125,7 +126,7 @@ def _encode_one(record: dict, index: int, where: str, tok, style: PromptStyle, a
         if agent is not None:
             ids = agent.prompt_ids(agent.first_messages(record))
         elif has_images(record, ("prompt",)):
-            ids, pixels = encode_image_prompt(record["prompt"], tok, vision, where)
+            ids, pixels = encode_image_prompt(_with_system(record["prompt"], style.system_prompt), tok, vision, where)
             images = list(pixels)
         else:
             ids = encode_prompt(tok, record["prompt"], chat=style.chat, system_prompt=style.system_prompt)

@@ -21,6 +21,7 @@ class PythonLimits:
     file_mb: MiB of any file it writes, stdout and stderr included.
     max_processes: processes of one call at once.
     work_mb: MiB of its private writable folder.
+    cpus: CPU cores a call's processes may keep busy at once (a cgroup CPU quota, where cgroups can be written).
     max_output_bytes: bytes of its stdout (and of its stderr) returned to the model; the rest is cut with a marker.
     """
 
@@ -30,6 +31,7 @@ class PythonLimits:
     file_mb: int = 1
     max_processes: int = 32
     work_mb: int = 64
+    cpus: float = 1.0
     max_output_bytes: int = 16_384
 
     def __post_init__(self):

