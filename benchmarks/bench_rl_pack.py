@@ -149,14 +149,14 @@ def micro(reps: int, *, size: str = "small", prompts: int = 8, group: int = 4, p
         for layout, opts in layouts.items():
             tx = make_optimizer(OptimConfig(name="adamw", lr=1e-5, decay="constant"), 1000)[0]
             learners[layout] = Learner(Trainer(init_model(cfg, seed=0), tx), make_rl_loss(kw), ppo_epochs=1,
-                                       minibatches=1, seed=0, recompute_old=False, correct_off_policy=False, **opts)
+                                       minibatches=1, seed=0, recompute_old=False, **opts)
         times: dict[str, list[float]] = {k: [] for k in learners}
         first: dict[str, float] = {}
         metrics: dict[str, dict] = {}
         for rep in range(reps + 1):
             for layout, learner in learners.items():
                 t = time.perf_counter()
-                metrics[layout] = learner.update(batch, rep, policy_moved=False)
+                metrics[layout] = learner.update(batch, rep)
                 if rep:
                     times[layout].append(time.perf_counter() - t)
                 else:  # the first call holds the compile

@@ -170,7 +170,8 @@ def test_smoke_run_compiles_its_step_once(command, tmp_path):
 def test_rl_smoke_trains_with_one_step_program_and_at_most_16_programs(tmp_path):
     """The RL smoke run (held-out evaluation, greedy and sampled rollouts, a checkpoint): one train step, prefill at
     most twice, decode once, at most 16 programs in all (8 on 2026-11-28: init, step, the sampler's weight copy
-    and state, prefill twice, decode, the advantages)."""
+    and state, prefill twice, decode, the advantages; 10 with issue 51's default rollout correction: the trainer's
+    scoring of pi_old and the correction, one program each)."""
     (c,) = cli_compiles(["rl", "configs/rl_smoke.yaml", f"output_dir={tmp_path / 'rl'}", "trainer.progress=false",
                          "trainer.max_steps=3", "trainer.save_every=2"])
     assert c["jit(step_fn)"] == 1, c

@@ -353,7 +353,8 @@ def test_learner_keys_moved_out_of_the_algorithm():
     assert cfg.learner == LearnerConfig(ppo_epochs=2, is_level="none") and cfg.algorithm.beta == 0.1
     assert isinstance(cfg.algorithm, GRPOFamily)
     learner_keys = {f.name for f in dataclasses.fields(LearnerConfig)}
-    assert set(GRPOFamily.MOVED_KEYS) == learner_keys - {"routing_replay"}  # all but the one added after the move
+    added = {"routing_replay", "is_mode", "is_low", "rejection", "rejection_low", "rejection_high"}  # after the move
+    assert set(GRPOFamily.MOVED_KEYS) == learner_keys - added
     for key in ("ppo_epochs", "minibatches", "old_logprobs", "is_level", "is_cap", "max_resample_rounds"):
         with pytest.raises(ConfigError) as e:
             load_config(RLConfig, None, [f"algorithm.{key}=2"])

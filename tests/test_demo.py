@@ -193,4 +193,4 @@ def test_tools_demo_call_tokens_parse_and_match_the_rollout_buffer(tmp_path):
         agent.close()
     assert traj.buffer.ids == example.input_ids.tolist()
     assert traj.buffer.loss_mask[1:] == example.loss_mask[1:].astype(int).tolist()
-    assert traj.tool_results[0]["content"] == p["answer"] and traj.final_text == f"#### {p['answer']}"
+    assert traj.tool_log.results[0]["content"] == p["answer"] and traj.final_text == f"#### {p['answer']}"

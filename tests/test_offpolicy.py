@@ -1,6 +1,6 @@
-"""The off-policy numbers of RL (issue 26): importance weights from the proximal policy (not the current one),
-old log-probs recomputed when the policy moved since sampling, and, end to end on the fleet at staleness 1,
-stale groups trained against recomputed old log-probs with their sampler mismatch reported."""
+"""The off-policy numbers of RL (issues 26, 51): importance weights from the proximal policy (not the current one),
+old log-probs recomputed whenever a rollout correction is on, and, end to end on the fleet at staleness 1, stale
+groups trained against recomputed old log-probs with their sampler mismatch reported."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_fleet import toy  # noqa: F401 - the toy task fixture for RL runs (reward: letters 'a')
 
+from posttrain.algorithms.correction import RolloutCorrection, rollout_correction
 from posttrain.algorithms.policy import policy_loss
 from posttrain.models.config import llama_like
 from posttrain.models.transformer import init_model
@@ -25,7 +26,7 @@ from posttrain.training.optim import make_optimizer
 from posttrain.training.trainer import Trainer
 
 CFG = llama_like(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
-LOSS = {"epsilon_low": 0.2, "epsilon_high": 0.2, "is_level": "token", "is_cap": 2.0}
+LOSS = {"epsilon_low": 0.2, "epsilon_high": 0.2}
 
 
 # ---------------------------------------------------------------------- importance weights: pi_old / mu
@@ -49,11 +50,11 @@ def test_token_is_weights_are_pi_old_over_mu_not_pi_over_mu():
     rho = np.exp(OLD - MU)  # pi_old / mu
     w = np.minimum(rho, cap)
     expected = np.sum(_hand_surrogate() * w * MASK) / MASK.sum()  # token mean
-    loss, m = policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD), jnp.asarray(ADV), jnp.asarray(MASK),
-                          behaviour_logp=jnp.asarray(MU), is_level="token", is_cap=cap)
+    weights, m = rollout_correction(OLD, MU, MASK, RolloutCorrection(is_level="token", is_cap=cap))
+    loss, _ = policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD), jnp.asarray(ADV), jnp.asarray(MASK), is_weights=weights)
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
-    np.testing.assert_allclose(float(m["is_weight_mean"]), np.sum(w * MASK) / MASK.sum(), rtol=1e-5)
-    np.testing.assert_allclose(float(m["is_truncated_frac"]), np.sum((rho > cap) * MASK) / MASK.sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(m["is/weight_mean"]), np.sum(w * MASK) / MASK.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["is/truncated_frac"]), np.sum((rho > cap) * MASK) / MASK.sum(), rtol=1e-6)
     np.testing.assert_allclose(float(m["mismatch_kl"]), np.sum((rho - 1 - np.log(rho)) * MASK) / MASK.sum(),
                                rtol=1e-5)
     # weights are constants: the gradient is the surrogate's, scaled per token (clipped tokens: none)
@@ -61,7 +62,7 @@ def test_token_is_weights_are_pi_old_over_mu_not_pi_over_mu():
     a = np.broadcast_to(ADV[:, None], r.shape)
     live = ~(((a > 0) & (r > 1.2)) | ((a < 0) & (r < 0.8)))
     grad = jax.grad(lambda lp: policy_loss(lp, jnp.asarray(OLD), jnp.asarray(ADV), jnp.asarray(MASK),
-                                           behaviour_logp=jnp.asarray(MU), is_cap=cap)[0])(jnp.asarray(LOGP))
+                                           is_weights=weights)[0])(jnp.asarray(LOGP))
     np.testing.assert_allclose(np.asarray(grad), -a * r * w * live * MASK / MASK.sum(), rtol=1e-5, atol=1e-7)
 
 
@@ -69,11 +70,11 @@ def test_sequence_is_weights_are_pi_old_over_mu_not_pi_over_mu():
     cap = 2.0
     rho = np.minimum(np.exp(np.sum((OLD - MU) * MASK, axis=1)), cap)  # [exp(0.2), cut at 2]
     expected = np.sum(_hand_surrogate() * rho[:, None] * MASK) / MASK.sum()
-    loss, m = policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD), jnp.asarray(ADV), jnp.asarray(MASK),
-                          behaviour_logp=jnp.asarray(MU), is_level="sequence", is_cap=cap)
+    weights, m = rollout_correction(OLD, MU, MASK, RolloutCorrection(is_level="sequence", is_cap=cap))
+    loss, _ = policy_loss(jnp.asarray(LOGP), jnp.asarray(OLD), jnp.asarray(ADV), jnp.asarray(MASK), is_weights=weights)
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
-    np.testing.assert_allclose(float(m["is_weight_mean"]), rho.mean(), rtol=1e-5)
-    np.testing.assert_allclose(float(m["is_truncated_frac"]), 0.5)
+    np.testing.assert_allclose(float(m["is/weight_mean"]), np.sum(rho[:, None] * MASK) / MASK.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["is/truncated_frac"]), 0.5)  # of the sequences
 
 
 # ---------------------------------------------------------------------- the learner's old log-probs
@@ -93,11 +94,11 @@ def _batch(trainer, seed=0):
     return batch.replace(behaviour_logp=mu)
 
 
-def _learner(*, recompute_old=False, correct_off_policy=True):
+def _learner(*, recompute_old=False, correction=RolloutCorrection()):
     tx = make_optimizer(OptimConfig(name="sgd", lr=0.5, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
     trainer = Trainer(init_model(CFG, seed=0), tx, donate=False)
     learner = Learner(trainer, make_rl_loss(LOSS), ppo_epochs=1, minibatches=1, seed=0, recompute_old=recompute_old,
-                      correct_off_policy=correct_off_policy)
+                      correction=correction)
     seen = []
     step = trainer.step
 
@@ -110,12 +111,12 @@ def _learner(*, recompute_old=False, correct_off_policy=True):
     return learner, trainer, seen
 
 
-def test_old_logprobs_are_recomputed_when_the_policy_moved():
+def test_old_logprobs_are_recomputed_with_a_correction_on():
     learner, trainer, seen = _learner()
     batch = _batch(trainer)
     mask, mu = batch.loss_mask, batch.behaviour_logp.copy()
     fresh = np.asarray(trainer.token_logprobs(batch.model_inputs(), last=mask.shape[1]))  # the weights being updated
-    metrics = learner.update(batch, step=3, policy_moved=True)
+    metrics = learner.update(batch, step=3)
     old = seen[0]["old_logp"]
     np.testing.assert_allclose(old * mask, fresh * mask, rtol=1e-5, atol=1e-6)
     assert np.abs((old - mu) * mask).max() > 0.1  # not the sampler's
@@ -125,23 +126,28 @@ def test_old_logprobs_are_recomputed_when_the_policy_moved():
     n = mask.sum()
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert metrics["mismatch_kl"] == pytest.approx(np.sum((rho - 1 - np.log(rho)) * mask) / n, rel=1e-3)
-    assert metrics["is_weight_mean"] == pytest.approx(np.sum(np.minimum(rho, 2.0) * mask) / n, rel=1e-4)
+    assert metrics["is/weight_mean"] == pytest.approx(np.sum(np.minimum(rho, 2.0) * mask) / n, rel=1e-4)
     assert metrics["mismatch_kl"] > 1e-3
+    np.testing.assert_allclose(seen[0]["is_weight"], np.minimum(rho, 2.0) * mask, rtol=1e-5)  # into the batch
 
 
-def test_old_logprobs_are_the_samplers_while_the_policy_has_not_moved():
-    learner, trainer, seen = _learner()
+def test_old_logprobs_are_the_samplers_without_a_correction():
+    """No rollout correction (is_level=none, rejection=none): the PPO ratio is taken against the sampler's own
+    log-probs, nothing is recomputed and no mismatch is reported; with old_logprobs=recompute they are recomputed
+    and the mismatch is reported, no weights applied."""
+    learner, trainer, seen = _learner(correction=RolloutCorrection(is_level="none"))
     batch = _batch(trainer, seed=1)
     mask, mu = batch.loss_mask, batch.behaviour_logp.copy()
     fresh = np.asarray(trainer.token_logprobs(batch.model_inputs(), last=mask.shape[1]))
-    metrics = learner.update(batch, step=1, policy_moved=False)
+    metrics = learner.update(batch, step=1)
     np.testing.assert_array_equal(seen[0]["old_logp"], mu)
-    assert metrics["mismatch_kl"] == 0.0 and metrics["is_weight_mean"] == 1.0
+    assert "mismatch_kl" not in metrics and "is_weight" not in seen[0]
     assert metrics["ratio_mean"] == pytest.approx(np.sum(np.exp(fresh - mu) * mask) / mask.sum(), rel=1e-4)
     # old_logprobs=recompute: recomputed even so
-    learner, trainer, seen = _learner(recompute_old=True)
-    learner.update(_batch(trainer, seed=1), step=1, policy_moved=False)
+    learner, trainer, seen = _learner(recompute_old=True, correction=None)
+    metrics = learner.update(_batch(trainer, seed=1), step=1)
     np.testing.assert_allclose(seen[0]["old_logp"] * mask, fresh * mask, rtol=1e-5, atol=1e-6)
+    assert metrics["mismatch_kl"] > 1e-3 and "is_weight" not in seen[0]
 
 
 # ---------------------------------------------------------------------- end to end: the fleet at staleness 1
@@ -150,7 +156,8 @@ def test_fleet_trains_one_version_stale_groups_against_recomputed_old_logprobs(t
     """One worker, `max_staleness=1`, weights published every 2 steps: step 2 trains groups sampled with
     version 0 while the trainer holds version 1 (staleness 1 by construction, not by timing). Its old
     log-probs are recomputed (ratio pi / pi_old exactly 1 at the single update) and differ from the sampler's
-    (a nonzero `mismatch_kl`); step 1, on-policy, has neither."""
+    (a nonzero `mismatch_kl`); step 1, on-policy, recomputes them too (the correction is on) and finds the two
+    implementations' float32 rounding only."""
     from test_fleet import ledger, metric_rows
 
     res = run_rl(load_rl_config(None, toy("stale", "trainer.max_steps=2", "fleet.workers=1", "fleet.max_staleness=1",
@@ -160,10 +167,10 @@ def test_fleet_trains_one_version_stale_groups_against_recomputed_old_logprobs(t
     assert res.steps == 2
     assert [r["staleness_max"] for r in ledger(toy.dir / "stale")] == [0, 1]
     rows = metric_rows(toy.dir / "stale")
-    print({s: {k: rows[s][k] for k in ("ratio_mean", "mismatch_kl", "is_weight_mean")} for s in rows})
+    print({s: {k: rows[s][k] for k in ("ratio_mean", "mismatch_kl", "is/weight_mean")} for s in rows})
     assert rows[2]["fleet/staleness_max"] == 1 and rows[2]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert rows[2]["mismatch_kl"] > 1e-5 > rows[1]["mismatch_kl"]
-    assert rows[2]["is_weight_mean"] != pytest.approx(1.0, abs=1e-5)
+    assert rows[2]["is/weight_mean"] != pytest.approx(1.0, abs=1e-5)
 
 
 def test_reference_logprobs_are_the_frozen_models_at_the_completion_tokens():
@@ -185,7 +192,7 @@ def test_reference_logprobs_are_the_frozen_models_at_the_completion_tokens():
         pi = np.asarray(trainer.token_logprobs(batch.model_inputs(), last=c))
         ref = np.asarray(token_logprobs(reference, batch.input_ids, attention_mask=batch.attention_mask,
                                         positions=batch.positions))[:, -c:]
-        metrics = learner.update(batch, step=1, policy_moved=False)
+        metrics = learner.update(batch, step=1)
         np.testing.assert_allclose(seen[0]["ref_logp"] * mask, ref * mask, rtol=1e-5, atol=1e-5)
         expected = np.sum(np.asarray(kl_penalty(pi, ref, "k3")) * mask) / mask.sum()
         assert metrics["kl"] == pytest.approx(expected, rel=1e-3, abs=1e-7)

@@ -151,8 +151,9 @@ def test_build_rl_batch_alignment():
 
 def test_learner_sets_proximal_and_reference_logprobs():
     """The learner fills old_logp on every step (one batch structure for the jitted step): the behaviour
-    log-probs, or the training forward's once the policy moved and the correction is on (or always with
-    recompute); the reference's when there is one."""
+    log-probs without a rollout correction, the training forward's with one (or always with recompute); the
+    reference's when there is one."""
+    from posttrain.algorithms.correction import RolloutCorrection
     from posttrain.rl.learner import Learner
 
     ro = Rollouts(group_size=2, record_index=[0, 0], prompt_ids=[[5, 6], [4]], completion_ids=[[8, 9], [10]],
@@ -174,15 +175,15 @@ def test_learner_sets_proximal_and_reference_logprobs():
     def learner(**kw):
         return Learner(Scorer(), None, ppo_epochs=1, minibatches=1, seed=0, **kw)
 
-    kept = learner(recompute_old=False, correct_off_policy=True).score(b, policy_moved=False)
+    kept = learner(recompute_old=False).score(b)
     assert kept.old_logp is b.behaviour_logp and kept.ref_logp is None and not seen
-    moved = learner(recompute_old=False, correct_off_policy=True, ref_fn=ref_fn).score(b, policy_moved=True)
-    assert (moved.old_logp == -3.0).all() and (moved.ref_logp == -7.0).all()
-    assert moved.behaviour_logp is b.behaviour_logp
+    assert learner(recompute_old=False, correction=RolloutCorrection(is_level="none")).score(b).old_logp is \
+        b.behaviour_logp and not seen  # a correction that corrects nothing: none
+    corrected = learner(recompute_old=False, correction=RolloutCorrection(), ref_fn=ref_fn).score(b)
+    assert (corrected.old_logp == -3.0).all() and (corrected.ref_logp == -7.0).all()
+    assert corrected.behaviour_logp is b.behaviour_logp
     assert seen == [(["attention_mask", "input_ids", "positions"], 16)]
-    uncorrected = learner(recompute_old=False, correct_off_policy=False).score(b, policy_moved=True)
-    assert uncorrected.old_logp is b.behaviour_logp
-    assert (learner(recompute_old=True, correct_off_policy=False).score(b, policy_moved=False).old_logp == -3.0).all()
+    assert (learner(recompute_old=True).score(b).old_logp == -3.0).all()
 
 
 def test_rl_loss_logprobs_equal_full_forward():
@@ -208,7 +209,7 @@ def test_rl_loss_logprobs_equal_full_forward():
     for i, r in enumerate(ref):
         old[i, : len(r)] = r
     batch = jax.tree.map(jnp.asarray, b.replace(old_logp=old))
-    _, _, metrics = rl_loss(model, batch, loss_kwargs={"aggregation": "token_mean", "is_level": "none"})
+    _, _, metrics = rl_loss(model, batch, loss_kwargs={"aggregation": "token_mean"})
     num, den = metrics["ratio_mean"]
     assert abs(float(num / den) - 1.0) < 1e-5
 

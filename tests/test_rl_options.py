@@ -53,7 +53,7 @@ def test_recomputed_old_logprobs_and_grad_accum(toy, monkeypatch):  # noqa: F811
     # the same update, twice as large, and the sampler/trainer mismatch is reported
     corrected = run_rl(toy("corrected", *steps, "learner.old_logprobs=recompute"))
     for a, c in zip(ref.history, corrected.history):
-        assert c["is_weight_mean"] == pytest.approx(2.0) and c["is_truncated_frac"] == 1.0
+        assert c["is/weight_mean"] == pytest.approx(2.0) and c["is/truncated_frac"] == 1.0
         assert c["mismatch_kl"] == pytest.approx(np.e - 2.0, rel=1e-4)  # r - 1 - log r at r = e
         np.testing.assert_allclose(c["grad_norm"], 2 * a["grad_norm"], rtol=1e-4)
 

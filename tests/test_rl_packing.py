@@ -54,7 +54,7 @@ def model():
 
 
 def _kwargs(preset):
-    kw = policy_loss_kwargs(get_preset(preset, beta=0.05), LearnerConfig(), 16)
+    kw = policy_loss_kwargs(get_preset(preset, beta=0.05), 16)
     return kw
 
 
@@ -161,9 +161,9 @@ def _learner_updates(batch, variants: list[dict]):
         tx = make_optimizer(OptimConfig(name="sgd", lr=0.5, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
         trainer = Trainer(init_model(CFG, seed=0), tx, grad_accum=2, donate=False)
         learner = Learner(trainer, make_rl_loss(_kwargs("grpo")), ppo_epochs=2, minibatches=2, seed=0,
-                          recompute_old=True, correct_off_policy=True,
+                          recompute_old=True, correction=LearnerConfig().settings(),
                           ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer), **kw)
-        metrics = learner.update(batch, step=1, policy_moved=True)
+        metrics = learner.update(batch, step=1)
         out.append((metrics, jax.tree.leaves(nnx.state(trainer.model(), nnx.Param))))
     return out
 
@@ -358,11 +358,12 @@ def test_learner_compiles_its_step_and_scoring_once_over_varied_lengths(pack):
     tx = make_optimizer(OptimConfig(name="sgd", lr=0.1, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
     trainer = Trainer(init_model(CFG, seed=0), tx, donate=False)
     learner = Learner(trainer, make_rl_loss(_kwargs("grpo")), ppo_epochs=1, minibatches=1, seed=0,
-                      recompute_old=True, correct_off_policy=True, ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer),
+                      recompute_old=True, correction=LearnerConfig().settings(),
+                      ref_fn=FrozenScorer(init_model(CFG, seed=1), trainer),
                       pack=pack, attn_span=1.0 if pack else None, prompt_min=3)
     with count_compiles() as c:
         for seed in (3, 4, 5, 6):
-            learner.update(_varied_batch(seed), step=seed, policy_moved=True)
+            learner.update(_varied_batch(seed), step=seed)
     most = 2 if pack else 1
     assert 1 <= c["jit(step_fn)"] <= most, c.names
     scorers = 2 if pack else 1  # packed: the policy's and the reference's program have one name

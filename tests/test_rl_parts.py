@@ -52,13 +52,13 @@ def test_algorithm_section_errors_name_the_key_and_what_it_accepts(override, mes
 
 
 def test_policy_loss_kwargs_come_from_the_typed_preset():
-    from posttrain.rl.config import LearnerConfig
     from posttrain.rl.learner import policy_loss_kwargs
 
-    kw = policy_loss_kwargs(registry.get_preset("gspo", beta=0.02), LearnerConfig(is_cap=3.0), 64)
+    kw = policy_loss_kwargs(registry.get_preset("gspo", beta=0.02), 64)
     assert (kw["ratio_level"], kw["epsilon_high"], kw["beta"], kw["kl_estimator"]) == ("sequence", 4e-4, 0.02, "k3")
-    assert kw["max_tokens"] == 64 and kw["is_cap"] == 3.0  # the generation budget: the preset leaves it unset
-    kw = policy_loss_kwargs(registry.get_preset("dapo", max_tokens=10), LearnerConfig(), 64)
+    assert kw["max_tokens"] == 64  # the generation budget: the preset leaves it unset
+    assert not {"is_level", "is_cap", "is_weights"} & set(kw)  # the rollout correction travels with the batch
+    kw = policy_loss_kwargs(registry.get_preset("dapo", max_tokens=10), 64)
     assert kw["max_tokens"] == 10 and "kl_estimator" not in kw  # no KL term: no estimator
 
 

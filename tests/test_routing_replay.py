@@ -148,7 +148,7 @@ def _learner(model_seed=0, *, pack=False, attn_span=None):
     tx = make_optimizer(OptimConfig(name="sgd", lr=0.1, momentum=0.0, decay="constant", clip_norm=0.0), 10)[0]
     trainer = Trainer(init_model(CFG, seed=model_seed), tx, donate=False)
     return Learner(trainer, make_rl_loss({"beta": 0.05, "kl_estimator": "k3"}), ppo_epochs=1, minibatches=1,
-                   seed=0, recompute_old=True, correct_off_policy=True,
+                   seed=0, recompute_old=True,
                    ref_fn=FrozenScorer(init_model(CFG, seed=model_seed), trainer), pack=pack, attn_span=attn_span)
 
 
@@ -159,13 +159,13 @@ def test_learner_recomputes_old_log_probs_with_replay_and_the_reference_without(
     (the same initial weights here) with its own router; the update reports the agreement."""
     b = build_rl_batch(_rollouts(model), np.linspace(-1, 1, 6).astype(np.float32), multiple=8)
     learner = _learner(pack=pack, attn_span=1e9 if pack else None)
-    scored = learner.score(b, policy_moved=False)
+    scored = learner.score(b)
     m = b.loss_mask > 0
     replayed = np.asarray(jax.jit(lambda bb: padded_logprobs(model, bb, replay=bb.routed_experts)[0])(b))
     own = np.asarray(jax.jit(lambda bb: padded_logprobs(model, bb)[0])(b))
     np.testing.assert_allclose(scored.old_logp[m], replayed[m], atol=1e-5)
     np.testing.assert_allclose(scored.ref_logp[m], own[m], atol=1e-5)
-    metrics = learner.update(b, 1, policy_moved=False)
+    metrics = learner.update(b, 1)
     assert 0.0 < metrics["moe/router_agreement"] < 1.0  # the forced records disagree with the router, in part
     assert metrics["kl"] > 0 and np.isfinite(metrics["mismatch_kl"])
 
@@ -174,7 +174,7 @@ def test_learner_without_records_scores_as_before(model):
     """A batch without records (replay off): the policy's recomputed log-probs are the trainer's own, exactly."""
     b = build_rl_batch(_plain(_rollouts(model)), np.zeros(6, np.float32), multiple=8)
     learner = _learner()
-    scored = learner.score(b, policy_moved=False)
+    scored = learner.score(b)
     want = learner.trainer.token_logprobs(b.model_inputs(), last=b.completion_len)
     assert np.array_equal(scored.old_logp, np.asarray(want))
 
@@ -315,11 +315,11 @@ def test_multi_turn_records_cover_sampled_and_appended_tokens(in_repo, monkeypat
     seen = []
     update = Learner.update
 
-    def spy(self, batch, step, *, policy_moved):
+    def spy(self, batch, step):
         model = self.trainer.model()
         own = model(batch.input_ids, attention_mask=batch.attention_mask, positions=batch.positions, routing=True)[1]
         seen.append((batch, np.asarray(own.experts)))
-        return update(self, batch, step, policy_moved=policy_moved)
+        return update(self, batch, step)
 
     monkeypatch.setattr(Learner, "update", spy)
     run_rl(load_rl_config(None, [

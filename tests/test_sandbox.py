@@ -661,9 +661,9 @@ def test_reward_worker_exit_is_a_crash_at_once(tmp_path):
     rewards = RewardPool(num_workers=1, mp_context="forkserver", hard_timeout_s=30)
     try:
         t = time.monotonic()
-        (status, values, message), = rewards.run([(f"{path}:leave_reward", {}, ["p"], ["c"], {}, 10.0)])
+        (status, values, message, _), = rewards.run([(f"{path}:leave_reward", {}, ["p"], ["c"], {}, 10.0)])
         assert status == "error" and "died" in message and time.monotonic() - t < 5
-        (status, values, _), = rewards.run([("exact_answer", {}, ["p"], ["1"], {"answer": ["1"]}, 10.0)])
+        (status, values, _, _), = rewards.run([("exact_answer", {}, ["p"], ["1"], {"answer": ["1"]}, 10.0)])
         assert status == "ok"
     finally:
         rewards.close()

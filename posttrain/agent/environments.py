@@ -189,9 +189,9 @@ class EnvSession:
     def failed(self, method: str, e: BaseException) -> EnvFailure:
         """Records the failure of a call to `method` that ended with `e`."""
         where = f"{self.name}.{method}"
-        if isinstance(e, TimeoutError):
-            return self.fail(method, "timeout", f"{where} ran past its {self.timeout_s:g}s time limit (its worker "
-                                                "process was killed)")
+        if isinstance(e, TimeoutError):  # what a backend did about it: its `consequence` (a worker's: killed)
+            return self.fail(method, "timeout", f"{where} ran past its {self.timeout_s:g}s time limit "
+                                                f"({getattr(e, 'consequence', 'its worker process was killed')})")
         if isinstance(e, pebble.ProcessExpired):
             return self.fail(method, "crash", f"{where} ended its worker process (exit code {e.exitcode})")
         if isinstance(e, HostLost):

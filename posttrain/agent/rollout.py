@@ -31,7 +31,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from posttrain.agent.buffer import TokenBuffer
@@ -224,6 +224,24 @@ def _when_all(futures: list[cf.Future], then):
     return out
 
 
+@dataclass
+class ToolLog:
+    """A trajectory's tool calls as asked (`calls`), their results, and the counts its summary reports."""
+
+    calls: list[dict] = field(default_factory=list)
+    results: list[dict] = field(default_factory=list)
+    num_calls: int = 0  # calls run (within `max_tool_calls`)
+    errors: int = 0
+    seconds: float = 0.0
+
+    def record(self, turn: int, rec: ToolRecord, content: str) -> None:
+        """One call's result (its message's `content`, after any cut)."""
+        self.errors += rec.error is not None
+        self.seconds += rec.seconds
+        self.results.append({"turn": turn, "name": rec.name, "content": content, "error": rec.error,
+                             "seconds": round(rec.seconds, 4)})
+
+
 class Trajectory:
     """One sequence's conversation, token buffer, tool calls and results, and counts (see the module docstring)."""
 
@@ -242,12 +260,8 @@ class Trajectory:
         self.prompt_ids = list(prompt_ids)
         self.length = 0  # tokens after the prompt so far, sampled and appended (the sampler records the tokens)
         self.buffer: TokenBuffer | None = None  # read from the sampler's record of the sequence (`finish`)
-        self.tool_calls: list[dict] = []
-        self.tool_results: list[dict] = []
+        self.tool_log = ToolLog()
         self.turns = 0
-        self.num_calls = 0
-        self.tool_errors = 0
-        self.tool_seconds = 0.0
         self.finish_reason: str | None = None
 
     @property
@@ -296,9 +310,9 @@ class Trajectory:
         lim = self.agent.limits
         out = []
         for call in parsed.calls:
-            self.tool_calls.append({"turn": self.turns, "name": call.name, "arguments": call.arguments,
+            self.tool_log.calls.append({"turn": self.turns, "name": call.name, "arguments": call.arguments,
                                     **({"id": call.id} if call.id else {})})
-            if self.num_calls >= lim.max_tool_calls:
+            if self.tool_log.num_calls >= lim.max_tool_calls:
                 f: cf.Future = cf.Future()
                 f.set_result((tool_message(call.name, error_content(
                     f"tool call limit reached ({lim.max_tool_calls} calls per conversation)"), call.id),
@@ -306,7 +320,7 @@ class Trajectory:
             else:
                 f = self.agent.pool.submit(self.tools, call, timeout=lim.tool_timeout_s,
                                            max_output_chars=lim.max_tool_output_tokens * 16)
-            self.num_calls += 1
+            self.tool_log.num_calls += 1
             out.append(f)
         for pair in parse_error_messages(parsed):
             f = cf.Future()
@@ -326,10 +340,7 @@ class Trajectory:
             if rec.error is None:  # error messages are ours, short, and must stay JSON
                 msg = dict(msg, content=self.agent.cut_output(msg["content"]))
             new.append(msg)
-            self.tool_errors += rec.error is not None
-            self.tool_seconds += rec.seconds
-            self.tool_results.append({"turn": self.turns, "name": rec.name, "content": msg["content"],
-                                      "error": rec.error, "seconds": round(rec.seconds, 4)})
+            self.tool_log.record(self.turns, rec, msg["content"])
         if self.env_failed:  # the instance is gone with its worker
             return self._end("env_error")
         return self._append_messages(new, ids, room)
@@ -414,13 +425,16 @@ class Trajectory:
         return trajectory_reward(self.env.turn_rewards, final)
 
     def summary(self) -> dict[str, Any]:
-        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, finish reason, and the
-        environment's failure (`env_errors` 0 or 1; `env_error` its text, `env_error_kind` e.g. `step timeout`)."""
+        """Plain data (JSON) about the trajectory: conversation, calls, results, counts, the environment's per-turn
+        rewards (`turn_rewards`, one per `step`), finish reason, and the environment's failure (`env_errors` 0 or 1;
+        `env_error` its text, `env_error_kind` e.g. `step timeout`)."""
         failure = self.env.failure if self.env is not None else None
         where = {"env_error_record": self.where} if failure is not None and self.where else {}
-        return {"messages": self.messages, "tool_calls": self.tool_calls, "tool_results": self.tool_results,
-                "turns": self.turns, "num_tool_calls": self.num_calls, "tool_errors": self.tool_errors,
-                "tool_seconds": self.tool_seconds, "finish_reason": self.finish_reason or "stop",
+        log = self.tool_log
+        return {"messages": self.messages, "tool_calls": log.calls, "tool_results": log.results,
+                "turn_rewards": list(self.env.turn_rewards) if self.env is not None else [],
+                "turns": self.turns, "num_tool_calls": log.num_calls, "tool_errors": log.errors,
+                "tool_seconds": log.seconds, "finish_reason": self.finish_reason or "stop",
                 "env_errors": int(failure is not None),
                 **({"env_error": failure.text, "env_error_kind": failure.label, **where} if failure is not None
                    else {})}

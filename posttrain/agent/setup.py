@@ -1,11 +1,13 @@
 """Building a run's `Agent` from its rollout config section (`rollout.tools`, `rollout.environment`,
 `rollout.tool_format`, the agent's limits `rollout.max_turns` ... (`AgentLimits`), `rollout.tool_workers`,
-`rollout.sandbox`), shared by `posttrain rl`, `eval` and `generate`. Every problem is a one-line `ConfigError`
-naming the key (or the file) at fault."""
+`rollout.sandbox`, `rollout.openenv`), shared by `posttrain rl`, `eval` and `generate`. The environment is a class
+(`file.py:Class`, `module:Class`) or an OpenEnv server (`openenv:URL`, `posttrain.agent.env_openenv`). Every problem
+is a one-line `ConfigError` naming the key (or the file) at fault."""
 
 from __future__ import annotations
 
 from posttrain.agent.env_classes import load_environment
+from posttrain.agent.env_openenv import PREFIX as OPENENV, OpenEnvConfig, load_openenv
 from posttrain.agent.environments import EnvironmentSpec
 from posttrain.agent.rollout import Agent
 from posttrain.agent.templates import TemplateError
@@ -24,7 +26,7 @@ def agent_enabled(rollout) -> bool:
 def load_agent_parts(rollout) -> tuple[dict, EnvironmentSpec | None]:
     """The configured tools and environment class, loaded and checked (before any model loads)."""
     tools = load_tools(list(rollout.tools or []), key="rollout.tools")
-    env = load_environment(rollout.environment, key="rollout.environment") if rollout.environment else None
+    env = _load_env(rollout) if rollout.environment else None
     if env is not None:
         clash = sorted(set(tools) & set(env.tool_names))
         if clash:
@@ -35,6 +37,17 @@ def load_agent_parts(rollout) -> tuple[dict, EnvironmentSpec | None]:
         except SandboxUnavailable as e:
             raise ConfigError(f"rollout.sandbox.backend: {e}") from None
     return tools, env
+
+
+def _load_env(rollout) -> EnvironmentSpec:
+    """The environment `rollout.environment` names: an OpenEnv server (`openenv:URL`) or a class."""
+    ref = rollout.environment.strip()
+    if ref.startswith(OPENENV):
+        try:
+            return load_openenv(ref, getattr(rollout, "openenv", None) or OpenEnvConfig())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return load_environment(ref, key="rollout.environment")
 
 
 def build_agent(rollout, tokenizer, *, system_prompt: str | None = None, prompt_field: str = "prompt",

@@ -1,5 +1,6 @@
 """Clipped policy-gradient losses (PPO/GRPO/DAPO token-level, GSPO sequence-level),
-loss aggregation modes, and a masked token-entropy helper.
+loss aggregation modes, and a masked token-entropy helper. The rollout correction's weights
+(`posttrain.algorithms.correction`) come in as `is_weights`.
 
 Shapes: token arrays are ``[N, T]`` (N sequences, T completion positions) with a float/bool
 ``mask`` ``[N, T]`` marking real completion tokens; ``advantages`` is ``[N]`` and is broadcast
@@ -13,6 +14,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from posttrain.algorithms.correction import MAX_LOG_RATIO, masked_tokens
 from posttrain.algorithms.kl import kl_penalty
 
 __all__ = [
@@ -22,18 +24,10 @@ __all__ = [
     "Aggregation",
     "AGGREGATION_MODES",
     "aggregate",
-    "ISLevel",
     "policy_loss",
-    "truncated_is_weights",
     "clipped_surrogate",
     "entropy_from_logits",
 ]
-
-# Log-ratios are clamped to this magnitude before exp() so a wildly off-policy token cannot
-# overflow to inf (exp(20) ~ 4.9e8 is far outside any clip range, so values are unaffected
-# in practice).
-_MAX_LOG_RATIO = 20.0
-
 
 def _f32(x):
     return jnp.asarray(x, dtype=jnp.float32)
@@ -149,64 +143,6 @@ def _masked_mean(x, m):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-class ISLevel(enum.StrEnum):
-    """The off-policy correction's importance-sampling level (`is_level`): none, per token, per sequence."""
-
-    NONE = "none"
-    TOKEN = "token"
-    SEQUENCE = "sequence"
-
-    @classmethod
-    def of(cls, level) -> "ISLevel":
-        return _choose(cls, level, "importance-sampling level")
-
-    @property
-    def corrects(self) -> bool:
-        """Whether tokens are weighted by pi_old / mu (and pi_old is recomputed once the policy has moved)."""
-        return self is not ISLevel.NONE
-
-
-def truncated_is_weights(old_logp, behaviour_logp, mask, *, level: str = "token", cap: float = 2.0):
-    """Truncated importance weights that correct for sampling with a behaviour policy mu that differs from
-    the proximal policy pi_old (a stale or asynchronous sampler, or bf16 sampling vs float32 training).
-
-    Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization"; Fu et al. 2025,
-    AReaL) keeps the clip around pi_old and multiplies each token's loss by a stop-gradient weight; truncation
-    at C (TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training";
-    IMPALA's truncated rho, Espeholt et al. 2018) bounds its variance::
-
-        token:     w_t = min(pi_old(y_t) / mu(y_t), C)
-        sequence:  w_i = min(prod_t pi_old(y_t) / mu(y_t), C)         (on every token of sequence i)
-
-    Returns ``(w [N, T], metrics)``: ``is_weight_mean``, ``is_truncated_frac`` (weights cut at C),
-    ``is_ess`` (effective sample size fraction ``(sum w)^2 / (n sum w^2)`` over tokens or sequences) and
-    ``mismatch_kl`` (k3 estimate of KL(mu || pi_old) per token: ``r - 1 - log r``, r = pi_old / mu).
-    """
-    if level not in (ISLevel.TOKEN, ISLevel.SEQUENCE):
-        raise ValueError(f"unknown importance-sampling level {level!r}; accepted: ['sequence', 'token']")
-    m = _f32(mask)
-    valid = m > 0
-    log_r = jnp.where(valid, _f32(old_logp) - _f32(behaviour_logp), 0.0)
-    r = jnp.exp(jnp.clip(log_r, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    mismatch_kl = _masked_mean(r - 1.0 - log_r, m)
-    if level == ISLevel.TOKEN:
-        raw, unit = r, m  # statistics over tokens
-    else:
-        raw = jnp.exp(jnp.clip(jnp.sum(log_r * m, axis=-1), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [N]
-        unit = (jnp.sum(m, axis=-1) > 0).astype(jnp.float32)  # statistics over sequences
-    w = jnp.minimum(raw, cap)
-    ess = jnp.sum(w * unit) ** 2 / jnp.maximum(jnp.sum(unit) * jnp.sum(w * w * unit), 1e-12)
-    metrics = {
-        "is_weight_mean": _masked_mean(w, unit),
-        "is_truncated_frac": _masked_mean((raw > cap).astype(jnp.float32), unit),
-        "is_ess": ess,
-        "mismatch_kl": mismatch_kl,
-    }
-    if level == ISLevel.SEQUENCE:
-        w = jnp.broadcast_to(w[:, None], m.shape)
-    return jax.lax.stop_gradient((w, metrics))
-
-
 # ---------------------------------------------------------------------- the pieces of policy_loss
 def _per_token_advantages(adv, shape, ratio_level: str):
     """``[N]`` advantages as ``[N, 1]`` (broadcast over tokens), or ``[N, T]`` per-token ones as they are."""
@@ -256,15 +192,6 @@ def clipped_surrogate(ratio, adv_t, epsilon_low: float, epsilon_high: float):
     return -jnp.minimum(surr_unclipped, surr_clipped)
 
 
-def _importance_weighted(per_token, old_logp, behaviour_logp, m, level, cap: float):
-    """``per_token`` times the truncated importance weights of ``truncated_is_weights`` (and their metrics);
-    unchanged without behaviour log-probs or with level ``none``."""
-    if behaviour_logp is None or not ISLevel.of(level).corrects:
-        return per_token, {}
-    is_w, metrics = truncated_is_weights(old_logp, behaviour_logp, m, level=level, cap=cap)
-    return per_token * is_w, metrics
-
-
 def _kl_tokens(logp, ref_logp, valid_tok, kl_estimator: str):
     """Per-token ``kl_penalty(logp, ref_logp, kl_estimator)`` (padding scored as 0 vs 0)."""
     ref_logp = jax.lax.stop_gradient(_f32(ref_logp))
@@ -275,8 +202,7 @@ def _kl_tokens(logp, ref_logp, valid_tok, kl_estimator: str):
 
 def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
                 ratio_level: str = "token", aggregation: str = "token_mean", ref_logp=None, beta: float = 0.0,
-                kl_estimator: str = "k3", max_tokens=None, behaviour_logp=None, is_level: str = "token",
-                is_cap: float = 2.0, num_sequences=None):
+                kl_estimator: str = "k3", max_tokens=None, is_weights=None, num_sequences=None):
     """Clipped surrogate policy loss (to be minimised) and metrics.
 
     Token level (``ratio_level="token"``) -- PPO (Schulman et al. 2017, "Proximal Policy
@@ -294,11 +220,10 @@ def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, e
     in its GSPO-token form ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))`` (value ``s_i``, gradient
     ``s_i * grad logp_t``), and ``l_t = -min(s_it * A_i, clip(s_it, 1-eps_low, 1+eps_high) * A_i)``.
 
-    If ``behaviour_logp`` (the sampler's log-probs) is given, ``old_logp`` is the proximal policy (the
-    trainer's log-probs of the weights that sampled, or recomputed when the policy moved since) and each
-    token's surrogate is multiplied by the truncated importance weight of ``truncated_is_weights``
-    (``is_level``, cap ``is_cap``; level ``none``: no weights); its metrics join the loss's. With
-    ``behaviour_logp == old_logp`` the weights are exactly 1 and the loss is unchanged.
+    ``is_weights`` [N, T] (a rollout correction's, `posttrain.algorithms.correction.rollout_correction`: the
+    sampler's tokens weighed by pi_old / pi_sampler, truncated or masked) multiply each token's surrogate; a token
+    whose weight is 0 leaves the loss, numerator and denominator of the aggregation alike, and a sequence that
+    loses every token leaves the sequence counts (`correction.masked_tokens`).
 
     If ``beta > 0`` a per-token KL penalty ``beta * kl_penalty(logp, ref_logp, kl_estimator)``
     is added to ``l_t`` (GRPO). The per-token losses are reduced with
@@ -331,10 +256,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, e
         raise ValueError(
             f"logp, old_logp and mask must share shape [N, T]; got {logp.shape}, {old_logp.shape}, {m.shape}"
         )
+    m, num_sequences = masked_tokens(m, is_weights, num_sequences)
     adv = sg(_f32(advantages))
     adv_t = _per_token_advantages(adv, logp.shape, ratio_level)
     valid_tok = m > 0
-    log_ratio = jnp.clip(jnp.where(valid_tok, logp - old_logp, 0.0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = jnp.clip(jnp.where(valid_tok, logp - old_logp, 0.0), -MAX_LOG_RATIO, MAX_LOG_RATIO)
     if ratio_level == "token":
         ratio, (clip_frac_low, clip_frac_high, ratio_mean) = _token_ratio(log_ratio, adv_t, m, epsilon_low,
                                                                           epsilon_high)
@@ -342,10 +268,11 @@ def policy_loss(logp, old_logp, advantages, mask, *, epsilon_low: float = 0.2, e
         ratio, (clip_frac_low, clip_frac_high, ratio_mean) = _sequence_ratio(log_ratio, logp, adv, m, epsilon_low,
                                                                              epsilon_high)
     per_token = clipped_surrogate(ratio, adv_t, epsilon_low, epsilon_high)
-    per_token, is_metrics = _importance_weighted(per_token, old_logp, behaviour_logp, m, is_level, is_cap)
+    if is_weights is not None:
+        per_token = per_token * sg(_f32(is_weights))
     pg_loss = aggregate(per_token, m, aggregation, max_tokens=max_tokens, num_sequences=num_sequences)
     metrics = {"pg_loss": sg(pg_loss), "clip_frac_low": clip_frac_low, "clip_frac_high": clip_frac_high,
-               "clip_fraction": clip_frac_low + clip_frac_high, "ratio_mean": ratio_mean, **is_metrics}
+               "clip_fraction": clip_frac_low + clip_frac_high, "ratio_mean": ratio_mean}
     loss = pg_loss
     if ref_logp is not None:
         kl_tok = _kl_tokens(logp, ref_logp, valid_tok, kl_estimator)

@@ -19,7 +19,12 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-turn rollouts (tools or an environment)")
     g.add_argument("--tools", default=None,
                    help="comma-separated tools: calculator, python, module:function or file.py:function")
-    g.add_argument("--environment", default=None, help="environment class: module:Class or file.py:Class")
+    g.add_argument("--environment", default=None,
+                   help="environment: a class (module:Class or file.py:Class) or an OpenEnv server (openenv:URL)")
+    g.add_argument("--openenv-action-field", default=None,
+                   help="an OpenEnv environment's action field that holds the model's turn (default: message)")
+    g.add_argument("--openenv-observation-field", default=None,
+                   help="an OpenEnv observation's field that is the next user turn (default: its text field)")
     g.add_argument("--tool-format", default="hermes", choices=["hermes", "llama3", "mistral"],
                    help="how the model writes tool calls (default: hermes <tool_call>)")
     for flag, key, kind, text in LIMIT_OPTIONS:

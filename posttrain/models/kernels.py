@@ -21,6 +21,12 @@ ask the kernel set of their config (`get(cfg)`).
 - Mixture-of-experts layers run their experts as grouped matmuls over the token-expert pairs sorted by expert
   (`jax.lax.ragged_dot`, `posttrain.models.expert_kernels.grouped`): work proportional to the top k.
 
+16-bit compute (both sets): products of bfloat16 or float16 operands accumulate in float32 with the dot algorithm
+the backend has (`half_dot_algorithms`, decided once per backend): XLA:CPU has no F16_F16_F32, so its float16
+products widen their operands (F32_F32_F32), and the generic set's attention leaves jax.nn's (which asks for
+F16_F16_F32) for the explicit one there. Whether a backend runs a dtype at all is found once by running a tiny
+program (`check_compute_dtype`: a one-line config error naming the key when it cannot).
+
 `cpu` (XLA's CPU backend, tuned on a 2-core machine; identical results up to float rounding):
 - `contract`: a hand-written backward whose weight gradient is x^T @ dy on an explicitly transposed x
   behind an optimization barrier (XLA:CPU otherwise feeds its matmul library a strided transposed copy
@@ -52,12 +58,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+import types
 import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from posttrain.config import ConfigError
 from posttrain.models import expert_kernels
 
 CHOICES = ("auto", "generic", "cpu")
@@ -156,12 +164,14 @@ def masked_probs(logits, mask, cfg):
 
 
 def einsum_attention(q, k, v, mask, cfg):
-    """Explicit GQA attention (for soft-capped logits, which the fused kernels do not take).
-    q [B,T,N,H], k/v [B,S,K,H], mask [B,1,T,S] bool."""
+    """Explicit GQA attention (for soft-capped logits, which the fused kernels do not take, and for 16-bit dtypes
+    whose dot algorithm the backend lacks: `GenericKernels.attend`). q [B,T,N,H], k/v [B,S,K,H], mask [B,1,T,S]
+    bool."""
     b, t, n, h = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, n // kvh, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32,
+                        precision=half_dot_algorithms().get(jnp.dtype(q.dtype)))
     probs = masked_probs(logits, mask[:, :, None], cfg).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, n, h)
@@ -252,8 +262,10 @@ class GenericKernels:
 
     def attend(self, q, k, v, mask, cfg, causal: bool = False):
         """softmax(q k^T * scale) v with GQA; q [B,T,N,H], k/v [B,S,K,H], mask [B,1,T,S] bool. `causal`: the
-        caller's promise that `mask` is causal self-attention (the cpu set skips the masked half; see there)."""
-        if cfg.attn_logit_softcap is not None:
+        caller's promise that `mask` is causal self-attention (the cpu set skips the masked half; see there).
+        jax.nn's attention asks for the 16-bit dot algorithms of `_JAX_NN_ALGORITHMS`; where the backend lacks one
+        (float16 on XLA:CPU) the explicit attention runs with the backend's (`half_dot_algorithms`)."""
+        if cfg.attn_logit_softcap is not None or not _jax_nn_attention_runs(q.dtype):
             return einsum_attention(q, k, v, mask, cfg)
         if self._flash_applies(q, cfg):
             try:
@@ -356,8 +368,27 @@ def attend_one_query(q, k_t, v, mask, cfg):
     return out.reshape(b, 1, n, h).astype(q.dtype)
 
 
-_HALF_ALGORITHMS = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
-                    jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}
+#: the 16-bit dot algorithms jax.nn.dot_product_attention's XLA path asks for (jax 0.10.2), whatever the backend
+_JAX_NN_ALGORITHMS = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+                      jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}
+
+
+def _jax_nn_attention_runs(dtype) -> bool:
+    """Whether jax.nn's attention runs in `dtype` here (its dot algorithm is the backend's own)."""
+    d = jnp.dtype(dtype)
+    return _JAX_NN_ALGORITHMS.get(d) == half_dot_algorithms().get(d)
+
+
+@functools.cache
+def half_dot_algorithms() -> dict:
+    """16-bit operand dtype -> the dot algorithm of products that accumulate in float32 with their operands kept in
+    16 bits (so that the backward's products stay 16-bit too, as jax.nn's attention does): BF16_BF16_F32 and
+    F16_F16_F32, decided once for the backend. XLA:CPU has no F16_F16_F32 ("The precision 'F16_F16_F32' is not
+    supported by dot_general on CPU", jax 0.10.2): there float16 products widen their operands (F32_F32_F32: what
+    XLA:CPU computes a float16 product in anyway, float32 accumulation, rounded to float16 at the end)."""
+    presets = jax.lax.DotAlgorithmPreset
+    f16 = presets.F32_F32_F32 if _platform() == "cpu" else presets.F16_F16_F32
+    return {jnp.dtype(jnp.bfloat16): presets.BF16_BF16_F32, jnp.dtype(jnp.float16): f16}
 
 
 def attend_queries(q, k_t, v, mask, cfg, out_dtype=jnp.float32):
@@ -371,7 +402,7 @@ def attend_queries(q, k_t, v, mask, cfg, out_dtype=jnp.float32):
     g = n // kvh
     qg = q.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, h)  # [B,K,G*T,H]
     # 16-bit operands: an explicit algorithm keeps the backward's products in them (as jax.nn's attention does)
-    precision = _HALF_ALGORITHMS.get(jnp.dtype(q.dtype))
+    precision = half_dot_algorithms().get(jnp.dtype(q.dtype))
     logits = jnp.einsum("bkqh,bkhs->bkqs", qg, k_t, preferred_element_type=jnp.float32, precision=precision)
     m = jnp.broadcast_to(mask[:, :, None], (b, 1, g, t, s)).reshape(b, 1, g * t, s)
     probs = masked_probs(logits, m, cfg).astype(v.dtype)
@@ -457,3 +488,37 @@ class CpuKernels(GenericKernels):
 
 
 _SETS = {"generic": GenericKernels(), "cpu": CpuKernels()}
+
+
+# ---------------------------------------------------------------------- which compute dtypes the backend runs
+def check_compute_dtype(dtype: str, key: str, kernels: str = "auto") -> None:
+    """A one-line `ConfigError` naming `key` when this backend cannot run the kernel set's products and attention
+    (forward and backward) in `dtype`; float32 always runs. Found once per (kernel set, dtype) by compiling
+    and running one tiny program (`_cannot_run`), not by a table that could go stale."""
+    if dtype == "float32":
+        return
+    problem = _cannot_run(resolve(kernels), dtype)
+    if problem is not None:
+        raise ConfigError(f"{key}={dtype}: the {_platform()} backend cannot compute in {dtype} with the "
+                          f"{resolve(kernels)} kernels ({problem}); use float32 or bfloat16")
+
+
+@functools.cache
+def _cannot_run(kernels: str, dtype: str) -> str | None:
+    """None when the products and attention of kernel set `kernels` run in `dtype` here, else the error's first
+    line."""
+    ks, d = _SETS[kernels], jnp.dtype(dtype)
+    cfg = types.SimpleNamespace(attn_scale=1.0, attn_logit_softcap=None, attention_impl="auto")
+    mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
+
+    def probe(x, w):  # the dot algorithms of the cached calls are these (`half_dot_algorithms`)
+        q = ks.contract(x, w, 1).reshape(1, 8, 2, 8)
+        out = ks.attend(q, q, q, mask, cfg, causal=True)
+        return jnp.sum(ks.contract(out.reshape(1, 8, 16), w, 1, jnp.float32))
+
+    try:
+        x, w = jnp.ones((1, 8, 16), d), jnp.ones((16, 16), d)
+        jax.block_until_ready(jax.jit(jax.value_and_grad(probe, argnums=(0, 1)))(x, w))
+    except Exception as e:  # noqa: BLE001 - the backend's refusal, reported as a config error
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None

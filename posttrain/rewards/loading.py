@@ -5,7 +5,7 @@ A reward is ``fn(prompts: list[str], completions: list[str], **fields) -> list[f
 data set's other columns aligned with ``completions``. Parameters after the first two that have no default
 (or names listed in ``fn.required_fields``) are required fields and are checked before anything runs.
 Rewards are referenced by a built-in name (``math_answer``, ``format``, ``overlong_penalty``,
-``reasoning_gym``), ``"package.module:function"`` or ``"path/to/file.py:function"``. ``RewardSpec.kwargs``
+``reasoning_gym``, ``judge``), ``"package.module:function"`` or ``"path/to/file.py:function"``. ``RewardSpec.kwargs``
 configure a factory (a callable with ``is_reward_factory = True``, e.g. ``overlong_penalty``) or are
 otherwise passed to every call.
 """
@@ -20,6 +20,7 @@ from typing import Any, Callable
 from posttrain.loading import LoadError, load_callable
 from posttrain.rewards.exact import exact_answer
 from posttrain.rewards.format import format_reward
+from posttrain.rewards.judge import judge
 from posttrain.rewards.length import overlong_penalty
 from posttrain.rewards.math_answer import math_answer
 from posttrain.rewards.reasoning_gym import reasoning_gym_reward
@@ -33,6 +34,7 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "format_reward": format_reward,
     "overlong_penalty": overlong_penalty,
     "reasoning_gym": reasoning_gym_reward,
+    "judge": judge,
 }
 
 

@@ -1,7 +1,7 @@
 """Running reward calls in worker processes: per-call time limits, and a failure is one failed call.
 
 `run_chunk` is one reward call on one chunk of completions; it never raises and turns every problem into a
-status (`ok`, `error`, `timeout`, `bad_length`). Inside a worker the call runs under ``signal.setitimer``
+status (`ok`, `error`, `timeout`, `bad_length`); a reward that returns `Scored` adds its own counts. Inside a worker the call runs under ``signal.setitimer``
 (a soft limit that interrupts Python code, so the worker survives). `RewardPool` runs calls in a pebble
 `ProcessPool`, which knows which worker runs which call: a call still running ``hard_timeout_s`` after it
 started (a reward that ignores the soft limit, or hangs in C code) has its worker killed and is reported as
@@ -28,9 +28,10 @@ import numpy as np
 import pebble
 
 from posttrain.rewards.loading import resolve_reward
+from posttrain.rewards.scored import Scored
 from posttrain.workers import StrictProcessPool, pool_context, preload, process_start_time, watch_owner
 
-__all__ = ["RewardPool", "run_chunk"]
+__all__ = ["RewardPool", "run_chunk", "settle"]
 
 preload("__main__", "posttrain.rewards.pool", "math_verify")
 
@@ -85,20 +86,21 @@ def _as_number(v: Any) -> float | None:
 
 
 def run_chunk(ref, kwargs, prompts, completions, fields, timeout_s):
-    """Run one reward on one chunk. Returns ``(status, values, message)``; never raises.
+    """Run one reward on one chunk. Returns ``(status, values, message, counts)``; never raises.
 
-    status: ``ok`` (values: list of float or None for NaN/inf/non-numbers), ``error``,
-    ``timeout`` or ``bad_length`` (values None).
+    status: ``ok`` (values: list of float or None for NaN/inf/non-numbers, and for the completions a `Scored`
+    answer left without a value), ``error``, ``timeout`` or ``bad_length`` (values None). counts: a `Scored`
+    answer's own counts (else empty).
     """
     try:
         fn = _worker_resolve(ref, kwargs)
     except Exception as e:
-        return ("error", None, " ".join(f"cannot load reward: {type(e).__name__}: {e}".split()))
+        return ("error", None, " ".join(f"cannot load reward: {type(e).__name__}: {e}".split()), {})
     try:
         with _soft_time_limit(timeout_s):
             out = fn(list(prompts), list(completions), **fields)
     except _SoftTimeout:
-        return ("timeout", None, f"call exceeded the {timeout_s}s time limit")
+        return ("timeout", None, f"call exceeded the {timeout_s}s time limit", {})
     except BaseException as e:  # noqa: BLE001 - a reward must never take the worker down
         # one line: the error and where the reward raised it; POSTTRAIN_DEBUG=1 adds the traceback's end
         frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
@@ -108,19 +110,27 @@ def run_chunk(ref, kwargs, prompts, completions, fields, timeout_s):
         if os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0"):
             tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
             text += "\n" + "".join(tb[-3:])
-        return ("error", None, text)
-    n = len(completions)
+        return ("error", None, text, {})
+    return settle(out, len(completions))
+
+
+def settle(out, n: int) -> tuple:
+    """A reward's answer for `n` completions (a list of numbers, an array or a `Scored`) as `run_chunk`'s
+    ``(status, values, message, counts)``."""
+    counts, note = {}, None
+    if isinstance(out, Scored):
+        out, counts, note = out.values, {k: int(v) for k, v in out.counts.items()}, out.error
     if isinstance(out, np.ndarray):
         out = out.reshape(-1).tolist() if out.ndim <= 1 else None
     try:
         values = list(out)
     except TypeError:
-        return ("error", None, f"returned {type(out).__name__}, expected a list of {n} numbers")
+        return ("error", None, f"returned {type(out).__name__}, expected a list of {n} numbers", counts)
     if len(values) != n:
-        return ("bad_length", None, f"returned {len(values)} values for {n} completions")
+        return ("bad_length", None, f"returned {len(values)} values for {n} completions", counts)
     clean = [_as_number(v) for v in values]
     bad = sum(v is None for v in clean)
-    return ("ok", clean, f"{bad} value(s) were NaN/inf or not numbers" if bad else None)
+    return ("ok", clean, note or (f"{bad} value(s) were NaN/inf or not numbers" if bad else None), counts)
 
 
 # ---------------------------------------------------------------------- worker side
@@ -175,7 +185,7 @@ class RewardPool:
         out = self._submit(calls)
         again = [k for k, r in enumerate(out) if r is None]
         for k, r in zip(again, self._submit([calls[k] for k in again]) if again else ()):
-            out[k] = r or ("error", None, "reward worker pool broke twice while running this call")
+            out[k] = r or ("error", None, "reward worker pool broke twice while running this call", {})
         return out
 
     def _submit(self, calls: list[tuple]) -> list[tuple | None]:
@@ -192,13 +202,13 @@ class RewardPool:
         try:
             return fut.result()
         except TimeoutError:
-            return ("timeout", None, f"no answer within {self.hard_timeout_s:.1f}s; worker killed")
+            return ("timeout", None, f"no answer within {self.hard_timeout_s:.1f}s; worker killed", {})
         except pebble.ProcessExpired as e:
-            return ("error", None, f"reward worker process died (crashed or exited, code {e.exitcode})")
+            return ("error", None, f"reward worker process died (crashed or exited, code {e.exitcode})", {})
         except BrokenProcessPool:
             return None
         except Exception as e:  # e.g. arguments that could not be pickled
-            return ("error", None, f"{type(e).__name__}: {e}")
+            return ("error", None, f"{type(e).__name__}: {e}", {})
 
     def close(self, grace_s: float = 5.0) -> None:
         """Shut the workers down (those that do not exit within `grace_s` are killed)."""

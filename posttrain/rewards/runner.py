@@ -3,11 +3,14 @@
 
 Which rewards and the fields they need: `posttrain.rewards.loading`. Where the calls run: a reusable process
 pool with per-call time limits (`posttrain.rewards.pool`), or in-process with ``num_workers=0``. A score
-call splits the completions into chunks, so one slow or failing item only delays / fails its chunk.
+call splits the completions into chunks, so one slow or failing item only delays / fails its chunk. A reward may
+return counts of its own (`posttrain.rewards.scored`). Rewards that start early (the judge: our own code, calls to a
+model under its own time limits) run in this process instead, on their own threads (`EarlyScores`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import multiprocessing
@@ -19,10 +22,11 @@ import numpy as np
 from posttrain.loading import LoadError
 from posttrain.rewards.checks import FailureStreak, check_reward_records
 from posttrain.rewards.loading import BUILTIN_REWARDS, RewardSpec, load_reward, resolve_reward, reward_fields
-from posttrain.rewards.pool import RewardPool, run_chunk
+from posttrain.rewards.pool import RewardPool, run_chunk, settle
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "EarlyScores",
     "RewardSpec",
     "RewardRunner",
     "load_reward",
@@ -39,6 +43,33 @@ class _Job:
     start: int
     stop: int
     args: tuple
+
+
+class EarlyScores:
+    """One scoring call's completions handed, one by one as they are sampled (`add`), to the rewards that start
+    early (`starts_early`, with `submit(prompt, completion, **fields) -> Future` and `collect(futures) -> Scored`:
+    the judge, whose requests then overlap the decoding of the other sequences). They run in this process (their own
+    threads and time limits). `RewardRunner.score(..., early=)` collects their answers instead of calling them."""
+
+    def __init__(self, fns: dict[int, object]):
+        self.fns = fns
+        self.futures: dict[int, dict[int, cf.Future]] = {i: {} for i in fns}
+
+    def add(self, k: int, prompt, completion, fields: dict) -> None:
+        """Completion `k` of the call (its prompt text, text and fields) is sampled: the early rewards get it now."""
+        for i, fn in self.fns.items():
+            self.futures[i][k] = fn.submit(prompt, completion, **fields)
+
+    def result(self, i: int, prompts: list, completions: list, fields: dict[str, list]) -> tuple:
+        """Reward `i`'s answer on every completion as `run_chunk`'s tuple (completions never added are asked now)."""
+        fn = self.fns[i]
+        try:
+            futures = [self.futures[i].get(k) or fn.submit(prompts[k], completions[k], **{f: v[k] for f, v in
+                                                                                          fields.items()})
+                       for k in range(len(completions))]
+            return settle(fn.collect(futures), len(completions))
+        except Exception as e:  # noqa: BLE001 - a failing reward is counted, never a crash
+            return ("error", None, " ".join(f"{type(e).__name__}: {e}".split()), {})
 
 
 class RewardRunner:
@@ -91,6 +122,7 @@ class RewardRunner:
             raise ValueError(f"mp_context must be 'forkserver' or 'spawn', got {mp_context!r}")
         self.mp_context = mp_context
 
+        self._fns: list = []  # the resolved rewards (those that start early run in this process)
         self._fields = [self._resolve(spec) for spec in self.specs]
         self._pool: RewardPool | None = None  # started on the first call that needs it
         self.last_errors: dict[str, list[str]] = {}
@@ -101,9 +133,11 @@ class RewardRunner:
         """The (required, accepted) fields of `spec`'s reward, loaded here to fail before any worker starts;
         a reference that cannot be loaded or sent to the workers is a one-line `LoadError`."""
         try:
-            fields = reward_fields(resolve_reward(spec.ref, spec.kwargs))
+            fn = resolve_reward(spec.ref, spec.kwargs)
+            fields = reward_fields(fn)
         except ValueError as e:  # LoadError, or a factory refusing its settings
-            raise LoadError(f"reward {spec.name!r}: {e}") from None
+            raise LoadError(f"reward {spec.name!r}: {' '.join(str(e).split())}") from None
+        self._fns.append(fn)
         if self.num_workers > 0:
             try:
                 pickle.dumps((spec.ref, spec.kwargs))
@@ -152,6 +186,23 @@ class RewardRunner:
             self._pool = RewardPool(self.num_workers, self.mp_context, hard)
         return self._pool.run([job.args for job in jobs])
 
+    def early(self) -> EarlyScores | None:
+        """An `EarlyScores` for the next scoring call when some reward starts early (None: none does)."""
+        fns = {i: fn for i, fn in enumerate(self._fns) if getattr(fn, "starts_early", False)
+               and callable(getattr(fn, "submit", None)) and callable(getattr(fn, "collect", None))}
+        return EarlyScores(fns) if fns else None
+
+    def _jobs(self, i: int, prompts: list, completions: list, passed: dict[str, list]) -> list[_Job]:
+        """Reward `i`'s calls on the completions, in chunks of `chunk_size`."""
+        spec, n = self.specs[i], len(completions)
+        out = []
+        for start in range(0, n, self.chunk_size):
+            stop = min(n, start + self.chunk_size)
+            args = (spec.ref, spec.kwargs, prompts[start:stop], completions[start:stop],
+                    {k: v[start:stop] for k, v in passed.items()}, self.timeout_s)
+            out.append(_Job(i, start, stop, args))
+        return out
+
     def _warn_once(self, name: str, failed: int, errors: list[str], kinds: list[str]) -> None:
         """One warning line the first time reward `name` fails in each way (an exception type, `timeout`, ...);
         later failures are counted in `reward/<name>/failures` only."""
@@ -162,13 +213,15 @@ class RewardRunner:
         logger.warning("reward %r: %d completion(s) got failure_value %s: %s (counted in reward/%s/failures; "
                        "this kind is not printed again)", name, failed, self.failure_value, errors[new], name)
 
-    def score(self, prompts, completions, fields: dict[str, list] | None = None):
-        """Score ``completions`` with every reward.
+    def score(self, prompts, completions, fields: dict[str, list] | None = None, early: EarlyScores | None = None):
+        """Score ``completions`` with every reward (those that start early answer from ``early``, made by `early()`
+        and fed as the completions were sampled, else from a fresh one).
 
         Returns ``(total, per_reward, stats)``: ``total`` float32 ``[N]`` is the weighted sum,
         ``per_reward`` maps name -> float32 ``[N]`` (failures replaced by ``failure_value``),
         ``stats`` holds ``reward/<name>`` (mean), ``reward/<name>/failures`` (completions that got
-        ``failure_value``, timeouts included), ``reward/<name>/timeouts`` and ``reward/total``.
+        ``failure_value``, timeouts included), ``reward/<name>/timeouts``, the counts a reward reports itself
+        (``reward/<name>/<count>``, `posttrain.rewards.scored.Scored`) and ``reward/total``.
         Raises ``ValueError`` only for caller errors (length mismatch, missing fields).
         """
         completions = list(completions)
@@ -182,24 +235,31 @@ class RewardRunner:
                 raise ValueError(f"field {key!r} has {len(col)} values for {n} completions")
         self.check_fields(fields)
 
+        early = early if early is not None else self.early()
         jobs: list[_Job] = []
-        for i, (spec, (_, accepted)) in enumerate(zip(self.specs, self._fields)):
+        answered: dict[int, tuple] = {}  # job index -> the early rewards' answers
+        for i, (_, accepted) in enumerate(self._fields):
             passed = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
-            for start in range(0, n, self.chunk_size):
-                stop = min(n, start + self.chunk_size)
-                chunk_fields = {k: v[start:stop] for k, v in passed.items()}
-                args = (spec.ref, spec.kwargs, prompts[start:stop], completions[start:stop], chunk_fields, self.timeout_s)
-                jobs.append(_Job(i, start, stop, args))
-        results = self._execute(jobs) if jobs else []
+            if early is not None and i in early.fns:
+                answered[len(jobs)] = early.result(i, prompts, completions, passed)
+                jobs.append(_Job(i, 0, n, ()))
+            else:
+                jobs += self._jobs(i, prompts, completions, passed)
+        pooled = iter(self._execute([j for k, j in enumerate(jobs) if k not in answered]) if len(jobs) > len(answered)
+                      else [])
+        results = [answered[k] if k in answered else next(pooled) for k in range(len(jobs))]
 
         values = np.full((len(self.specs), n), np.nan, dtype=np.float64)
         failed = np.zeros((len(self.specs), n), dtype=bool)
         timed_out = np.zeros((len(self.specs), n), dtype=bool)
         errors: dict[str, list[str]] = {s.name: [] for s in self.specs}
         kinds: dict[str, list[str]] = {s.name: [] for s in self.specs}
-        for job, (status, vals, msg) in zip(jobs, results):
+        own: dict[str, dict[str, float]] = {s.name: {} for s in self.specs}  # counts rewards report (`Scored`)
+        for job, (status, vals, msg, counts) in zip(jobs, results):
             sl = slice(job.start, job.stop)
             name = self.specs[job.spec_index].name
+            for key, value in counts.items():
+                own[name][key] = own[name].get(key, 0.0) + float(value)
             if status == "ok":
                 arr = np.array([np.nan if v is None else v for v in vals], dtype=np.float64)
                 values[job.spec_index, sl] = arr
@@ -221,6 +281,7 @@ class RewardRunner:
             stats[f"reward/{spec.name}"] = float(values[i].mean()) if n else 0.0
             stats[f"reward/{spec.name}/failures"] = float(failed[i].sum())
             stats[f"reward/{spec.name}/timeouts"] = float(timed_out[i].sum())
+            stats.update({f"reward/{spec.name}/{key}": value for key, value in own[spec.name].items()})
             self._warn_once(spec.name, int(failed[i].sum()), errors[spec.name], kinds[spec.name])
         stats["reward/total"] = float(total.mean()) if n else 0.0
         self.last_errors = errors

@@ -47,6 +47,9 @@ class RLBatch:
     old_logp [N, C] | None: the proximal policy's (pi_old); None until the learner sets it (the behaviour
       log-probs while the policy has not moved, else recomputed by the training forward).
     ref_logp [N, C] | None: the reference policy's (KL penalty, beta > 0).
+    is_weight [N, C] | None: the rollout correction's per-token weights (`posttrain.algorithms.correction`: pi_old /
+      pi_sampler truncated or masked; 0 = the token leaves the loss); None without a correction. The learner sets
+      it once per batch, after the proximal log-probs.
     pixel_values [N, M, 3, H, W] | None: a vision-language batch's images, row r's in prompt order, blank
       (zero) images after them (`posttrain.algorithms.sft.images_in_order` orders them for the model); None
       for text (the same compiled programs as before).
@@ -66,6 +69,7 @@ class RLBatch:
     behaviour_logp: np.ndarray
     old_logp: np.ndarray | None = None
     ref_logp: np.ndarray | None = None
+    is_weight: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
     pixel_values: np.ndarray | None = None
     image_counts: np.ndarray | None = None

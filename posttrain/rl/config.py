@@ -15,6 +15,7 @@ import dataclasses
 import re
 from typing import Any, Literal
 
+from posttrain.algorithms.correction import RolloutCorrection
 from posttrain.algorithms.registry import PRESETS, GRPOFamily
 from posttrain.config import at_least
 from posttrain.rollout.config import RolloutConfig
@@ -56,15 +57,17 @@ class PromptData:
 
 
 @dataclasses.dataclass
-class LearnerConfig:
-    """How a rollout batch is trained on (`posttrain.rl.learner`).
+class LearnerConfig(RolloutCorrection):
+    """How a rollout batch is trained on (`posttrain.rl.learner`). The rollout correction's keys (`is_level`,
+    `is_mode`, `is_cap`, `is_low`, `rejection`, `rejection_low`, `rejection_high`) are
+    `posttrain.algorithms.correction.RolloutCorrection`'s, with its defaults: with any of them on, the proximal
+    log-probs are the trainer's own, recomputed before every update, and `mismatch_kl` compares them with the
+    sampler's.
 
     ppo_epochs x minibatches: optimizer steps per rollout batch (minibatches per epoch).
-    old_logprobs: the proximal (old) log-probs are the sampler's, or recomputed by the trainer before the update.
-    is_level, is_cap: off-policy correction (`posttrain.algorithms.policy.truncated_is_weights`): the loss's
-      proximal log-probs are the trainer's (recomputed whenever the policy moved since sampling, or always with
-      old_logprobs=recompute), and each token (or sequence) is weighted by min(pi_old / pi_sampler, is_cap);
-      none = off.
+    old_logprobs: the proximal (old) log-probs without a rollout correction (is_level=none, rejection=none): the
+      sampler's (the PPO ratio is then against the sampler: verl's "bypass" mode, no extra forward pass), or
+      recomputed by the trainer before the update. With a correction on they are always recomputed.
     max_resample_rounds: dynamic sampling: extra sampling rounds to fill the batch, at most.
     pack: pack each minibatch's prompt+completion sequences into rows (segment ids, positions per sequence;
       attention never crosses sequences) instead of padding every sequence to the longest, for the update and
@@ -84,14 +87,13 @@ class LearnerConfig:
     ppo_epochs: int = 1
     minibatches: int = 1
     old_logprobs: Literal["sampler", "recompute"] = "sampler"
-    is_level: Literal["token", "sequence", "none"] = "token"
-    is_cap: float = 2.0
     max_resample_rounds: int = 3
     pack: bool = False
     share_prompts: bool | None = None
     routing_replay: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         at_least("learner.ppo_epochs", self.ppo_epochs, 1)
         at_least("learner.minibatches", self.minibatches, 1)
         at_least("learner.max_resample_rounds", self.max_resample_rounds, 0)
@@ -99,14 +101,15 @@ class LearnerConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`, `reasoning_gym`), `module:function`
-    or `file.py:function`.
+    """One reward: a built-in name (`math_answer`, `format`, `overlong_penalty`, `reasoning_gym`, `judge`),
+    `module:function` or `file.py:function`.
 
     name: which reward: a built-in name (also `exact_answer`), `module:function` or `file.py:function`; a
       completion's reward is the weighted sum over `rewards.functions`.
     weight: this reward's factor in that sum.
-    kwargs: settings of a reward factory (e.g. `overlong_penalty`'s max_length and cache_length), or else
-      keyword arguments passed to every call.
+    kwargs: settings of a reward factory (e.g. `overlong_penalty`'s max_length and cache_length, the `judge`'s url,
+      model, template, score: `posttrain.rewards.judge.JudgeConfig`), or else keyword arguments passed to every
+      call.
     """
 
     name: str = "math_answer"

@@ -1,10 +1,12 @@
 """The learner: a prepared RL batch -> proximal and reference log-probs -> `ppo_epochs` x `minibatches` updates.
 
-Old (proximal) log-probs: the sampler's own (behaviour) log-probs stand in for them while the policy has
-not moved since sampling; they are recomputed with the training forward when it has (a stale group from
-the fleet) and the off-policy correction is on, or always with `old_logprobs=recompute`. Reference
-log-probs (beta > 0) come from a `FrozenScorer`: the LoRA base with adapters off, or a frozen copy of
-the initial weights held without optimizer state.
+Old (proximal) log-probs: recomputed with the training forward before the updates whenever a rollout correction is
+on (`posttrain.algorithms.correction`: importance weights pi_old / pi_sampler, masking, rejection), or always with
+`old_logprobs=recompute`; otherwise the sampler's own (behaviour) log-probs stand in for them (the PPO ratio is then
+taken against the sampler). After recomputing, the learner computes the rollout correction of the whole batch once
+(one compiled program): the per-token weights go into the batch (`RLBatch.is_weight`, 0 = out of the loss), its
+metrics (`mismatch_kl`, `is/*`) into the step's. Reference log-probs (beta > 0) come from a `FrozenScorer`: the LoRA
+base with adapters off, or a frozen copy of the initial weights held without optimizer state.
 
 With `pack` (`learner.pack`) the learner packs each minibatch's sequences into rows (`posttrain.rl.packing`)
 before its update, and scores old/reference log-probs on the whole batch packed the same way: the loss
@@ -21,6 +23,7 @@ log-prob recomputation routes every token to the sampler's recorded experts, as 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -29,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain import distributed
-from posttrain.algorithms.policy import ISLevel
+from posttrain.algorithms.correction import RolloutCorrection, rollout_correction
 from posttrain.algorithms.registry import GRPOFamily, loss_kwargs
 from posttrain.algorithms.sft import token_logprobs
 from posttrain.config import ConfigError
@@ -131,18 +134,23 @@ class Learner:
     """Applies one RL step's updates to a `Trainer` (see the module docstring)."""
 
     def __init__(self, trainer, loss_fn, *, ppo_epochs: int, minibatches: int, seed: int, recompute_old: bool,
-                 correct_off_policy: bool, ref_fn: Callable[..., np.ndarray] | None = None, pack: bool = False,
-                 attn_span: float | None = None, prompt_min: int | None = None):
+                 correction: RolloutCorrection | None = None, ref_fn: Callable[..., np.ndarray] | None = None,
+                 pack: bool = False, attn_span: float | None = None, prompt_min: int | None = None):
         """`ref_fn(model_inputs, last=C)`: the reference's log-probs (None: no KL term; with `pack`, a scorer with
-        a `packed(batch)` method: `FrozenScorer`, `TrainerScorer`); `correct_off_policy`: the loss weights by
-        pi_old / mu (`ISLevel.corrects`), so pi_old is recomputed once the policy moved; `pack`: train and score
-        packed batches (`posttrain.rl.packing`); `attn_span` (with `pack`): rows may also share a prompt, the
-        cheaper layout chosen per batch by `posttrain.rl.packing.pack_cheapest` with this attention span;
+        a `packed(batch)` method: `FrozenScorer`, `TrainerScorer`); `correction`: the rollout correction (None:
+        off), with which pi_old is always recomputed; `pack`: train and score packed batches
+        (`posttrain.rl.packing`); `attn_span` (with `pack`): rows may also share a prompt, the cheaper layout chosen
+        per batch by `posttrain.rl.packing.pack_cheapest` with this attention span;
         `prompt_min` (with `pack`): the run's shortest prompt, with which the packed sizes are fixed at the first
         batch, so the update and the scoring compile once (`posttrain.rl.packing.PackPlan`)."""
         self.trainer, self.loss_fn = trainer, loss_fn
         self.ppo_epochs, self.minibatches, self.seed = ppo_epochs, minibatches, seed
-        self.recompute_old, self.correct_off_policy, self.ref_fn = recompute_old, correct_off_policy, ref_fn
+        self.correction = correction if correction is not None and correction.active else None
+        self.recompute_old = recompute_old or self.correction is not None
+        self.ref_fn = ref_fn
+        # the correction's weights and metrics over a whole batch: one program (metrics alone without a correction)
+        self._correct = jax.jit(functools.partial(rollout_correction,
+                                                  corr=(self.correction or RolloutCorrection(is_level="none"))))
         self.pack = pack
         self.policy = TrainerScorer(trainer)
         self._cells: dict[str, int] = {}  # this update's token counts (packing only)
@@ -170,12 +178,12 @@ class Learner:
             self._cells[f"pack/{k}"] = self._cells.get(f"pack/{k}", 0) + getattr(layout, k)
         return packed
 
-    def update(self, batch: RLBatch, step: int, *, policy_moved: bool) -> dict[str, float]:
+    def update(self, batch: RLBatch, step: int) -> dict[str, float]:
         """Updates the policy on `batch` (built by `posttrain.rl.batch.build_rl_batch`); returns mean metrics."""
         n, mb, accum = len(batch), self.minibatches, self.trainer.grad_accum
         if n % mb or (n // mb) % accum:
             raise ValueError(f"{n} rollouts do not split into learner.minibatches={mb} x trainer.grad_accum={accum}")
-        batch = self.score(batch, policy_moved=policy_moved)
+        batch, corrected = self.correct(self.score(batch))
         rng = np.random.default_rng([self.seed, step])
         metrics: list[dict[str, float]] = []
         self._cells = {}
@@ -185,13 +193,22 @@ class Learner:
                 metrics.append(self.trainer.step(self._train_batch(batch.rows(part)), self.loss_fn))
         out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
         # packing: real tokens, and the cells the forward passes computed packed / would have computed padded
-        return {**out, **{k: float(v) for k, v in self._cells.items()}}
+        return {**out, **corrected, **{k: float(v) for k, v in self._cells.items()}}
 
-    def score(self, batch: RLBatch, *, policy_moved: bool) -> RLBatch:
+    def correct(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
+        """`batch` (its proximal log-probs set) with the rollout correction's weights when one is on, and the
+        correction's metrics whenever the proximal log-probs were recomputed (`rollout_correction`)."""
+        if not self.recompute_old:
+            return batch, {}
+        weights, metrics = distributed.to_host(self._correct(batch.old_logp, batch.behaviour_logp, batch.loss_mask))
+        if self.correction is not None:
+            batch = batch.replace(is_weight=np.asarray(weights, np.float32))
+        return batch, {k: float(v) for k, v in metrics.items()}
+
+    def score(self, batch: RLBatch) -> RLBatch:
         """`batch` with its proximal log-probs set (the behaviour ones, or recomputed: see the module docstring)
         and the reference's when there is one. Both are scored at the completion (loss) tokens only."""
-        recompute = self.recompute_old or (policy_moved and self.correct_off_policy)
-        if not recompute and self.ref_fn is None:
+        if not self.recompute_old and self.ref_fn is None:
             return batch.replace(old_logp=batch.behaviour_logp)
         if self.pack:
             packed, layout = self._pack(batch, "score")
@@ -200,21 +217,20 @@ class Learner:
             c = batch.completion_len  # the vocabulary is projected at the completion columns only
             # the policy replays recorded experts (routing replay); the reference ignores them
             run = lambda scorer: distributed.to_host(scorer(batch.model_inputs(replay=True), last=c))  # noqa: E731
-        old = run(self.policy) if recompute else batch.behaviour_logp
+        old = run(self.policy) if self.recompute_old else batch.behaviour_logp
         ref = run(self.ref_fn) if self.ref_fn is not None else None
         return batch.replace(old_logp=old, ref_logp=ref)
 
 
 # ---------------------------------------------------------------------- built from the config's sections
-def policy_loss_kwargs(preset: GRPOFamily, learner: LearnerConfig, max_new_tokens: int) -> dict:
-    """The policy loss's keyword arguments: the algorithm preset's, the length normaliser (default: the
-    generation budget) and the learner's off-policy correction."""
+def policy_loss_kwargs(preset: GRPOFamily, max_new_tokens: int) -> dict:
+    """The policy loss's keyword arguments: the algorithm preset's and the length normaliser (default: the
+    generation budget). The learner's rollout correction travels with each batch (`RLBatch.is_weight`)."""
     kw = loss_kwargs(preset)
     kw["max_tokens"] = max_new_tokens if preset.max_tokens is None else preset.max_tokens
     kw["beta"] = float(preset.beta)
     if kw["beta"] == 0.0:
         kw.pop("kl_estimator")
-    kw.update(is_level=ISLevel.of(learner.is_level), is_cap=learner.is_cap)
     return kw
 
 
@@ -234,7 +250,7 @@ def build_learner(lc: LearnerConfig, preset: GRPOFamily, run: Run, tc: TrainerCo
     recorded experts, `learner.routing_replay`, are the policy's only); packed rows sized once by the shortest of
     the train `prompts`."""
     trainer = run.trainer
-    kw = policy_loss_kwargs(preset, lc, completion_budget)
+    kw = policy_loss_kwargs(preset, completion_budget)
     share = lc.share_prompts if lc.share_prompts is not None else not image_prompts
     chunk = tc.loss_chunk_size or None
     ref_fn = None
@@ -246,6 +262,6 @@ def build_learner(lc: LearnerConfig, preset: GRPOFamily, run: Run, tc: TrainerCo
     router = RouterLoss(**dataclasses.asdict(moe))  # a mixture of experts' router terms (none when dense)
     return Learner(trainer, make_rl_loss(kw, chunk_size=chunk, router=router), ppo_epochs=lc.ppo_epochs,
                    minibatches=lc.minibatches, seed=tc.seed, recompute_old=lc.old_logprobs == "recompute",
-                   correct_off_policy=kw["is_level"].corrects, ref_fn=ref_fn, pack=lc.pack or share,
+                   correction=lc.settings(), ref_fn=ref_fn, pack=lc.pack or share,
                    attn_span=attention_span(trainer.model().cfg) if share else None,
                    prompt_min=min((len(x) for x in prompts.ids), default=1))

@@ -98,8 +98,7 @@ def train_step(parts: RLParts, state: RLState, source: RolloutSource, step: int)
     t1 = time.perf_counter()
     with profiler.phase("update"):
         batch, batch_metrics = parts.prepare(rollouts)  # advantages, masks, behaviour log-probs
-        moved = min(rollouts.version_first) < step - 1
-        m = parts.learner.update(batch, step, policy_moved=moved)  # ppo_epochs x minibatches
+        m = parts.learner.update(batch, step)  # ppo_epochs x minibatches (pi_old recomputed: a correction on)
         trained = source.commit(rollouts)  # the groups are trained: acknowledged
         source.publish(parts.run.trainer.params, step)  # the fleet's every publish_every steps
     t2 = time.perf_counter()

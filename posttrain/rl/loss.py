@@ -5,8 +5,8 @@ vocabulary projection only at completion positions (and chunked, so [tokens, voc
 whole; see `posttrain.rl.batch` for the layout); the loss itself is
 `posttrain.algorithms.policy.policy_loss` (PPO/DAPO clipped ratio or GSPO, KL to the reference).
 The minibatch loss L is returned as (L * w, w) with w the aggregation's weight (`Aggregation.weight`: target
-tokens for token-mean, sequences otherwise), so summing over micro-batches and dividing reproduces the
-aggregate over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
+tokens for token-mean, sequences otherwise; those the batch's rollout correction left, `RLBatch.is_weight`), so
+summing over micro-batches and dividing reproduces the aggregate over the whole minibatch. Token entropy is computed in the same chunked pass, as a metric only.
 A packed batch (`posttrain.rl.packing`) runs the forward over its rows and projects only its loss tokens; its
 per-token fields, read per sequence slot, go through the same `policy_loss`.
 
@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from posttrain.algorithms.correction import masked_tokens
 from posttrain.algorithms.policy import Aggregation, policy_loss
 from posttrain.algorithms.sft import (
     images_in_order,
@@ -94,13 +95,14 @@ def packed_logprobs(model, batch: PackedRLBatch, chunk_size: int | None = None, 
     return (place(logp), place(ent), *rest)
 
 
+_PER_SEQUENCE = ("loss_mask", "advantages", "behaviour_logp", "old_logp", "ref_logp", "is_weight")
+
+
 def _per_sequence(batch):
     """The per-token fields as padded per-sequence arrays, and N for Dr. GRPO (None: the rows)."""
     if isinstance(batch, PackedRLBatch):
-        f = {k: batch.by_sequence(k) for k in ("loss_mask", "advantages", "behaviour_logp", "old_logp",
-                                               "ref_logp")}
-        return f, jnp.sum(batch.seq_valid)
-    return {k: getattr(batch, k) for k in ("loss_mask", "advantages", "behaviour_logp", "old_logp", "ref_logp")}, None
+        return {k: batch.by_sequence(k) for k in _PER_SEQUENCE}, jnp.sum(batch.seq_valid)
+    return {k: getattr(batch, k) for k in _PER_SEQUENCE}, None
 
 
 def rl_loss(model, batch: RLBatch | PackedRLBatch, *, loss_kwargs: dict, chunk_size: int | None = None,
@@ -114,11 +116,13 @@ def rl_loss(model, batch: RLBatch | PackedRLBatch, *, loss_kwargs: dict, chunk_s
     logp, ent, *routing = (packed_logprobs if packed else padded_logprobs)(model, batch, chunk_size, routing=moe,
                                                                            replay=replay)
     f, n_seq = _per_sequence(batch)
-    mask = f["loss_mask"]
     old = f["behaviour_logp"] if f["old_logp"] is None else f["old_logp"]
-    loss, metrics = policy_loss(logp, old, f["advantages"], mask, ref_logp=f["ref_logp"],
-                                behaviour_logp=f["behaviour_logp"], num_sequences=n_seq, **loss_kwargs)
-    w = Aggregation.of(loss_kwargs.get("aggregation", Aggregation.TOKEN_MEAN)).weight(mask, n_seq)
+    loss, metrics = policy_loss(logp, old, f["advantages"], f["loss_mask"], ref_logp=f["ref_logp"],
+                                is_weights=f["is_weight"], num_sequences=n_seq, **loss_kwargs)
+    # the minibatch's weight counts what the loss counted: tokens and sequences left by the rollout correction
+    kept, n_kept = masked_tokens(f["loss_mask"], f["is_weight"], n_seq)
+    w = Aggregation.of(loss_kwargs.get("aggregation", Aggregation.TOKEN_MEAN)).weight(kept, n_kept)
+    mask = f["loss_mask"]
     tokens = jnp.maximum(jnp.sum(mask), 1.0)
     # (numerator, denominator) pairs: the trainer reports Σ num / Σ den over micro-batches
     out = {k: (v * w, w) for k, v in metrics.items()}
@@ -131,6 +135,6 @@ def rl_loss(model, batch: RLBatch | PackedRLBatch, *, loss_kwargs: dict, chunk_s
 
 
 def make_rl_loss(loss_kwargs: dict, chunk_size: int | None = None, router: RouterLoss | None = None):
-    """`rl_loss` bound to the keyword arguments of `policy_loss` (with `is_level`/`is_cap`: the learner's
-    off-policy correction), the vocabulary chunk size and a mixture of experts' router terms."""
+    """`rl_loss` bound to the keyword arguments of `policy_loss` (the preset's), the vocabulary chunk size and a
+    mixture of experts' router terms; a batch's rollout correction comes with it (`RLBatch.is_weight`)."""
     return functools.partial(rl_loss, loss_kwargs=dict(loss_kwargs), chunk_size=chunk_size, router=router)

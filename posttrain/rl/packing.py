@@ -73,7 +73,7 @@ class PackedRLBatch:
       prompt, seen by every completion of its row).
     token_src, token_dst [R, M] int32: where each projected token is predicted from / goes in the slots;
     token_tgt [R, M] int32: the token predicted there.
-    loss_mask, behaviour_logp, old_logp, ref_logp [R, S, C]; advantages [R, S] or [R, S, C].
+    loss_mask, behaviour_logp, old_logp, ref_logp, is_weight [R, S, C]; advantages [R, S] or [R, S, C].
     seq_valid [R, S] float: 1 where a slot holds a sequence.
     pixel_values [R, I, 3, H, W] | None: an image batch's images, row r's sequences' own in column order (a shared
       prompt's once), blanks after them (module docstring); None for text.
@@ -93,6 +93,7 @@ class PackedRLBatch:
     seq_valid: np.ndarray
     old_logp: np.ndarray | None = None
     ref_logp: np.ndarray | None = None
+    is_weight: np.ndarray | None = None
     pixel_values: np.ndarray | None = None
     routed_experts: np.ndarray | None = None
 
@@ -414,7 +415,7 @@ class _Rows:
         self.dst = np.full((r, m), s * c, np.int32)
         self.valid = np.zeros((r, s), np.float32)
         adv = np.asarray(batch.advantages, np.float32)
-        names = ["loss_mask", "behaviour_logp", "old_logp", "ref_logp"]
+        names = ["loss_mask", "behaviour_logp", "old_logp", "ref_logp", "is_weight"]
         self.tok = {k: np.zeros((r, s, c), np.float32) for k in names if getattr(batch, k) is not None}
         self.adv = np.zeros((r, s, *adv.shape[1:]), np.float32)
         exp = batch.routed_experts
@@ -447,4 +448,5 @@ class _Rows:
             segment_ids=self.seg, token_src=self.src, token_dst=self.dst, token_tgt=self.tgt,
             loss_mask=self.tok["loss_mask"],
             advantages=self.adv, behaviour_logp=self.tok["behaviour_logp"], seq_valid=self.valid,
-            old_logp=self.tok.get("old_logp"), ref_logp=self.tok.get("ref_logp"), routed_experts=self.experts)
+            old_logp=self.tok.get("old_logp"), ref_logp=self.tok.get("ref_logp"), is_weight=self.tok.get("is_weight"),
+            routed_experts=self.experts)

@@ -24,6 +24,7 @@ from posttrain.agent.rollout import Agent
 from posttrain.agent.setup import build_agent
 from posttrain.algorithms.registry import ADVANTAGES, GRPOFamily, get
 from posttrain.config import ConfigError
+from posttrain.models.kernels import check_compute_dtype
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl import checkpoints
 from posttrain.rl.batch import GroupAdvantages, RLBatch
@@ -77,6 +78,8 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
         tools = agent_parts(rollout, cfg.fleet, data)  # tools and environment, then the prompts: before any model
         records, eval_records, found = read_records(data, runner, environment=bool(rollout.environment))
         image_prompts = check_image_prompts(rollout, data, records, eval_records)
+        if rollout.compute_dtype:  # the sampler's own (the trainer's is checked with its model)
+            check_compute_dtype(rollout.compute_dtype, "rollout.compute_dtype", cfg.model.kernels)
         trainer = run.build_trainer(updates=cfg.trainer.max_steps * lc.ppo_epochs * lc.minibatches)
         check_routing_replay(lc, trainer.model().cfg)
         tok = run.tokenizer()

@@ -65,11 +65,11 @@ def _copy_tree(tree):
 
 def local_policy(parts: RLParts, state: RLState) -> Policy:
     """The policy on the trainer's devices (in-process rollouts and held-out evaluation), built once over its own
-    copy of the trained weights (`Policy.swap_weights` refreshes them)."""
+    copy of the trained weights (`Policy.swap_weights` refreshes them), computing in `rollout.compute_dtype`."""
     if state.policy is None:
         t, ro = parts.run.trainer, parts.cfg.rollout
         model = nnx.merge(t.graphdef, _copy_tree(t.params), t.rest)
-        state.policy = Policy(model, parts.tok, folder=parts.run.model_folder(),
+        state.policy = Policy(model, parts.tok, folder=parts.run.model_folder(), compute_dtype=ro.compute_dtype,
                               max_slots=ro.max_slots or ro.batch_prompts * ro.group_size, program_cache=parts.programs)
     return state.policy
 

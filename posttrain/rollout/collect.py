@@ -2,7 +2,9 @@
 rewards, as a `Rollouts` record (`posttrain.rollout.rollouts`: what the fields mean). One function, shared by RL
 in-process and on the fleet's workers, the held-out and `posttrain eval` evaluations and on-policy distillation.
 
-Rewards are scored once per sample: in a multi-host run process 0 scores and broadcasts (`score_once`).
+Rewards are scored once per sample: in a multi-host run process 0 scores and broadcasts (`score_once`). Rewards that
+start early (the judge: `RewardRunner.early`) get each completion as soon as it is sampled, so their calls overlap
+the decoding of the others.
 """
 
 from __future__ import annotations
@@ -27,13 +29,27 @@ def prompt_text(prompt: str | list[dict]) -> str:
     return "\n".join(str(m.get("content", "")) for m in prompt)
 
 
-def score_once(reward_runner, prompts: list[str], texts: list[str], fields: dict[str, list]):
+def _reward_input(record: dict, completion, traj=None) -> tuple[str, str, dict]:
+    """What the rewards see of one completion: its prompt as text (a record without a prompt, whose conversation
+    an environment's `reset` made: its first messages), its text (a trajectory's last assistant message), and its
+    fields (the record's other columns, `completion_lengths`, and a trajectory's `messages`)."""
+    prompt = prompt_text(record["prompt"] if "prompt" in record else traj.first)
+    text = traj.final_text if traj is not None else (completion.text if completion.text is not None else "")
+    fields = {key: value for key, value in record.items() if key != "prompt"}
+    fields["completion_lengths"] = len(completion.token_ids)
+    if traj is not None:
+        fields["messages"] = traj.messages
+    return prompt, text, fields
+
+
+def score_once(reward_runner, prompts: list[str], texts: list[str], fields: dict[str, list], early=None):
     """`reward_runner.score(...)`; in a multi-host run process 0 scores (every process holds the same
     completions: the sampler's results are read whole on every process) and broadcasts the rewards, so reward
     code runs once per sample and every process trains on the same numbers (a user's reward that times out or
     is random cannot make the processes disagree)."""
     if not distributed.is_multiprocess():
-        return reward_runner.score(prompts, texts, fields)
+        return reward_runner.score(prompts, texts, fields, early) if early is not None else \
+            reward_runner.score(prompts, texts, fields)
     result = None
     if distributed.is_primary():
         total, per_reward, stats = reward_runner.score(prompts, texts, fields)
@@ -67,30 +83,40 @@ def generate_rollouts(
     docstring of `posttrain.rollout.rollouts`), each sequence's context limited to the longest prompt plus the
     trajectory budget. `progress` shows the sampler's progress bar. `between_segments`: newer weights between decode
     segments (partial rollouts): each token is stamped with the version that produced it. `record_experts` (a mixture
-    of experts, routing replay): each sample's `routed_experts`."""
+    of experts, routing replay): each sample's `routed_experts`. Early rewards: see the module docstring."""
     prompts = list(prompts)
     max_len = None if agent is None else _context_limit(policy, prompts, params, agent)
+    early = reward_runner.early() if hasattr(reward_runner, "early") and not distributed.is_multiprocess() else None
     samples = policy.sample(prompts, params, agent=agent, key_ids=uids, progress=progress, max_len=max_len,
-                            between_segments=between_segments, record_experts=record_experts)
+                            between_segments=between_segments, record_experts=record_experts,
+                            on_finish=None if early is None else _early_feed(early, prompts, params.n))
     try:
-        return _scored(samples, prompts, params, reward_runner, uids, policy.version, record_experts)
+        return _scored(samples, prompts, params, reward_runner, uids, policy.version, record_experts, early)
     finally:
         samples.close()  # environment sessions still open (a failed call): closed
 
 
+def _early_feed(early, prompts: list[Prompt], n: int):
+    """`Policy.sample`'s `on_finish`: a finished completion's reward inputs to the early rewards (a problem here only
+    leaves the completion to be asked again when the batch is scored)."""
+    def on_finish(c, traj) -> None:
+        try:
+            early.add(c.prompt_index * n + c.sample_index, *_reward_input(prompts[c.prompt_index].record, c, traj))
+        except Exception:  # noqa: BLE001 - never the sampler's problem
+            pass
+
+    return on_finish
+
+
 def _scored(samples: Samples, prompts: list[Prompt], params: SamplingParams, reward_runner, uids,
-            version: int | None, record_experts: bool) -> Rollouts:
+            version: int | None, record_experts: bool, early=None) -> Rollouts:
     """`generate_rollouts`' scoring: the rewards of `samples` and the `Rollouts` record of them."""
     completions, trajs = samples.completions, samples.trajectories
-    recs = [prompts[c.prompt_index].record for c in completions]
-    texts = samples.texts
-    # a record without a prompt (an environment's `reset` made the conversation): its first messages
-    prompts_text = [prompt_text(r["prompt"] if "prompt" in r else trajs[k].first) for k, r in enumerate(recs)]
-    fields: dict[str, list] = {key: [r.get(key) for r in recs] for key in prompts[0].record if key != "prompt"}
-    fields["completion_lengths"] = [len(c.token_ids) for c in completions]
-    if trajs is not None:
-        fields["messages"] = [t.messages for t in trajs]
-    total, per_reward, stats = score_once(reward_runner, prompts_text, texts, fields)
+    inputs = [_reward_input(prompts[c.prompt_index].record, c, trajs[k] if trajs is not None else None)
+              for k, c in enumerate(completions)]
+    prompts_text, texts = [x[0] for x in inputs], [x[1] for x in inputs]
+    fields: dict[str, list] = {key: [x[2].get(key) for x in inputs] for key in (inputs[0][2] if inputs else {})}
+    total, per_reward, stats = score_once(reward_runner, prompts_text, texts, fields, early)
     if trajs is not None:
         total, per_reward = _add_env_rewards(trajs, total, per_reward)
     version = int(version or 0)  # the weights' policy version (`Policy.swap_weights`)

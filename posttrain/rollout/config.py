@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from posttrain.agent.env_openenv import OpenEnvConfig
 from posttrain.agent.rollout import Agent, AgentLimits
 from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
 from posttrain.config import ConfigError, at_least
@@ -43,7 +44,8 @@ class RolloutConfig(AgentLimits):
     tools: tool references, like reward functions (`calculator`, `posttrain.tools:calculator`,
       `my_tools.py:search`); the built-in `python` runs in `sandbox`.
     environment: an environment class (`my_env.py:Wordle`) whose `reset` makes each conversation and whose
-      public typed methods are tools too; None = none.
+      public typed methods are tools too, or an OpenEnv server (`openenv:http://HOST:PORT`: one WebSocket session
+      per trajectory, see `openenv`); None = none.
     tool_format: how the model writes calls: hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`.
     tool_workers: processes that run the tool calls (an environment's methods run in threads of the run).
     max_env_error_fraction: an environment method that times out, raises or returns the wrong type ends its
@@ -51,6 +53,12 @@ class RolloutConfig(AgentLimits):
       stops with an error (1: never).
     sandbox: where the built-in `python` tool runs model-written code (`posttrain.tools.python_sandbox.SandboxConfig`:
       the kernel's namespaces by default, a SandboxFusion service, or an explicitly unsafe plain process).
+    openenv: how an OpenEnv environment's actions and observations map to text
+      (`posttrain.agent.env_openenv.OpenEnvConfig`: `action_field`, `observation_field`).
+    compute_dtype: the sampler's activation and matmul dtype, independent of the trainer's (the weights stay in
+      model.param_dtype, cast at each use), in-process, in the held-out evaluation and on the fleet's workers;
+      None = the model's (model.compute_dtype). The sampler's log-probs then differ from the trainer's: what the
+      learner's rollout correction (learner.is_level, learner.rejection) is for, and what `mismatch_kl` shows.
     """
 
     batch_prompts: int = 8
@@ -67,6 +75,8 @@ class RolloutConfig(AgentLimits):
     tool_workers: int = 4
     max_env_error_fraction: float = 0.5
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    openenv: OpenEnvConfig = dataclasses.field(default_factory=OpenEnvConfig)
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @property
     def multi_turn(self) -> bool:
@@ -89,8 +99,8 @@ class RolloutConfig(AgentLimits):
 LIMIT_KEYS = ("max_turns", "max_tool_calls", "max_tool_output_tokens", "tool_timeout_s")
 #: a rollout-section key in an error message -> the option that sets it
 _FLAG_NAMES = (("rollout.sandbox.backend", "--sandbox"), ("rollout.sandbox.url", "--sandbox-url"),
-               ("rollout.tool_timeout_s", "--tool-timeout"), ("rollout.tools", "--tools"),
-               ("rollout.environment", "--environment"))
+               ("rollout.tool_timeout_s", "--tool-timeout"), ("rollout.openenv.", "--openenv-"),
+               ("rollout.tools", "--tools"), ("rollout.environment", "--environment"))
 
 
 @dataclasses.dataclass
@@ -107,6 +117,9 @@ class AgentOptions:
     max_turns, max_tool_calls, max_tool_output_tokens, tool_timeout_s: the agent's limits (None: the rollout
     section's defaults). sandbox, sandbox_url: where the python tool runs model-written code
     (`rollout.sandbox.backend` / `url`).
+
+    openenv_action_field, openenv_observation_field: an OpenEnv environment's action field that holds the model's
+    turn and observation field that is the next user turn (`rollout.openenv.*`; None: its defaults).
     """
 
     tools: list[str] | str | None = None
@@ -118,14 +131,19 @@ class AgentOptions:
     tool_timeout_s: float | None = None
     sandbox: Literal["namespaces", "remote", "process"] = "namespaces"
     sandbox_url: str | None = None
+    openenv_action_field: str | None = None
+    openenv_observation_field: str | None = None
 
     def rollout_section(self) -> RolloutConfig:
         """The rollout section these options fill (validated as `posttrain rl` validates it; errors name the option)."""
         tools = self.tools.split(",") if isinstance(self.tools, str) else list(self.tools or [])
+        openenv = {k: v for k, v in (("action_field", self.openenv_action_field),
+                                     ("observation_field", self.openenv_observation_field)) if v is not None}
         try:
             return RolloutConfig(tools=[t.strip() for t in tools if t.strip()], environment=self.environment,
                                  tool_format=self.tool_format, sandbox=SandboxConfig(backend=self.sandbox,
                                                                                      url=self.sandbox_url),
+                                 openenv=OpenEnvConfig(**openenv),
                                  **{key: getattr(self, key) for key in LIMIT_KEYS if getattr(self, key) is not None})
         except ValueError as e:
             raise ConfigError(_option_names(str(e)).replace("rollout.", "--").replace("_", "-")) from None

@@ -49,6 +49,7 @@ from posttrain.models import tokenizer as tokenizer_lib
 from posttrain.models.adapters import merge_adapter
 from posttrain.models.spec import resolve_model
 from posttrain.models.hf_io import from_pretrained
+from posttrain.models.numerics import with_compute_dtype
 from posttrain.models.prompt_format import prompt_style
 from posttrain.rollout.layout import stack_images, teacher_forced
 from posttrain.rollout.prompts import Prompt, PromptEncoder, PromptSet, PromptStyle
@@ -104,13 +105,18 @@ class Policy:
     call). segment_steps: its decode block (None: the backend's). program_cache: compiled sampler programs to share
     with other policies of the same structure.
 
+    compute_dtype: the dtype it samples and scores in, when not the model's (`posttrain.models.numerics`: the same
+    weights, cast at each use; RL's `rollout.compute_dtype`, independent of the trainer's).
+
     sampler: an engine to use instead of a `Sampler` of these (its `generate`, `load_weights`, `cfg`).
     """
 
     def __init__(self, model, tokenizer, *, folder: str | Path | None = None,
                  style: PromptStyle = PromptStyle(chat=False), max_slots: int = 32, sequences: int | None = None,
                  max_len: int | None = None, segment_steps: int | None = None,
-                 program_cache: ProgramCache | None = None, sampler=None):
+                 program_cache: ProgramCache | None = None, compute_dtype: str | None = None, sampler=None):
+        if compute_dtype is not None:
+            model = with_compute_dtype(model, compute_dtype)
         self.model, self.tokenizer = model, tokenizer
         self.encoder = PromptEncoder(tokenizer, style, None if folder is None else Path(folder))
         if sampler is None:
@@ -178,11 +184,14 @@ class Policy:
     def sample(self, prompts: PromptSet | Sequence[Prompt] | Sequence[Sequence[int]] | Sequence[dict | str],
                params: SamplingParams | None = None, *, agent: Agent | None = None,
                key_ids: Sequence[int] | None = None, progress: bool | Callable = False, max_len: int | None = None,
-               between_segments: Callable | None = None, record_experts: bool = False) -> Samples:
+               between_segments: Callable | None = None, record_experts: bool = False,
+               on_finish: Callable[[Completion, Trajectory | None], None] | None = None) -> Samples:
         """`params.n` completions of each prompt (module docstring). `agent`: multi-turn rollouts (the prompts must
-        carry their records). The other options are `Sampler.generate`'s: `key_ids` (a prompt's samples drawn from
-        keys of (seed, key id, sample)), `progress`, `max_len` (this call's context limit), `between_segments`
-        (newer weights between decode segments), `record_experts` (a mixture of experts' routed experts)."""
+        carry their records). `on_finish(completion, trajectory)`: called as each sequence finishes, before the
+        others do (on the sampler's thread: it must be quick; the trajectory is None without an agent). The other
+        options are `Sampler.generate`'s: `key_ids` (a prompt's samples drawn from keys of (seed, key id, sample)),
+        `progress`, `max_len` (this call's context limit), `between_segments` (newer weights between decode
+        segments), `record_experts` (a mixture of experts' routed experts)."""
         items = self._prompt_items(prompts, agent)
         ids = [list(p) for p in prompts] if items is None else [p.ids for p in items]
         kwargs: dict[str, Any] = {"progress": progress} if progress else {}
@@ -198,6 +207,9 @@ class Policy:
         if agent is not None:
             rollout = AgentRollout(agent, [p.record for p in items], ids, [p.where for p in items])
             kwargs["on_turn_end"] = rollout
+        if on_finish is not None:
+            kwargs["on_finish"] = lambda c: on_finish(
+                c, None if rollout is None else rollout.trajectory(c.prompt_index, c.sample_index))
         try:
             completions = self.sampler.generate(ids, params or SamplingParams(), key_ids=key_ids, **kwargs)
             trajectories = None if rollout is None else [rollout.finished(c) for c in completions]

@@ -31,7 +31,7 @@ import numpy as np
 
 __all__ = ["COUNT_SUFFIXES", "Rollouts", "correct", "per_sample_fields"]
 
-COUNT_SUFFIXES = ("failures", "timeouts")  # reward statistics that are counts (summed); the others are means
+COUNT_SUFFIXES = ("failures", "timeouts", "skipped")  # reward statistics that are counts (summed); the others are means
 
 
 #: a `Rollouts` field with one entry per sample (`per_sample_fields`: what selecting, joining and saving carry)

@@ -726,7 +726,8 @@ class Sampler:
                  key_ids: Sequence[int] | None = None,
                  on_turn_end: Callable[[TurnEnd], object] | None = None,
                  max_len: int | None = None, between_segments: Callable | None = None,
-                 record_experts: bool = False) -> list[Completion]:
+                 record_experts: bool = False, on_finish: Callable[[Completion], None] | None = None
+                 ) -> list[Completion]:
         """One `Completion` per prompt and sample: prompt order, the `n` samples of a prompt in a row.
 
         images: a vision-language model's image prompts: images[p] holds prompt p's preprocessed images, pixel
@@ -754,6 +755,8 @@ class Sampler:
         record_experts: a mixture of experts: each `Completion` gets `routed_experts` [n_positions, L_sparse, k],
           the experts the router chose at every position the sampler ran through the model (see "Expert
           recording"). Ignored for a dense model (`routed_experts` stays None); off, the programs are unchanged.
+        on_finish: called with each `Completion` as its sequence finishes (on the host loop's thread: it must not
+          block), so work on early finishers (scoring) overlaps the decoding of the others.
         """
         params = params or SamplingParams()
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
@@ -776,7 +779,7 @@ class Sampler:
         ds = self._ensure_state(slots, cache_len)
         self._state = None  # donated below; restored when the call completes
         record = bool(record_experts) and self.cfg.is_moe
-        request = Request(prompts, params, stop, key_ids=key_ids, on_turn_end=on_turn_end,
+        request = Request(prompts, params, stop, key_ids=key_ids, on_turn_end=on_turn_end, on_finish=on_finish,
                           progress=_Progress(progress, total) if progress else None, images=images,
                           record_experts=record)
         setup = Setup(slots=slots, max_len=max_len, caps=tuple(caps), vocab_size=self.cfg.vocab_size,

@@ -100,7 +100,8 @@ class Request:
     per-prompt ids replacing the prompt index in the sampling keys, or None; on_turn_end: the multi-turn
     callback or None; progress: a `_Progress`-like object or None; images: prompt p's pixel arrays [C, H, W]
     (float32, one per run of image placeholders in its ids, in order), or None for a text-only call;
-    record_experts: the programs return the chosen experts and each completion gets `routed_experts`."""
+    record_experts: the programs return the chosen experts and each completion gets `routed_experts`; on_finish:
+    called with each `Completion` as its sequence finishes (on the host loop's thread: it must not block)."""
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -110,6 +111,7 @@ class Request:
     progress: object = None
     images: list[list[np.ndarray]] | None = None
     record_experts: bool = False
+    on_finish: Callable[[Completion], None] | None = None
 
     def pixels(self, rows: list[int]) -> np.ndarray | None:
         """The pixel values of the images of prompt rows `rows` (in row order: the prefill's placeholders take
@@ -457,6 +459,8 @@ class SlotScheduler:
             routed_experts=np.concatenate(sl.experts) if self.request.record_experts else None,
         )
         self.slot[s] = None
+        if self.request.on_finish is not None:
+            self.request.on_finish(self.finished[(sl.prompt, sl.sample)])
 
     # ------------------------------------------------------------------ settling parked slots
     def _settle(self, block: bool):

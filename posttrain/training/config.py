@@ -192,6 +192,10 @@ class TrainerConfig:
     save_every: steps between checkpoints (0 = only at the end).
     resume: continue from the newest checkpoint in OUTPUT_DIR/checkpoints that restores, when there is one.
     profile: a profiler trace of a window of steps (off by default; `ProfileConfig`).
+    loss_scale: loss scaling of the backward pass (`posttrain.training.loss_scale`): dynamic (start at 2^15, halve
+      on an overflow, whose step is skipped and counted in `loss_scale/overflows`, double after 2,000 finite steps
+      in a row), none, or a fixed scale (a number); auto = dynamic when the model computes in float16
+      (model.compute_dtype), none otherwise. The scale is saved in every checkpoint and restored on resume.
     """
 
     max_steps: int = 100
@@ -208,9 +212,12 @@ class TrainerConfig:
     peak_flops: float = 0.0
     progress: bool = True
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
+    loss_scale: Literal["auto", "dynamic", "none"] | float = "auto"
 
     def __post_init__(self):
         at_least("trainer.max_steps", self.max_steps, 1)
+        if not isinstance(self.loss_scale, str) and not self.loss_scale > 0:
+            raise ValueError(f"trainer.loss_scale must be auto, dynamic, none or a number > 0, found {self.loss_scale}")
         at_least("trainer.grad_accum", self.grad_accum, 1)
         at_least("trainer.log_every", self.log_every, 1)
 

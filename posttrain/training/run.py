@@ -42,10 +42,12 @@ from posttrain.config import ConfigError, save_config
 from posttrain.models import lora as lora_lib
 from posttrain.models import tokenizer as tokenizer_lib
 from posttrain.models.hf_io import from_pretrained, save_pretrained
+from posttrain.models.kernels import check_compute_dtype
 from posttrain.models.spec import resolve_checkpoint
 from posttrain.training.checkpoint import Checkpointer
 from posttrain.training.config import LoraConfig, ModelSection, RunConfig
 from posttrain.training.errors import TrainingDivergedError
+from posttrain.training.loss_scale import loss_scale_for
 from posttrain.training.metrics import MetricsLogger, Throughput
 from posttrain.training.optim import make_optimizer
 from posttrain.training.profile import StepProfiler
@@ -201,12 +203,15 @@ class Run:
     def build_trainer(self, loss_fn=None, *, updates: int | None = None, **trainer_kwargs):
         """The model (+LoRA/QLoRA), the optimizer and schedule over `updates` optimizer steps (default
         trainer.max_steps) and the `Trainer`; also opens the checkpoint folder."""
-        tc = self.cfg.trainer
-        model, self.folder = build_model(self.cfg.model, self.cfg.lora, tc.seed, self.mesh)
+        tc, m = self.cfg.trainer, self.cfg.model
+        compute = m.compute_dtype or m.param_dtype
+        check_compute_dtype(compute, "model.compute_dtype" if m.compute_dtype else "model.param_dtype", m.kernels)
+        model, self.folder = build_model(m, self.cfg.lora, tc.seed, self.mesh)
         tx, schedule = make_optimizer(self.cfg.optim, updates or tc.max_steps)
-        trainer_kwargs.setdefault("wrt", trained_variables(model, self.cfg.model))
+        trainer_kwargs.setdefault("wrt", trained_variables(model, m))
         self.trainer = Trainer(model, tx, loss_fn=loss_fn, grad_accum=tc.grad_accum, mesh=self.mesh, schedule=schedule,
-                               seed=tc.seed, logprob_chunk_size=tc.loss_chunk_size or None, **trainer_kwargs)
+                               seed=tc.seed, logprob_chunk_size=tc.loss_chunk_size or None,
+                               loss_scale=loss_scale_for(tc.loss_scale, compute), **trainer_kwargs)
         self.ckpt = Checkpointer(self.out / "checkpoints", keep=tc.keep_checkpoints,
                                  async_save=tc.async_checkpointing, say=self._log)
         return self.trainer
@@ -240,8 +245,10 @@ class Run:
 
     def check_finite(self, step: int, metrics: dict[str, float], *, grad_norm: bool = True, log: bool = True) -> None:
         """Raises `TrainingDivergedError` (after logging the step when `log`) when the loss (or, with `grad_norm`,
-        the gradient norm) is not finite."""
+        the gradient norm) is not finite. Gradients that overflowed under loss scaling are not a divergence: that
+        step was skipped and the scale lowered (`loss_scale/overflow`)."""
         gn = metrics.get("grad_norm")
+        grad_norm = grad_norm and not metrics.get("loss_scale/overflow")
         bad = not math.isfinite(metrics["loss"]) or (grad_norm and gn is not None and not math.isfinite(gn))
         if bad:
             if log and self.logger is not None:

@@ -39,6 +39,11 @@ batch has no weight, is not applied (the parameters stay as they were) and is fl
 (`skipped`), so a divergence can never reach a checkpoint. With a mesh, every parameter is placed by its
 logical axes (`posttrain.distributed`) and each batch is sharded over (data, fsdp).
 
+Float16 training scales the loss (`loss_scale`, `posttrain.training.loss_scale`): each micro-batch differentiates
+loss_sum * S / weight (the scale S on its mean loss) and its float32 gradients are multiplied back by weight / S
+before they are summed; an overflowing step is skipped as above, the scale adjusted, and the metrics report
+`loss_scale`, `loss_scale/overflow` (this step) and `loss_scale/overflows` (so far).
+
 Multi-host: the mesh spans every process's devices and every process runs the same steps. A batch is
 either the whole global batch on every process (RL: each process holds all rollouts) or, with
 `process_local_batches`, this process's rows of it (SFT: each process reads its own share of the data,
@@ -63,6 +68,7 @@ from posttrain.algorithms.protocol import LossFn, UsesFrozen, reduce_metrics, us
 from posttrain.algorithms.sft import token_logprobs
 from posttrain.models import lora as lora_lib
 from posttrain.models.weights import path_names
+from posttrain.training.loss_scale import LossScale
 
 __all__ = ["FrozenModels", "LossFn", "Programs", "SplitModel", "StepSettings", "TrainState", "Trainer", "UsesFrozen",
            "flops_per_token", "reduce_metrics", "uses_frozen"]
@@ -100,12 +106,14 @@ class StepSettings:
 
 @dataclasses.dataclass
 class TrainState:
-    """What a checkpoint holds: the trained parameters, the optimizer state, the step count, the RNG key data."""
+    """What a checkpoint holds: the trained parameters, the optimizer state, the step count, the RNG key data, and
+    the loss scale of float16 training (`posttrain.training.loss_scale`; None: no scaling)."""
 
     params: Any
     opt_state: Any
     step: int
     rng: jax.Array
+    loss_scale: LossScale | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +214,8 @@ class Trainer:
       frozen: name -> model held frozen (no optimizer state) for losses marked with `uses_frozen`.
       process_local_batches: batches hold only this process's rows of the global batch (multi-host data
         loading); otherwise every process passes the whole batch.
+      loss_scale: the loss scale of float16 training (`posttrain.training.loss_scale.LossScale`: the loss is scaled
+        before the backward pass, the gradients unscaled, an overflowing step skipped; checkpointed); None: none.
 
     Its state lives in small records: `settings` (`StepSettings`), `split` (`SplitModel`), `state`
     (`TrainState`), `programs` (`Programs`) and `frozen` (`FrozenModels`); the attributes below read them.
@@ -224,13 +234,15 @@ class Trainer:
     opt_state = _field("state", "opt_state", settable=True)
     step_count = _field("state", "step", settable=True)
     rng = _field("state", "rng", settable=True)
+    loss_scale = _field("state", "loss_scale", settable=True)
     frozen_graphdefs = _field("frozen", "graphdefs")
     frozen_states = _field("frozen", "states")
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, loss_fn: LossFn | None = None,
                  grad_accum: int = 1, mesh: Mesh | None = None, wrt=None, schedule: optax.Schedule | None = None,
                  seed: int = 0, logprob_chunk_size: int | None = None, donate: bool = True,
-                 frozen: dict[str, nnx.Module] | None = None, process_local_batches: bool = False):
+                 frozen: dict[str, nnx.Module] | None = None, process_local_batches: bool = False,
+                 loss_scale: LossScale | None = None):
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, found {grad_accum}")
         self.loss_fn = loss_fn
@@ -256,6 +268,7 @@ class Trainer:
         self.split = SplitModel(graphdef=graphdef, graphdef_base=graphdef_base, rest=rest, wrt=wrt, has_lora=has_lora,
                                 cfg=getattr(model, "cfg", None), param_shardings=jax.tree.map(sharding, params),
                                 opt_shardings=jax.tree.map(sharding, opt_state))
+        self.loss_scale = self._placed(loss_scale)
         self.programs = Programs()
         self.frozen = FrozenModels()
         for name, m in (frozen or {}).items():
@@ -319,9 +332,12 @@ class Trainer:
         return sub
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds: trained params, optimizer state, step, RNG key."""
-        return {"params": self.params, "opt_state": self.opt_state,
-                "step": np.asarray(self.step_count, np.int64), "rng": np.asarray(self.rng)}
+        """What a checkpoint holds: trained params, optimizer state, step, RNG key (and the loss scale, if any)."""
+        out = {"params": self.params, "opt_state": self.opt_state,
+               "step": np.asarray(self.step_count, np.int64), "rng": np.asarray(self.rng)}
+        if self.loss_scale is not None:
+            out["loss_scale"] = self.loss_scale.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Puts a checkpoint's state in place, each tree in its live shardings (transfers, nothing compiled)."""
@@ -329,6 +345,17 @@ class Trainer:
         self.opt_state = jax.device_put(state["opt_state"], self.split.opt_shardings)
         self.step_count = int(state["step"])
         self.rng = jax.device_put(np.asarray(state["rng"], np.uint32))
+        if self.loss_scale is not None:
+            self.loss_scale = self._placed(self.loss_scale.load(state["loss_scale"]))
+
+    def _placed(self, loss_scale: LossScale | None) -> LossScale | None:
+        """A loss scale on the devices as the step returns it (replicated), so that the step's signature never
+        changes (a fresh or restored one compiles nothing new)."""
+        if loss_scale is None:
+            return None
+        rep = (NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None
+               else jax.tree.leaves(self.params)[0].sharding)
+        return jax.device_put(loss_scale, rep)
 
     # ------------------------------------------------------------------ batches
     def put_batch(self, batch):
@@ -356,21 +383,22 @@ class Trainer:
         return y
 
     # ------------------------------------------------------------------ the step
-    def _grads(self, grad_fn, micro, params, rest, frozen, batch, rows_per_example: int):
-        """Σ over the micro-batches of (loss_sum, weight, metrics) and of the float32 gradients of loss_sum."""
+    def _grads(self, grad_fn, micro, params, rest, frozen, batch, rows_per_example: int, loss_scale):
+        """Σ over the micro-batches of (loss_sum, weight, metrics) and of the float32 gradients of loss_sum (each
+        micro-batch's differentiated scaled by `loss_scale`, then unscaled here: `LossScale.factor`)."""
         if self.grad_accum == 1:
-            (loss_sum, (weight, metrics)), grads = grad_fn(params, rest, frozen, batch)
-            return _as_f32(grads), loss_sum, weight, metrics
+            (_, (loss_sum, weight, metrics, f)), grads = grad_fn(params, rest, frozen, batch, loss_scale)
+            return jax.tree.map(lambda g: g.astype(jnp.float32) / f, grads), loss_sum, weight, metrics
         mbs = jax.tree.map(lambda x: self._split(x, rows_per_example), batch)
         first = jax.tree.map(lambda x: x[0], mbs)
-        _, (w_shape, m_shape) = jax.eval_shape(micro, params, rest, frozen, first)
+        _, (_, w_shape, m_shape, _) = jax.eval_shape(micro, params, rest, frozen, first, loss_scale)
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)  # noqa: E731
         init = (zeros(jax.eval_shape(lambda p: p, params)), jnp.zeros((), jnp.float32), zeros(w_shape), zeros(m_shape))
 
         def body(carry, mb):
             g_acc, l_acc, w_acc, m_acc = carry
-            (ls, (w, m)), g = grad_fn(params, rest, frozen, mb)
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            (_, (ls, w, m, f)), g = grad_fn(params, rest, frozen, mb, loss_scale)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32) / f, g_acc, g)
             m_acc = jax.tree.map(jnp.add, m_acc, m)
             return (g_acc, l_acc + ls, w_acc + w, m_acc), None
 
@@ -380,16 +408,19 @@ class Trainer:
     def _build_step(self, loss_fn: LossFn, rows_per_example: int = 1):
         graphdef, tx, schedule = self.graphdef, self.settings.tx, self.settings.schedule
 
-        def micro(params, rest, frozen, mb):
+        def micro(params, rest, frozen, mb, loss_scale):
             model = nnx.merge(graphdef, params, rest)
             loss_sum, weight, metrics = self._call_loss(loss_fn, model, params, rest, frozen, mb)
-            return jnp.asarray(loss_sum, jnp.float32), (jnp.asarray(weight, jnp.float32), _as_f32(metrics))
+            loss_sum, weight = jnp.asarray(loss_sum, jnp.float32), jnp.asarray(weight, jnp.float32)
+            # differentiated: the loss times the loss scale's factor (1 without one); reported: the loss itself
+            f = 1.0 if loss_scale is None else loss_scale.factor(weight)
+            return loss_sum * f, (loss_sum, weight, _as_f32(metrics), f)
 
         grad_fn = jax.value_and_grad(micro, has_aux=True)
 
-        def step_fn(params, opt_state, rest, frozen, batch, step):
+        def step_fn(params, opt_state, rest, frozen, batch, step, loss_scale=None):
             grads, loss_sum, weight, metrics = self._grads(grad_fn, micro, params, rest, frozen, batch,
-                                                           rows_per_example)
+                                                           rows_per_example, loss_scale)
             denom = jnp.maximum(weight, 1e-12)
             grads = jax.tree.map(lambda g: g / denom, grads)
             loss = loss_sum / denom
@@ -403,16 +434,21 @@ class Trainer:
             out = {"loss": loss, "grad_norm": grad_norm, "weight": weight, "tokens": _real_tokens(batch),
                    "skipped": 1.0 - ok.astype(jnp.float32),
                    "lr": jnp.asarray(schedule(step) if schedule is not None else 0.0, jnp.float32)}
+            if loss_scale is not None:  # an overflow: skipped (above), the scale adjusted, counted
+                finite = jnp.isfinite(grad_norm)
+                out |= {"loss_scale": loss_scale.scale, "loss_scale/overflow": 1.0 - finite.astype(jnp.float32)}
+                loss_scale = loss_scale.adjust(finite)
+                out["loss_scale/overflows"] = loss_scale.overflows.astype(jnp.float32)
             for name, v in reduce_metrics(metrics).items():
                 out.setdefault(name, v)
-            return new_params, new_opt, out
+            return new_params, new_opt, loss_scale, out
 
         kwargs = {}
         if self.settings.donate:
             kwargs["donate_argnums"] = (0, 1)
         if self.mesh is not None:
-            kwargs["out_shardings"] = (self.split.param_shardings, self.split.opt_shardings,
-                                       NamedSharding(self.mesh, PartitionSpec()))
+            rep = NamedSharding(self.mesh, PartitionSpec())
+            kwargs["out_shardings"] = (self.split.param_shardings, self.split.opt_shardings, rep, rep)
         return jax.jit(step_fn, **kwargs)
 
     def _check_batch(self, batch, rows_per_example: int = 1):
@@ -446,9 +482,9 @@ class Trainer:
         if fn is None:
             fn = self.programs.steps[(loss_fn, g)] = self._build_step(loss_fn, g)
         dev = self.put_batch(batch)
-        self.params, self.opt_state, metrics = distributed.call_compiled(  # several processes: compiled by all first
+        self.params, self.opt_state, self.loss_scale, metrics = distributed.call_compiled(  # compiled by all first
             fn, self.params, self.opt_state, self.rest, self._frozen_args(loss_fn), dev,
-            np.int32(self.step_count))  # a numpy scalar: transferred (jnp.asarray with a dtype compiles a cast)
+            np.int32(self.step_count), self.loss_scale)  # numpy scalars: transferred (jnp.asarray would compile a cast)
         self.step_count += 1
         if fetch:
             return {k: float(v) for k, v in distributed.to_host(metrics).items()}

@@ -70,7 +70,9 @@ class RolloutWorker:
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
         tok = tok_lib.load(folder)
         slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
-        self.policy = Policy(net, tok, folder=folder, max_slots=slots, segment_steps=fleet.segment_steps or None)
+        # the sampler's own compute dtype (`rollout.compute_dtype`; its weights: as sent)
+        self.policy = Policy(net, tok, folder=folder, max_slots=slots, segment_steps=fleet.segment_steps or None,
+                             compute_dtype=rollout.compute_dtype)
         self.agent = None
         if agent_enabled(rollout):
             data = data or PromptData()
