@@ -111,3 +111,20 @@ def with_adapters(base: str | Path, run: str | Path):
     lora_lib.attach(model, rank=4, alpha=8.0)
     load_flat_weights(model, read_trained_params(Path(run) / "checkpoints")[1])
     return model
+
+
+def peft_adapter(folder: str | Path, base: str | Path, rank: int = 2, alpha: float = 6.0, seed: int = 2) -> Path:
+    """A LoRA adapter folder in PEFT's format over `base` (two adapted layers, random A and B), as `peft` writes it."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        tensors[f"base_model.model.{name}.lora_A.weight"] = rng.normal(size=(rank, 128)).astype(np.float32)
+        tensors[f"base_model.model.{name}.lora_B.weight"] = 0.3 * rng.normal(size=(128, rank)).astype(np.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base), "peft_type": "LORA",
+                                                            "r": rank, "lora_alpha": alpha, "bias": "none"}))
+    return folder

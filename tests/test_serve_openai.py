@@ -19,15 +19,17 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from serve_models import ADD_TOOL, CALL, lora_run, scripted_checkpoint, with_adapters
+from serve_models import ADD_TOOL, CALL, lora_run, peft_adapter, scripted_checkpoint, with_adapters
 
 from posttrain.models import tokenizer as tok_lib
+from posttrain.rollout.policy import Policy
 from posttrain.sampling.scoring import Scorer
 from posttrain.serve import ServeConfig, Server
 
 KEY = "sk-test"
 NAME = "scripted"
 LORA = "scripted-lora"
+PEFT = "scripted-peft"
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +37,15 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     folder = scripted_checkpoint(root)
     run = lora_run(root / "lora-run", folder)
-    config = ServeConfig(model=str(folder), served_model_name=NAME, port=0, api_key=KEY, loras=((LORA, str(run)),),
+    peft = peft_adapter(root / "peft", folder)
+    config = ServeConfig(model=str(folder), served_model_name=NAME, port=0, api_key=KEY,
+                         loras=((LORA, str(run)), (PEFT, str(peft))),
                          max_slots=16, max_queue=24, max_body_bytes=1 << 16, segment_steps=8, warmup=False)
     server = Server(config)
     server.engine.warmup(NAME)  # the adapter's lane compiles when the test that uses it runs
     server.start()
-    yield {"server": server, "url": server.url, "folder": folder, "run": run, "tok": tok_lib.load(folder)}
+    yield {"server": server, "url": server.url, "folder": folder, "run": run, "peft": peft,
+           "tok": tok_lib.load(folder)}
     server.stop()
 
 
@@ -152,8 +157,7 @@ def test_completion_logprobs_are_the_learners(client, served):
                                   extra_body={"return_token_ids": True})
     c = r.choices[0]
     ids = c.model_extra["token_ids"]
-    scorer = Scorer(served["server"].models[NAME].model)
-    ref = scorer.score([prompt + ids])[0].logprobs[len(prompt) - 1:]
+    ref = served["server"].models[NAME].policy.score([prompt], [ids])[0]  # what RL's learner computes
     assert np.abs(np.asarray(c.logprobs.token_logprobs) - ref).max() <= 1e-5
     assert c.text == served["tok"].decode(ids)
 
@@ -197,7 +201,7 @@ def test_token_endpoints(served):
 
 
 def test_models_health_and_metrics(client, served):
-    assert [m.id for m in client.models.list()] == [NAME, LORA]
+    assert [m.id for m in client.models.list()] == [NAME, LORA, PEFT]
     assert httpx.get(served["url"] + "/health").status_code == 200
     metrics = httpx.get(served["url"] + "/metrics").text
     for name in ("posttrain_requests_total", "posttrain_prompt_tokens_total", "posttrain_completion_tokens_total",
@@ -214,6 +218,15 @@ def test_lora_adapter_served_over_the_base(client, served):
     ref = Scorer(with_adapters(served["folder"], served["run"])).score([prompt])[0].logprobs
     assert np.abs(np.asarray(adapted) - ref).max() <= 1e-5
     assert np.abs(np.asarray(adapted) - np.asarray(base)).max() > 1e-3
+    # a PEFT adapter folder: the policy that opens it (merged into its base) is the reference
+    peft = client.completions.create(model=PEFT, **kw).choices[0].logprobs.token_logprobs[1:-1]
+    ref = Policy.open(served["peft"], max_slots=1).score([prompt[:1]], [prompt[1:]])[0]
+    assert np.abs(np.asarray(peft) - ref).max() <= 1e-5
+    assert np.abs(np.asarray(peft) - np.asarray(base)).max() > 1e-3
+    assert served["server"].models[NAME].model.layers.self_attn.q_proj.kernel.get_value() is not \
+        served["server"].models[PEFT].model.layers.self_attn.q_proj.kernel.get_value()
+    assert served["server"].models[NAME].model.embed_tokens.embedding.get_value() is \
+        served["server"].models[PEFT].model.embed_tokens.embedding.get_value()  # unadapted weights shared
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -338,16 +351,27 @@ def test_a_client_that_leaves_frees_its_slot(served, client):
     would have ended."""
     h = {"Authorization": f"Bearer {KEY}"}
     body = {"model": NAME, "prompt": "w1", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
-    before = _cancelled(served)
-    with httpx.stream("POST", served["url"] + "/v1/completions", headers=h, json={**body, "stream": True}) as r:
-        next(r.iter_lines())  # the first chunk, then the client goes away
-    with pytest.raises(httpx.ReadTimeout):  # a whole answer the client stops waiting for
-        httpx.post(served["url"] + "/v1/completions", headers=h, json=body, timeout=0.3)
-    for _ in range(100):
-        if _cancelled(served) >= before + 2 and served["server"].engine.stats()["running"] == 0:
-            break
+    lane = served["server"].engine._lanes[NAME]
+    real = lane.jitted.decode
+
+    def slow(*args, **kwargs):  # 480 tokens take 3 s or more: long after the clients leave
         time.sleep(0.05)
-    assert _cancelled(served) == before + 2 and served["server"].engine.stats()["running"] == 0
+        return real(*args, **kwargs)
+
+    lane.jitted = lane.jitted._replace(decode=slow)
+    before = _cancelled(served)
+    try:
+        with httpx.stream("POST", served["url"] + "/v1/completions", headers=h, json={**body, "stream": True}) as r:
+            next(r.iter_lines())  # the first chunk, then the client goes away
+        with pytest.raises(httpx.ReadTimeout):  # a whole answer the client stops waiting for
+            httpx.post(served["url"] + "/v1/completions", headers=h, json=body, timeout=0.3)
+        for _ in range(100):
+            if _cancelled(served) >= before + 2 and served["server"].engine.stats()["running"] == 0:
+                break
+            time.sleep(0.05)
+        assert _cancelled(served) == before + 2 and served["server"].engine.stats()["running"] == 0
+    finally:
+        lane.bind()
     _answers(client)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from posttrain.models.prompt_format import PromptStyle
 from posttrain.models.tokenizer import build_tokenizer
+from posttrain.rollout.policy import Policy
 from posttrain.serve.chat import _Held
 from posttrain.serve.errors import APIError
 from posttrain.serve.models import ServedModel
@@ -74,11 +75,11 @@ def test_log_probs_layouts(tok):
 def test_conversations_follow_the_models_prompt_format(tok):
     convo = [{"role": "system", "content": "s"}, {"role": "user", "content": "first"},
              {"role": "assistant", "content": "x"}, {"role": "user", "content": "2+2="}]
-    raw = ServedModel("folder", tok, None, None, style=PromptStyle(chat=False))
+    raw = ServedModel(Policy(None, tok, style=PromptStyle(chat=False), sampler=object()))
     assert raw.render_chat(convo) == (tok.encode("2+2="), [])  # a raw-trained model: the last user turn's text
     with pytest.raises(APIError, match="needs a user message"):
         raw.render_chat([{"role": "system", "content": "s"}])
-    chat = ServedModel("folder", tok, None, None, style=PromptStyle(chat=True, system_prompt="Be brief."))
+    chat = ServedModel(Policy(None, tok, style=PromptStyle(chat=True, system_prompt="Be brief."), sampler=object()))
     ids, _ = chat.render_chat(convo[1:])
     assert ids == tok.apply_chat_template([{"role": "system", "content": "Be brief."}, *convo[1:]],
                                           add_generation_prompt=True)

