@@ -65,4 +65,4 @@ def test_bad_flags_are_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "serve", "tiny:llama", "--lora", "oops"],
                          capture_output=True, text=True, check=False)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "error: --lora 'oops': expected NAME=PATH (a LoRA run's output folder)"]
+        "error: --lora 'oops': expected NAME=PATH (a LoRA run's output folder or a PEFT adapter folder)"]

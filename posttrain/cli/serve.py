@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` (default: $POSTTRAIN_API_KEY; none: open)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL as given)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                   help="serve a LoRA run's adapters (its output folder) over the base as model NAME (repeatable)")
+                   help="serve an adapter over the base as model NAME: a LoRA run's output folder or a PEFT adapter "
+                        "folder (repeatable)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context of every request, prompt and completion (default: the model's)")
     p.add_argument("--max-slots", type=int, default=16, help="sequences decoded at once (per model)")
@@ -40,7 +41,8 @@ def run(args) -> int:
     for item in args.lora:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise ConfigError(f"--lora {item!r}: expected NAME=PATH (a LoRA run's output folder)")
+            raise ConfigError(f"--lora {item!r}: expected NAME=PATH (a LoRA run's output folder or a PEFT "
+                              "adapter folder)")
         loras.append((name, path))
     try:
         config = ServeConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
