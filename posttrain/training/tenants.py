@@ -195,6 +195,7 @@ class TenantPool:
         self._programs: dict[tuple, Any] = {}
         self._update = jax.jit(_apply_update, donate_argnums=(1, 2))
         self._zeros = jax.jit(lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p))
+        self._init = jax.jit(lambda p: _adamw().init(p))
 
     @property
     def max_len(self) -> int:
@@ -213,7 +214,9 @@ class TenantPool:
             raise ValueError(f"lora_config: {e}") from None
         graphdef, params, _ = nnx.split(model, nnx.LoRAParam, ...)
         self._graphdefs.setdefault(spec.structure, graphdef)
-        return Tenant(spec, params, _adamw().init(params), self._zeros(params))
+        # committed to their devices, as restored and updated arrays are: one compiled program serves them all
+        params = _committed(params)
+        return Tenant(spec, params, _committed(self._init(params)), _committed(self._zeros(params)))
 
     def restore(self, spec: LoraSpec, params, opt_state=None, steps: int = 0) -> Tenant:
         """A tenant with saved adapters (and optimizer state; None: a fresh one) in the live structures."""
@@ -309,6 +312,10 @@ def _build_step(graphdef, loss: str, config: tuple, forward_only: bool, chunk: i
         return acc, logp, loss_sum
 
     return jax.jit(step, donate_argnums=(2,))
+
+
+def _committed(tree):
+    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree))
 
 
 def _like(saved, live):

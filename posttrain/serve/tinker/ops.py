@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from typing import Callable
 
 from posttrain.serve.tinker.futures import Futures, Reply
@@ -127,7 +128,11 @@ class OrderedOps:
                 if self._stopping:
                     return
                 op = self._ready.popleft()
-            self.futures.resolve(op.rid, reply_of(op.run, op.what))
+            t0 = time.perf_counter()
+            reply = reply_of(op.run, op.what)
+            log.info("tinker: %s %s %s in %.3fs", op.what, op.key or "-", "failed" if reply.failed else "done",
+                     time.perf_counter() - t0)
+            self.futures.resolve(op.rid, reply)
             if op.key is not None:
                 with self._cv:
                     order = self._orders.get(op.key)

@@ -21,6 +21,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -95,8 +96,11 @@ class SamplingWorker:
                 seed_key = job.params.seed if job.seeded else None
                 groups.setdefault((job.weights.key, job.num_samples, job.params, seed_key), []).append(job)
             for group in groups.values():
+                t0 = time.perf_counter()
                 try:
                     self._run(group)
+                    log.info("tinker: sampled %d request(s) of %d sample(s) in %.3fs", len(group),
+                             group[0].num_samples, time.perf_counter() - t0)
                 except Exception as e:  # noqa: BLE001 - every request of the call gets the error; the thread goes on
                     log.exception("tinker: sampling failed")
                     for job in group:

@@ -166,14 +166,14 @@ def read_forward_backward(body: bytes, encoding: str | None, vocab: int, max_len
 def _checked(msg, vocab: int, max_len: int) -> FwdBwdRequest:
     if msg.loss_fn not in LOSSES:
         raise BadInput(f"loss_fn: {msg.loss_fn!r} is not supported (supported: {', '.join(LOSSES)})")
+    config = _config(msg, msg.loss_fn)
     if not msg.data:
         raise BadInput("data: empty (forward_backward needs at least one datum)")
     rows = [_datum(d, i, msg.loss_fn, vocab) for i, d in enumerate(msg.data)]
     longest = max(len(r.input_ids) for r in rows)
     if longest > max_len:
         raise BadInput(f"data: a datum of {longest} tokens is longer than the model's context ({max_len})")
-    return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, _config(msg, msg.loss_fn),
-                         bool(msg.forward_only), rows)
+    return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), rows)
 
 
 def forward_backward_output(logprobs: list[np.ndarray], loss_sum: float) -> bytes:
