@@ -17,6 +17,8 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 BASE = "tiny:llama"
+#: end to end: the SDK over HTTP into a server that compiles its programs on first use (~80 s on the 2-core machine)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
