@@ -13,7 +13,7 @@ Training functions take what `posttrain sft|rl|dpo|distill CONFIG.yaml key=value
 They run the command's own code (`run_sft`, `run_rl`, `run_dpo`, `run_distill`: the same files under
 `output_dir`, the same resume) and return a `RunResult`. `evaluate` and `generate` take the options of
 `posttrain eval` / `posttrain generate` as keyword arguments (`max_new_tokens=32` for `--max-new-tokens 32`,
-`chat=True` for `--chat`, a list for a comma-separated value) and return what those commands wrote.
+`chat=True` for `--chat`, `chat=False` for `--no-chat`, a list for a comma-separated value) and return what those commands wrote.
 Nothing here loads JAX until a function is called, so `import posttrain` stays light.
 """
 
@@ -233,12 +233,16 @@ class _Parser(argparse.ArgumentParser):
         raise TypeError(f"{self.prog}: {message}")
 
 
-def _argv(options: Mapping[str, Any]) -> list[str]:
+def _argv(options: Mapping[str, Any], negatable: Iterable[str] = ()) -> list[str]:
     """Keyword options as command-line flags: `max_new_tokens=32` -> `--max-new-tokens 32`, True -> the bare
-    flag, False/None -> left out, a list -> comma-separated."""
+    flag, False -> `--no-FLAG` for the `negatable` flags (`--chat/--no-chat`), else left out, None -> left out, a
+    list -> comma-separated."""
     argv: list[str] = []
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
+        if value is False and f"--no-{flag[2:]}" in negatable:
+            argv.append(f"--no-{flag[2:]}")
+            continue
         if value is None or value is False:
             continue
         if value is True:
@@ -275,7 +279,7 @@ def _run_command(name: str, options: Mapping[str, Any]) -> argparse.Namespace:
     module = importlib.import_module(f"posttrain.cli.{name}")
     parser = _Parser(prog=f"posttrain {name}")
     module.add_arguments(parser)
-    args = parser.parse_args(_argv(options))
+    args = parser.parse_args(_argv(options, negatable=parser._option_string_actions))
     # lazy: distributed imports JAX
     from posttrain import distributed
 

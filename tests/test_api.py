@@ -72,6 +72,7 @@ def test_command_options_become_flags_and_unknown_ones_are_type_errors():
     assert api._argv({"model": "m", "n": 4, "chat": True, "no_progress": False, "k": [1, 4], "seed": None,
                       "max_new_tokens": 8}) == ["--model", "m", "--n", "4", "--chat", "--k", "1,4",
                                                 "--max-new-tokens", "8"]
+    assert api._argv({"chat": False, "no_progress": False}, negatable={"--no-chat"}) == ["--no-chat"]
     with pytest.raises(TypeError, match="unrecognized arguments: --nonsense"):
         api.evaluate("m", "d.jsonl", nonsense=1)
 
@@ -122,3 +123,9 @@ def test_rl_dpo_and_distill_return_their_outputs(tmp_path, monkeypatch):
     distill = posttrain.distill("configs/distill_smoke.yaml", output_dir=tmp_path / "distill", trainer__max_steps=2,
                                trainer__eval_every=0, overrides=quiet)
     assert distill.hf_dir is not None and distill.summary.startswith("distill (logit): done at step 2")
+    # each export records how its data prompted the model: rl_smoke's `data.chat`, dpo_smoke's text pairs,
+    # distill_smoke's `messages`
+    from posttrain.models.prompt_format import PromptStyle, read_prompt_style
+
+    assert [read_prompt_style(r.hf_dir) for r in (rl, dpo, distill)] == [PromptStyle(chat=True),
+                                                                        PromptStyle(chat=False), PromptStyle(chat=True)]

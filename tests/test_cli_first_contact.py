@@ -30,19 +30,32 @@ def test_version_prints_the_installed_version():
     assert out.stdout.strip() == f"posttrain {metadata.version('posttrain')}"
 
 
-def test_configs_lists_every_shipped_config_with_its_command_and_first_comment(capsys):
+def test_configs_lists_every_shipped_config_with_its_command_and_first_sentence(capsys):
     assert main(["configs"]) == 0
     lines = capsys.readouterr().out.splitlines()
     shipped = sorted((ROOT / "configs").glob("*.yaml"))
     assert len(lines) == len(shipped)
     for line, path in zip(lines, shipped):
         cmd = f"posttrain {configs_cli.command_of(path)} configs/{path.name}"
-        assert line.startswith(cmd)
-        assert line.endswith(configs_cli.first_comment(path)) and configs_cli.first_comment(path)
+        about = configs_cli.description(path)
+        assert line.startswith(cmd) and line.endswith(about) and about.endswith(".")  # whole sentences, not cut
+        first_line = path.read_text().splitlines()[0].lstrip("#").strip()
+        assert about.startswith(first_line)
     by_name = {p.name: configs_cli.command_of(p) for p in shipped}
     assert by_name["rl_smoke.yaml"] == "rl" and by_name["sft_smoke.yaml"] == "sft"
     assert by_name["dpo_smoke.yaml"] == "dpo" and by_name["distill_smoke.yaml"] == "distill"
     assert by_name["vlm_rl_smoke.yaml"] == "rl" and by_name["vlm_smoke.yaml"] == "sft"
+
+
+def test_a_config_description_is_its_first_sentence_across_comment_lines(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("# LoRA SFT of a model (e.g. one H100 80 GB or a\n# TPU host). Then more.\n#   posttrain sft x.yaml\n"
+                    "lr: 1\n")
+    assert configs_cli.description(path) == "LoRA SFT of a model (e.g. one H100 80 GB or a TPU host)."
+    path.write_text("# No full stop here:\n#   posttrain sft x.yaml\n")
+    assert configs_cli.description(path) == "No full stop here:"
+    path.write_text("lr: 1\n# late comment\n")
+    assert configs_cli.description(path) == ""
 
 
 def test_configs_in_an_empty_folder_is_a_one_line_error(tmp_path, capsys):

@@ -210,8 +210,12 @@ def test_ffd_matches_naive():
 def test_read_jsonl_and_malformed_line(tmp_path):
     assert len(read_records(DATA / "sft_tiny.jsonl")) == 64
     p = tmp_path / "bad.jsonl"
-    p.write_text('{"text": "a"}\n\n{"text": "b"\n{"text": "c"}\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl:3.*line 3"):
+    p.write_text('{"text": "a"}\n\n{"text": "b"\n{"text": "c"}\n')  # line 3 ends too early: column 13, not 1
+    with pytest.raises(DataError, match=r"bad\.jsonl:3:13: malformed JSON on line 3: Expecting ',' delimiter "
+                                        r"\(column 13\)"):
+        read_records(p)
+    p.write_text('{"text": "a"}\n{"text": "b", oops}\r\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2:15: .*\(column 15\)"):
         read_records(p)
     p.write_text('{"text": "a"}\n[1, 2]\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:2"):

@@ -1,27 +1,46 @@
 """A reduced `posttrain demo` through the CLI: every file is written, summary.json agrees with the metrics logs,
-and the final checkpoint loads in `transformers` with the same greedy answers as ours on 20 held-out problems."""
+and the final checkpoint loads in `transformers` with the same greedy answers as ours on 20 held-out problems; its
+model answers alike in `chat`, `generate` and `eval` (the prompt format its export records), and its run folder is a
+model for `info`."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from posttrain.demo.run import DemoSettings
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def reduced_demo(tmp_path_factory):
+    """`posttrain demo --reduced --seed 1`, run once for the module: (its output folder, what it printed)."""
+    from posttrain.cli.main import main
+
+    out = tmp_path_factory.mktemp("reduced") / "demo"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["demo", "--output-dir", str(out), "--seed", "1", "--reduced"]) == 0  # `posttrain demo`
+    return out, printed.getvalue()
+
 
 @pytest.mark.slow
-def test_reduced_demo_plumbing(tmp_path, capsys):
+def test_reduced_demo_plumbing(reduced_demo):
     import torch
     import transformers
 
-    from posttrain.cli.main import main
-
-    out = tmp_path / "demo"
-    assert main(["demo", "--output-dir", str(out), "--seed", "1", "--reduced"]) == 0  # `posttrain demo`
-    assert "held-out accuracy" in capsys.readouterr().out
+    out, printed = reduced_demo
+    assert "held-out accuracy" in printed
     s = DemoSettings.reduced()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seed"] == 1 and summary["final_checkpoint"] == str(out / "rl" / "hf")
@@ -70,6 +89,45 @@ def test_reduced_demo_plumbing(tmp_path, capsys):
         theirs = g[0, len(p):].tolist()
         np.testing.assert_array_equal(c.token_ids, theirs[: len(c.token_ids)])
         assert len(theirs) == len(c.token_ids) or c.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_the_demo_model_answers_alike_in_chat_generate_and_eval(reduced_demo, tmp_path, capsys):
+    """The demo trains on raw prompts and its exports say so: `posttrain chat` on the RL run (standard input, greedy)
+    answers 5 held-out problems with the text `generate --output -` writes and `eval` scores, no flag needed."""
+    from posttrain.cli.main import main
+    from posttrain.models.prompt_format import PromptStyle, read_prompt_style
+
+    out, _ = reduced_demo
+    assert read_prompt_style(out / "sft" / "hf") == read_prompt_style(out / "rl" / "hf") == PromptStyle(chat=False)
+    heldout = [json.loads(x) for x in (out / "data" / "heldout.jsonl").read_text().splitlines()][:5]
+    budget = ["--max-new-tokens", "32", "--temperature", "0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    chat = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "chat", str(out / "rl" / "hf"), *budget],
+                          input="".join(r["prompt"] + "\n" for r in heldout), capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
+    assert chat.returncode == 0, chat.stderr
+    assert "raw prompts" in chat.stderr
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in heldout))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out / "rl"), "--prompts", str(prompts), "--output", "-", *budget,
+                 "--no-progress"]) == 0
+    generated = [json.loads(x)["text"] for x in capsys.readouterr().out.splitlines()]
+    assert chat.stdout == "".join(t + "\n" for t in generated)  # one reply per line, the same greedy text
+
+    assert main(["eval", "--model", str(out / "rl"), "--data", str(out / "data" / "heldout.jsonl"), "--limit", "5",
+                 "--n", "0", "--max-new-tokens", "32", "--reward-workers", "0", "--no-progress",
+                 "--output", str(tmp_path / "eval.jsonl")]) == 0
+    scored = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [r["greedy"]["text"] for r in scored] == generated
+    with capsys.disabled():
+        print("\nthe demo's RL model on 5 held-out problems:", list(zip([r["prompt"] for r in heldout], generated)))
+
+    capsys.readouterr()
+    assert main(["info", str(out / "rl")]) == 0  # the run folder, as generate and eval take it
+    assert "raw prompt" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Environments and rewards that fail: a hanging, raising or ill-typed environment call (`reset`, `step`, a tool
 method) ends its trajectory with a counted error (`agent/env_errors`, the text in trajectories.jsonl) within the
 tool time limit; a run warns once per kind and stops with one `error:` line when too many of a step's
-trajectories fail; a reward that raises prints one warning line, without a traceback.
+trajectories fail; a reward that raises prints one warning line, without a traceback. (Environments that hold
+the interpreter lock or exit their process, and SIGTERM during them: tests/test_env_isolation.py.)
 
 The rollouts run under the scripted sampler of `test_agent_rollout` (the sampler's turn-end contract, the model's
 turns as text); the end-to-end run through the `posttrain` command is marked slow."""
@@ -34,7 +35,7 @@ from posttrain.tools import ToolPool
 ENVS = '''
 import threading
 
-RELEASE = threading.Event()  # set at the end of the module's tests: the abandoned threads then end
+RELEASE = threading.Event()  # never set: a hanging call waits until its worker is killed
 
 
 class Hanging:
@@ -109,20 +110,21 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = ToolPool(num_workers=1)
-    yield p
-    p.close()
-
-
-@pytest.fixture(scope="module")
 def envs(tmp_path_factory):
     path = tmp_path_factory.mktemp("envs") / "failing_envs.py"
     path.write_text(ENVS)
-    yield str(path)
-    module = sys.modules.get(load_environment(f"{path}:Hanging").cls.__module__)
-    if module is not None:
-        module.RELEASE.set()
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pool(envs):
+    """The tool pool, its fork server started (the first worker of a process pays for it, once: not a limit)."""
+    p = ToolPool(num_workers=1)
+    session = load_environment(f"{envs}:Raising").make(30.0, p)
+    session.reset({})
+    session.close()
+    yield p
+    p.close()
 
 
 def _rollouts(tok, pool, env, records, turns=("my move",), limit=LIMIT):
@@ -138,7 +140,7 @@ def _logged(ro: Rollouts, folder: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("name, kind, text", [
-    ("Hanging", "step timeout", f"Hanging.step ran past its {LIMIT:g}s time limit (its thread was abandoned)"),
+    ("Hanging", "step timeout", f"Hanging.step ran past its {LIMIT:g}s time limit (its worker process was killed)"),
     ("Raising", "step exception", "Raising.step failed: RuntimeError: the game broke"),
     ("IllTyped", "step bad_type", "IllTyped.step must return (observation, reward, done), got str"),
 ])
@@ -158,8 +160,8 @@ def test_failing_step_ends_the_trajectory_with_a_counted_error(tok, pool, envs, 
 
 
 def test_hanging_environment_tool_method_ends_the_trajectory(tok, pool, envs):
-    """An environment's tool method runs in the rollout's process (where its state is): past the limit its thread
-    is abandoned, the model's call gets a timeout error, and the trajectory ends (the instance is lost)."""
+    """An environment's tool method runs in its session's worker (where its state is): past the limit the worker is
+    killed, the model's call gets a timeout error, and the trajectory ends (the instance is lost)."""
     env = load_environment(f"{envs}:HangingTool")
     t0 = time.monotonic()
     ro, _ = _rollouts(tok, pool, env, [{"prompt": "go"}], turns=(call("probe", x=1), "done"))
@@ -186,7 +188,8 @@ def test_hanging_reset_is_an_error_at_set_up_and_in_a_trajectory(tok, pool, envs
     with pytest.raises(DataError) as e:
         _encode_all(tok, records, PromptData(), agent)
     assert time.monotonic() - t0 < LIMIT + 2.0
-    assert str(e.value) == f"{data}, line 2: HangingReset.reset ran past its 1s time limit (its thread was abandoned)"
+    assert str(e.value) == (f"{data}, line 2: HangingReset.reset ran past its 1s time limit (its worker process "
+                            "was killed)")
     prompt = agent.prompt_ids(agent.first_messages({}))
     sampler = ScriptedSampler(tok, lambda p, i, k: "a move")
     ro = generate_rollouts(sampler, PromptSet.of([{"hang": True}], [prompt]), SamplingParams(max_new_tokens=50),
@@ -222,7 +225,7 @@ def test_more_than_the_allowed_fraction_stops_the_run_with_one_line(tok, pool, e
     ledger.close()
     assert str(e.value) == ("environment SometimesRaising: 3 of 4 trajectories of step 3 failed, more than "
                             "rollout.max_env_error_fraction=0.5; first error: SometimesRaising.step failed: "
-                            "ValueError: bad record")
+                            "ValueError: bad record (record 0)")  # the record: its file and line in a run
     rows = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     assert [r.get("env_error") is not None for r in rows] == [True, True]  # the first, and one more failed
 
@@ -299,9 +302,10 @@ def test_rl_command_stops_on_a_failing_environment(tmp_path):
         capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert errors == ["error: environment Raising: 4 of 4 trajectories of step 1 failed, more than "
-                      "rollout.max_env_error_fraction=0.5; first error: Raising.step failed: RuntimeError: the "
-                      "game broke"], proc.stderr[-3000:]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: environment Raising: 4 of 4 trajectories of step 1 failed, more than "
+        r"rollout.max_env_error_fraction=0.5; first error: Raising.step failed: RuntimeError: the game broke "
+        rf"\({data}, line [1-4]\)", errors[0]), proc.stderr[-3000:]
     assert sum("warning: environment Raising: step exception" in x for x in proc.stdout.splitlines()) == 1
     rows = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
     assert rows and all(r["env_error"] == "Raising.step failed: RuntimeError: the game broke" for r in rows)

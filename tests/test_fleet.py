@@ -243,14 +243,21 @@ from pathlib import Path
 from posttrain.agent.envs.guess_number import GuessNumber
 
 
+def _rollout_worker() -> int:
+    """The rollout worker this trajectory belongs to: its environment runs in a worker process of its own, started
+    by the rollout worker's fork server (so the rollout worker is the parent of this process's parent)."""
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 class SlowGuess(GuessNumber):
-    """GuessNumber whose turns take a while, each leaving a mark named by the process it runs in (a rollout
-    worker) and the time, so a test can kill a worker between two turns of a trajectory."""
+    """GuessNumber whose turns take a while, each leaving a mark named by the rollout worker it runs for and the
+    time, so a test can kill a worker between two turns of a trajectory."""
 
     def step(self, text):
         marks = Path(__file__).parent / "turns"
         marks.mkdir(exist_ok=True)
-        (marks / f"{os.getpid()}-{time.time_ns()}").touch()
+        (marks / f"{_rollout_worker()}-{time.time_ns()}").touch()
         time.sleep(0.25)
         return super().step(text)
 '''

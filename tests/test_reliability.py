@@ -325,7 +325,7 @@ def test_plain_install_has_jinja2_and_rl_progress_shows_reward(tmp_path):
         info = logger.progress.tasks[0].fields["info"]
     finally:
         logger.close()
-    assert info == "reward 0.625 acc 0.500"
+    assert info == "batch reward 0.625, batch reward accuracy 0.500"  # the rollouts', not held-out accuracy
 
 
 # ---------------------------------------------------------------------- 10. smaller

@@ -52,8 +52,44 @@ def test_generate_writes_one_line_per_completion(tmp_path, monkeypatch, capsys, 
     assert len(greedy) == 6 and greedy[0]["token_ids"] == greedy[1]["token_ids"]
 
 
+def test_generate_writes_json_lines_to_standard_output(tmp_path, monkeypatch, capsys, tiny_cache):
+    """`--output -` and no `--output`: the JSON lines on standard output (the same as a file's), no file named `-`;
+    the summary line goes to standard error."""
+    monkeypatch.setenv("POSTTRAIN_CACHE", tiny_cache)
+    monkeypatch.chdir(tmp_path)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "2+2="}), json.dumps({"prompt": "hi"})])
+    common = ["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--max-new-tokens", "5", "--n", "2"]
+    printed = []
+    for flags in (["--output", "-"], []):
+        assert main([*common, *flags]) == 0
+        out, err = capsys.readouterr()
+        rows = [json.loads(x) for x in out.splitlines()]
+        assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(set(r) == {"prompt_index", "sample_index", "text", "token_ids", "logprobs", "finish_reason"}
+                   for r in rows)
+        assert "wrote 4 completions to standard output" in err
+        printed.append(out)
+    assert printed[0] == printed[1] and not (tmp_path / "-").exists()
+
+
+def test_a_budget_past_the_context_is_cut_with_a_note(tmp_path, monkeypatch, capsys, tiny_cache):
+    """`--max-new-tokens` larger than the room the context leaves (here a 16-token cache) is cut to it, said on
+    stderr; no error (a small model's context, e.g. the demo's 256, is below the commands' default budgets)."""
+    monkeypatch.setenv("POSTTRAIN_CACHE", tiny_cache)
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "2+2="}), json.dumps({"prompt": "1+11+3="})])
+    assert main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--max-len", "16",
+                 "--max-new-tokens", "64", "--temperature", "0", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "generate: --max-new-tokens 64 cut to 9: the model's context holds 16 tokens and the longest prompt has 7" \
+        in err
+    assert all(len(json.loads(x)["token_ids"]) <= 9 for x in out.splitlines())
+
+
 @pytest.mark.parametrize("lines,expected", [
-    (['{"prompt": "a"}', '{"prompt": "b"', '{"prompt": "c"}'], r"p\.jsonl, line 2: not valid JSON"),
+    # a line that ends too early: the column just past its last character (json's own says column 1 of a next line)
+    (['{"prompt": "a"}', '{"prompt": "b"', '{"prompt": "c"}'], r"p\.jsonl, line 2: not valid JSON \(Expecting "
+                                                               r"',' delimiter, column 15\)"),
+    (['{"prompt": "a", oops}'], r"p\.jsonl, line 1: not valid JSON \(.*, column 17\)"),
     (['{"prompt": "a"}', '', '{"text": "b"}'], r"p\.jsonl, line 3: has neither a `prompt`"),
     (['["a"]'], r"p\.jsonl, line 1: expected a JSON object"),
     (['{"messages": "hi"}'], r"p\.jsonl, line 1: `messages` must be a list"),
@@ -104,12 +140,16 @@ def test_prompts_from_stdin_equal_the_file_and_errors_name_stdin(tmp_path, monke
 
 
 def test_every_sampling_command_has_the_same_model_help():
-    """generate, eval and chat take the same kinds of checkpoint, described by one help text."""
+    """generate, eval, chat and info take the same kinds of checkpoint (`posttrain.models.spec`), described by one help
+    text, and the same prompt-style flags (info aside)."""
     from posttrain.cli.main import build_parser
     from posttrain.cli.model_arg import MODEL_HELP
 
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
-    for name in ("generate", "eval", "chat"):
+    for name in ("generate", "eval", "chat", "info"):
         helps = [a.help for a in sub.choices[name]._actions if "--model" in a.option_strings or a.dest == "model"]
         assert helps == [MODEL_HELP], (name, helps)
+    for name in ("generate", "eval", "chat"):
+        flags = {f for a in sub.choices[name]._actions for f in a.option_strings}
+        assert {"--chat", "--no-chat", "--system-prompt"} <= flags, name
     assert ".gguf" in MODEL_HELP and "pypi:" in MODEL_HELP

@@ -5,6 +5,7 @@ message and the caller goes on."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -193,29 +194,65 @@ def test_calls_run_concurrently(tools_file, tmp_path):
         pool.close()
 
 
-def _sandboxes() -> set[str]:
-    """Pids of running python-tool processes (their command line names their temporary folder)."""
+MARK = "posttrain-killed-worker-marker"
+
+
+def _marked() -> set[str]:
+    """Pids of running processes whose command line carries MARK (a snippet's child)."""
     import os
 
     out = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"posttrain-python-tool-" in f.read():
+                if MARK.encode() in f.read():
                     out.add(pid)
         except OSError:
             pass
     return out
 
 
-def test_python_tool_process_dies_with_a_killed_tool_worker(pool):
-    before = _sandboxes()
-    tools = load_tools(["python"])
-    msg, rec = run_tool_call(tools, ToolCall("python", {"code": "import time\ntime.sleep(120)"}), timeout=3.0,
-                             max_output_chars=100, pool=pool)
-    assert rec.error == "timeout"
-    for _ in range(50):
-        if not _sandboxes() - before:
-            break
-        time.sleep(0.1)
-    assert not _sandboxes() - before
+KILLED_IN_A_SNIPPET = f'''
+from posttrain.tools.python_sandbox import run_python
+
+def long_snippet(x: str) -> str:
+    """Runs a snippet that outlives this tool's own time limit.
+
+    Args:
+        x: ignored
+    """
+    return run_python("import subprocess, sys, time\\n"
+                      "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', '{MARK}'])\\n"
+                      "time.sleep(120)")
+'''
+
+
+def test_python_tool_processes_die_with_a_killed_tool_worker(tmp_path, monkeypatch):
+    """A tool of the user's that runs the python tool itself, killed by the pool mid-snippet (its own limit is
+    shorter than the sandbox's): nothing of the snippet survives, and the host folder it left is swept when the
+    next worker starts. (The python tool itself is never killed by the pool: its limit is the sandbox's wall limit
+    plus start-up slack, tests/test_sandbox_limits.py.)"""
+    from posttrain.tools.jail import jail_support
+    from posttrain.tools.scratch import PREFIX
+
+    if jail_support() is not None:
+        pytest.skip(f"the kernel sandbox cannot run here: {jail_support()}")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the workers' temporary folder (spawned: read at their start)
+    (tmp_path / "killer.py").write_text(KILLED_IN_A_SNIPPET)
+    tools = load_tools([f"{tmp_path}/killer.py:long_snippet"])
+    pool = ToolPool(num_workers=1, mp_context="spawn")
+    try:
+        msg, rec = run_tool_call(tools, ToolCall("long_snippet", {"x": ""}), timeout=4.0, max_output_chars=100,
+                                 pool=pool)
+        assert rec.error == "timeout", msg
+        for _ in range(50):
+            if not _marked():
+                break
+            time.sleep(0.1)
+        assert not _marked()
+        assert [n for n in os.listdir(tmp_path) if n.startswith(PREFIX)]  # left by the killed worker ...
+        assert run_tool_call(load_tools(["calculator"]), ToolCall("calculator", {"expression": "1+1"}), timeout=60,
+                             max_output_chars=100, pool=pool)[0]["content"] == "2"
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(PREFIX)]  # ... swept by the next one
+    finally:
+        pool.close()

@@ -1,105 +1,86 @@
-"""Environments: a class named by reference (`my_env.py:Wordle`, `package.module:Class`, through
-`posttrain.loading`), one instance per trajectory.
+"""Environments behind one protocol: what a multi-turn rollout asks of the world its trajectory plays in.
 
-The class (constructed with no arguments) must have `reset(record)`, which takes the dataset row and returns
-the first user turn as a string or the first messages as a list of `{"role", "content"}` dicts. Its other
-public methods are its tools: each needs type hints and a docstring with `Args:` (schemas from
-`transformers.utils.get_json_schema` on the bound method); they run in the rollout's process, on the
-trajectory's instance, where the state lives. Optional:
-- `reward(...)` scores the finished trajectory from the environment's own state; it gets those of
-  `messages`, `completion` (the last assistant message's text), `record` and `turn_rewards` that it names
-  (all of them if it takes `**kwargs`);
-- `step(text) -> (observation, reward, done)` for text games without tool calls: the model's turn in, the
-  next user turn (or None), this turn's reward and whether the game is over.
+An `EnvironmentSpec` is a loaded environment of some kind (today a Python class, `posttrain.agent.env_classes`;
+OpenEnv servers or verifiers packages plug in the same way): its `name` (what errors call it), its tools' schemas,
+whether it has `step` and `reward`, and `open(pool)`, which gives a fresh `EnvBackend` for one session. A backend
+has one method, `call(method, args, kwargs, timeout=, fresh=, offered=)` -> a Future of the result (plus `close()`):
+a class environment's is an `ObjectHost` (a worker process holding the instance; the Future fails with
+`TimeoutError` past the limit, `pebble.ProcessExpired` when the worker died, `HostCallError` when the method
+raised, `HostLost` when the instance is gone); another kind maps the same calls to its own transport
+(a WebSocket's reset/step messages, say) and fails the same ways.
+
+`EnvSession` (`spec.make(timeout_s, pool)`) is one trajectory's environment over its backend; it does what is the
+same for every kind: `reset(record)` (a fresh instance, its first messages), `step_future(text)` (the model's turn
+in, `StepResult` out), `tools` (the environment's methods as tools with a `runner` into the backend), and
+`reward_future(messages, record)` (its final `reward(...)`, given those of `messages`, `completion`, `record` and
+`turn_rewards` that it names); it checks what comes back, sums the per-turn rewards, keeps the first failure, and
+closes the backend (`close()`; at once when a timeout or crash lost the instance). Every call has the session's time
+limit (None: none). A call that times out, crashes its worker, raises or returns the wrong type is an
+`EnvFailure` (method, kind, one line naming the class): `reset` raises it as `EnvCallError`, `step` and the reward
+return its text; none of them ever raises anything else or blocks the trainer past the limit, since the user's code
+runs in another process (a method holding the interpreter lock, ignoring signals or calling `os._exit` is killed or
+noticed there).
+
 Per-turn rewards (from `step`) are summed, undiscounted, and the final `reward(...)` is added:
 `trajectory_reward` gives the one number per trajectory that group advantages use.
-Problems in a class are one-line `LoadError`s naming the class and its file.
-
-A session's calls into the instance (construction and `reset`, `step`, `reward`; its tool methods run through
-`ToolPool`) have the time limit of tool calls (`make(timeout_s)`; None: none). Each runs in a daemon thread
-(`posttrain.tools.in_process`): one past the limit is abandoned, still running, so the instance is lost. A call
-that times out, raises or returns the wrong type is an `EnvFailure` (method, kind, one line of text), the first of
-which the session keeps in `failure`: `reset` raises it as `EnvCallError`, `step` and `reward` return its text.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import inspect
 import math
-import types
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from posttrain.loading import LoadError, load_callable
-from posttrain.tools import Tool, tool_from_callable
-from posttrain.tools.in_process import DeadlineExceeded, call_within, settle_within
+import pebble
 
-__all__ = ["EnvCallError", "EnvFailure", "EnvironmentSpec", "EnvSession", "StepResult", "load_environment",
+from posttrain.tools import Tool
+from posttrain.tools.hosting import HostCallError, HostLost
+from posttrain.tools.in_process import as_text
+
+__all__ = ["EnvBackend", "EnvCallError", "EnvFailure", "EnvironmentSpec", "EnvSession", "StepResult",
            "trajectory_reward"]
 
-#: `EnvFailure.kind` values: the call ran past its time limit, raised, or returned the wrong type.
-FAILURE_KINDS = ("timeout", "exception", "bad_type")
-
-RESERVED = ("reset", "reward", "step")
+#: `EnvFailure.kind` values: the call ran past its time limit, ended its worker (or lost the instance), raised,
+#: or returned the wrong type.
+FAILURE_KINDS = ("timeout", "crash", "exception", "bad_type")
 
 
 def _one_line(text: Any) -> str:
     return " ".join(str(text).split())
 
 
-class _Unbound:
-    """Stands in for an instance so a method's schema (without `self`) can be built at load time."""
+class EnvBackend(Protocol):
+    """Where one session's calls go (see the module docstring)."""
+
+    def call(self, method: str, args: tuple = (), kwargs: dict | None = None, *, timeout: float | None,
+             fresh: bool = False, offered: bool = False) -> cf.Future: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class EnvironmentSpec:
-    """A loaded environment class: its reference, the tool schemas of its methods, and what it defines."""
-    cls: type
+    """A loaded environment: its name and reference, the schemas of its tool methods, what it defines, and how to
+    open a backend for one session (`open(pool)`: `pool` is the run's `ToolPool`, whose worker machinery a class
+    environment's backend uses)."""
+    name: str
     ref: str
     tool_names: tuple[str, ...]
     schemas: tuple[dict, ...]
     has_step: bool
     has_reward: bool
+    open: Callable[[Any], EnvBackend]
 
-    def make(self, timeout_s: float | None = None) -> "EnvSession":
-        """A fresh session for one trajectory, its calls limited to `timeout_s` seconds each (None: no limit)."""
-        return EnvSession(self, timeout_s)
-
-
-def _where(ref: str) -> str:
-    target = ref.rsplit(":", 1)[0]
-    return f"file {target!r}" if target.endswith(".py") or "/" in target else f"module {target!r}"
-
-
-def load_environment(ref: str, key: str = "rollout.environment") -> EnvironmentSpec:
-    """Load and check the environment class `ref` names (errors are one line naming `key` and the file)."""
-    try:
-        cls = load_callable(ref, what="environment")
-    except LoadError as e:
-        raise LoadError(f"{key}: {_one_line(e)}") from None
-    name, where = getattr(cls, "__name__", repr(cls)), _where(ref)
-    if not inspect.isclass(cls):
-        raise LoadError(f"{key}: environment {ref!r} must be a class, got {type(cls).__name__}")
-    if not callable(getattr(cls, "reset", None)):
-        raise LoadError(f"{key}: environment class {name} in {where} has no reset(record) method")
-    required = [p.name for p in inspect.signature(cls).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if required:
-        raise LoadError(f"{key}: environment class {name} in {where} must be constructible with no arguments "
-                        f"(its __init__ requires {required})")
-    names, schemas = [], []
-    for attr, fn in inspect.getmembers(cls, inspect.isfunction):
-        if attr.startswith("_") or attr in RESERVED:
-            continue
-        tool = tool_from_callable(types.MethodType(fn, _Unbound()),
-                                  what=f"{key}: method {name}.{attr} in {where} (public methods are tools; "
-                                       "prefix helpers with '_')")
-        names.append(attr)
-        schemas.append(tool.schema)
-    return EnvironmentSpec(cls=cls, ref=ref, tool_names=tuple(names), schemas=tuple(schemas),
-                           has_step=callable(getattr(cls, "step", None)),
-                           has_reward=callable(getattr(cls, "reward", None)))
+    def make(self, timeout_s: float | None = None, pool=None) -> "EnvSession":
+        """A fresh session for one trajectory, its calls limited to `timeout_s` seconds each (None: no limit), its
+        backend opened on `pool` (default: the process-wide tool pool)."""
+        if pool is None:
+            from posttrain.tools.execution import default_pool  # lazy: only callers without a run's pool
+            pool = default_pool()
+        return EnvSession(self, timeout_s, lambda: self.open(pool))
 
 
 @dataclass(frozen=True)
@@ -169,92 +150,166 @@ def _check_number(value: Any, what: str) -> float:
     return number
 
 
-class EnvSession:
-    """One trajectory's environment instance (made by `reset`), its tools, the rewards it gave so far, and its
-    first failure (`failure`; see the module docstring)."""
+def _then(fut: cf.Future, fn: Callable[[cf.Future], Any]) -> cf.Future:
+    """A Future of `fn(fut)` once `fut` is done (`fn` must not raise)."""
+    out: cf.Future = cf.Future()
+    fut.add_done_callback(lambda f: out.set_result(fn(f)))
+    return out
 
-    def __init__(self, spec: EnvironmentSpec, timeout_s: float | None = None):
-        self.spec = spec
-        self.timeout_s = timeout_s
-        self.env: Any = None
-        self.tools: dict[str, Tool] = {}
+
+class EnvSession:
+    """One trajectory's environment over its backend: first failure (`failure`), per-turn rewards, tools (see the
+    module docstring)."""
+
+    def __init__(self, spec: EnvironmentSpec, timeout_s: float | None, open_backend: Callable[[], EnvBackend]):
+        self.spec, self.timeout_s, self._open = spec, timeout_s, open_backend
+        self.backend: EnvBackend | None = None  # opened by `reset` (again after a close: a session can be reused)
         self.turn_rewards: list[float] = []
         self.failure: EnvFailure | None = None
+        self._lock = threading.Lock()
+        self.tools: dict[str, Tool] = {
+            schema["function"]["name"]: Tool(name=schema["function"]["name"], schema=schema, fn=_remote_only,
+                                             runner=self._runner(attr))
+            for attr, schema in zip(spec.tool_names, spec.schemas)}
 
     @property
     def name(self) -> str:
-        return self.spec.cls.__name__
+        return self.spec.name
 
     def fail(self, method: str, kind: str, text: str) -> EnvFailure:
-        """Records a failure (the session keeps the first) and returns it."""
+        """Records a failure (the session keeps the first) and returns it; a timeout or crash (the instance is
+        gone) closes the backend at once."""
         failure = EnvFailure(method, kind, _one_line(text))
-        self.failure = self.failure or failure
+        with self._lock:
+            self.failure = self.failure or failure
+        if kind in ("timeout", "crash"):
+            self.close()
         return failure
 
     def failed(self, method: str, e: BaseException) -> EnvFailure:
-        """Records the failure of a call to `method` that raised `e` (`DeadlineExceeded`: it timed out)."""
-        if isinstance(e, DeadlineExceeded):
-            return self.fail(method, "timeout", f"{self.name}.{method} ran past its {self.timeout_s:g}s time limit "
-                                                "(its thread was abandoned)")
+        """Records the failure of a call to `method` that ended with `e`."""
+        where = f"{self.name}.{method}"
+        if isinstance(e, TimeoutError):
+            return self.fail(method, "timeout", f"{where} ran past its {self.timeout_s:g}s time limit (its worker "
+                                                "process was killed)")
+        if isinstance(e, pebble.ProcessExpired):
+            return self.fail(method, "crash", f"{where} ended its worker process (exit code {e.exitcode})")
+        if isinstance(e, HostLost):
+            return self.fail(method, "crash", f"{where}: {e}")
         if isinstance(e, _BadType):
             return self.fail(method, "bad_type", str(e))
-        return self.fail(method, "exception", f"{self.name}.{method} failed: {type(e).__name__}: {e}")
+        if isinstance(e, HostCallError):
+            return self.fail(method, "exception", f"{where} failed: {e}")
+        return self.fail(method, "exception", f"{where} failed: {type(e).__name__}: {e}")
 
-    def _make_and_reset(self, record: dict) -> list[dict]:
-        self.env = self.spec.cls()
-        messages = _check_messages(self.env.reset(record), self.name)
-        self.tools = {schema["function"]["name"]: Tool(name=schema["function"]["name"], schema=schema,
-                                                       fn=getattr(self.env, attr), ref=None)
-                      for attr, schema in zip(self.spec.tool_names, self.spec.schemas)}
-        return messages
+    def _call(self, method: str, args: tuple = (), kwargs: dict | None = None, timeout: float | None = None,
+              **how) -> cf.Future:
+        backend = self.backend
+        if backend is None:
+            out: cf.Future = cf.Future()
+            out.set_exception(HostLost("the session is closed (reset opens it)"))
+            return out
+        return backend.call(method, args, kwargs, timeout=self.timeout_s if timeout is None else timeout, **how)
+
+    # ------------------------------------------------------------------ reset
+    def reset_future(self, record: dict) -> cf.Future:
+        """A Future of the first messages of a fresh instance for `record`, or of None when construction or `reset`
+        timed out, crashed, raised or returned junk (then `failure` says what). Never fails. A session may be reset
+        again (a new episode: its rewards and failure start afresh)."""
+        with self._lock:
+            self.turn_rewards, self.failure = [], None
+            if self.backend is None:
+                self.backend = self._open()
+
+        def done(f: cf.Future) -> list[dict] | None:
+            try:
+                return _check_messages(f.result(), self.name)
+            except BaseException as e:  # noqa: BLE001 - every way the user's code fails, as one line
+                self.failed("reset", e)
+                return None
+
+        return _then(self._call("reset", (record,), fresh=True), done)
 
     def reset(self, record: dict) -> list[dict]:
-        """A fresh instance and its first messages for `record`; raises `EnvCallError` (one line naming the class)
-        when construction or `reset` times out, raises or returns junk."""
-        try:
-            return call_within(self._make_and_reset, self.timeout_s, record, name=f"{self.name}.reset")
-        except (Exception, SystemExit) as e:  # the user's code: sys.exit() in it fails the call, not the run
-            raise EnvCallError(self.failed("reset", e)) from None
+        """`reset_future(record)`, waited for; raises `EnvCallError` (one line naming the class) when it failed."""
+        messages = self.reset_future(record).result()
+        if messages is None:
+            raise EnvCallError(self.failure)
+        return messages
 
-    def _step_result(self, text: str) -> StepResult:
-        try:
-            res = _check_step(self.env.step(text), self.name)
-        except (Exception, SystemExit) as e:
-            return StepResult(None, 0.0, True, self.failed("step", e).text)
-        if self.failure is None:  # an abandoned step that returns late adds nothing
-            self.turn_rewards.append(res.reward)
-        return res
-
+    # ------------------------------------------------------------------ step
     def step_future(self, text: str) -> cf.Future:
         """A Future of the environment's `StepResult` for the model's turn `text` (never blocks; a timed-out,
-        raising or ill-typed `step` gives a result with `error`, done)."""
-        def timed_out() -> StepResult:
-            return StepResult(None, 0.0, True, self.failed("step", DeadlineExceeded()).text)
+        crashed, raising or ill-typed `step` gives a result with `error`, done)."""
+        def done(f: cf.Future) -> StepResult:
+            try:
+                res = _check_step(f.result(), self.name)
+            except BaseException as e:  # noqa: BLE001
+                return StepResult(None, 0.0, True, self.failed("step", e).text)
+            self.turn_rewards.append(res.reward)
+            return res
 
-        return settle_within(cf.Future(), self.timeout_s, lambda: self._step_result(text), timed_out,
-                             name=f"{self.name}.step")
+        return _then(self._call("step", (text,)), done)
 
     def step(self, text: str) -> StepResult:
         """`step_future(text)`, waited for."""
         return self.step_future(text).result()
 
-    def _reward(self, offered: dict) -> float:
-        params = inspect.signature(self.env.reward).parameters
-        takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        value = self.env.reward(**{k: v for k, v in offered.items() if takes_all or k in params})
-        return _check_number(value, f"{self.name}.reward")
+    # ------------------------------------------------------------------ tools
+    def _runner(self, method: str) -> Callable[[dict, float | None], cf.Future]:
+        """A tool `runner` for `method`: the backend's call as `(status, text, seconds)`; a raising method is a tool
+        error (`exception`), its time-outs and crashes fail the Future (the tool pool reports them, and the
+        trajectory records the session's failure)."""
+        def run(arguments: dict, timeout: float | None) -> cf.Future:
+            start = time.perf_counter()
+            out: cf.Future = cf.Future()
 
-    def final_reward(self, messages: Sequence[dict], record: dict | None = None) -> tuple[float | None, str | None]:
-        """`(reward, error)` from the environment's `reward(...)`: `(None, None)` when it has none."""
+            def done(f: cf.Future) -> None:
+                try:
+                    out.set_result(("ok", as_text(f.result()), time.perf_counter() - start))
+                except HostCallError as e:
+                    out.set_result(("exception", str(e), time.perf_counter() - start))
+                except BaseException as e:  # noqa: BLE001 - TimeoutError, ProcessExpired, HostLost: the pool's
+                    out.set_exception(e)
+
+            self._call(method, (), arguments, timeout=timeout).add_done_callback(done)
+            return out
+
+        return run
+
+    # ------------------------------------------------------------------ the finished trajectory
+    def reward_future(self, messages: Sequence[dict], record: dict | None = None) -> cf.Future:
+        """A Future of `(reward, error)` from the environment's `reward(...)`: `(None, None)` when it has none."""
+        out: cf.Future = cf.Future()
         if not self.spec.has_reward:
-            return None, None
+            out.set_result((None, None))
+            return out
         completion = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
         offered = {"messages": list(messages), "completion": completion, "record": record,
                    "turn_rewards": list(self.turn_rewards)}
-        try:
-            return call_within(self._reward, self.timeout_s, offered, name=f"{self.name}.reward"), None
-        except (Exception, SystemExit) as e:
-            return None, self.failed("reward", e).text
+
+        def done(f: cf.Future) -> tuple[float | None, str | None]:
+            try:
+                return _check_number(f.result(), f"{self.name}.reward"), None
+            except BaseException as e:  # noqa: BLE001
+                return None, self.failed("reward", e).text
+
+        return _then(self._call("reward", (), offered, offered=True), done)
+
+    def final_reward(self, messages: Sequence[dict], record: dict | None = None) -> tuple[float | None, str | None]:
+        """`reward_future(messages, record)`, waited for."""
+        return self.reward_future(messages, record).result()
+
+    def close(self) -> None:
+        """Close the backend (the worker holding the instance ends); later calls fail as lost, until a `reset`."""
+        with self._lock:
+            backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()
+
+
+def _remote_only(**_):
+    raise RuntimeError("an environment's method runs in its session's worker (Tool.runner), not here")
 
 
 def trajectory_reward(turn_rewards: Sequence[float], final: float | None) -> float:

@@ -1,12 +1,12 @@
 """Environment failures across a run: a warning line the first time each kind occurs, and a stop when too many of
 one step's trajectories failed.
 
-A trajectory whose environment timed out, raised or returned the wrong type ended with finish reason
-`env_error` and carries `env_errors` (1), `env_error` (the text) and `env_error_kind` (e.g. `step timeout`) in its
-summary (`posttrain.agent.rollout`). `EnvErrorWatch.check` reads a step's summaries: each kind not seen before
+A trajectory whose environment timed out, crashed, raised or returned the wrong type ended with finish reason
+`env_error` and carries `env_errors` (1), `env_error` (the text), `env_error_kind` (e.g. `step timeout`) and
+`env_error_record` (the record's file and line, when known) in its summary (`posttrain.agent.rollout`). `EnvErrorWatch.check` reads a step's summaries: each kind not seen before
 is one warning line (later ones are counted in `agent/env_errors` only), and when more than
 `max_fraction` of the step's trajectories failed it raises `EnvironmentFailedError`, whose message is the run's
-one `error:` line, naming the environment class and the first error.
+one `error:` line, naming the environment class, the first error (its method) and its record.
 """
 
 from __future__ import annotations
@@ -37,8 +37,14 @@ class EnvErrorWatch:
             if kind not in self.seen:
                 self.seen.add(kind)
                 self.warn(f"environment {self.env_name}: {kind} at step {step}, the trajectory ended: "
-                          f"{t.get('env_error', '')} (counted in agent/env_errors; this kind is not printed again)")
+                          f"{_error(t)} (counted in agent/env_errors; this kind is not printed again)")
         if trajectories and len(failed) / len(trajectories) > self.max_fraction:
             raise EnvironmentFailedError(
                 f"environment {self.env_name}: {len(failed)} of {len(trajectories)} trajectories of step {step} "
-                f"failed, more than {self.key}={self.max_fraction:g}; first error: {failed[0].get('env_error', '')}")
+                f"failed, more than {self.key}={self.max_fraction:g}; first error: {_error(failed[0])}")
+
+
+def _error(trajectory: dict) -> str:
+    """A failed trajectory's error text, with its record when known."""
+    where = trajectory.get("env_error_record")
+    return trajectory.get("env_error", "") + (f" ({where})" if where else "")

@@ -17,25 +17,31 @@ At each turn end the trajectory
    the prompt) the trajectory ends cleanly with finish reason `truncated`.
 Finish reasons: `stop` (answered, or the environment ended the game), `length` (the model's turn hit the
 token budget), `truncated` (an append did not fit), `max_turns`, `env_error` (the environment's `reset`, `step` or
-a tool method of it timed out, raised or returned the wrong type: `posttrain.agent.environments`; its calls have
-the tool time limit; the error is in the summary's `env_error`, counted in `env_errors`).
+a tool method of it timed out, crashed, raised or returned the wrong type: `posttrain.agent.environments`; its calls
+have the tool time limit; the error is in the summary's `env_error`, with the record, counted in `env_errors`).
+
+A trajectory with an environment opens its session (a worker process holding its instance) when the sampler first
+reports it, and resets it without blocking: the first turn end waits for that reset (the slot is parked). When the
+trajectory ends, its final `reward(...)` is asked at once and the session closes after it (`close`), so sessions
+live only as long as their trajectories; `AgentRollout.close` closes any left (a generate call that failed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import threading
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from posttrain.agent.buffer import TokenBuffer
-from posttrain.agent.environments import EnvCallError, EnvironmentSpec, EnvSession, trajectory_reward
+from posttrain.agent.environments import EnvironmentSpec, EnvSession, trajectory_reward
 from posttrain.agent.parsers import parse_error_messages, parse_tool_calls
 from posttrain.agent.templates import ChatTemplateAppender
 from posttrain.config import at_least
 from posttrain.tools import ToolPool, ToolRecord, tool_message
 from posttrain.tools.execution import error_content
-from posttrain.tools.in_process import DeadlineExceeded
+from posttrain.tools.hosting import wait_closed
 
 __all__ = ["Agent", "AgentLimits", "AgentRollout", "Trajectory"]
 
@@ -101,6 +107,8 @@ class Agent:
         self.pool = pool or ToolPool(num_workers=4)
         self._own_pool = pool is None
         self.lock = threading.RLock()  # the tokenizer is used from tool-callback threads too
+        self._sessions: set[EnvSession] = set()  # open ones, closed by `close` at the latest
+        self._scratch: EnvSession | None = None  # `first_messages` without a session: one reused
 
     def env_record(self, record: dict) -> dict:
         """The dataset row as the environment sees it: the prompt under its own field name again (the prompt
@@ -111,10 +119,14 @@ class Agent:
 
     def first_messages(self, record: dict, env: EnvSession | None = None) -> list[dict]:
         """The conversation's first messages: the environment's `reset(record)` (on `env`, else on a fresh
-        instance), else the record's prompt (text as a user turn, or messages) with the system prompt added. A
-        failing `reset` raises `EnvCallError` (one line)."""
+        instance in one session kept for this), else the record's prompt (text as a user turn, or messages) with
+        the system prompt added. A failing `reset` raises `EnvCallError` (one line)."""
         if self.environment is not None:
-            return (env or self.make_env()).reset(self.env_record(record))
+            if env is None:
+                with self.lock:
+                    self._scratch = self._scratch or self.make_env()
+                env = self._scratch
+            return env.reset(self.env_record(record))
         prompt = record["prompt"]
         msgs = [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
@@ -122,8 +134,17 @@ class Agent:
         return msgs
 
     def make_env(self) -> EnvSession:
-        """A fresh environment session, its calls limited to the tool time limit."""
-        return self.environment.make(self.limits.tool_timeout_s)
+        """A fresh environment session, its calls limited to the tool time limit (closed by `close_env`, or by
+        `close` at the latest)."""
+        session = self.environment.make(self.limits.tool_timeout_s, self.pool)
+        with self.lock:
+            self._sessions.add(session)
+        return session
+
+    def close_env(self, session: EnvSession) -> None:
+        with self.lock:
+            self._sessions.discard(session)
+        session.close()
 
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         """The rendered first prompt (tools in the template or its system-prompt section), generation prompt last."""
@@ -150,13 +171,41 @@ class Agent:
             return self.tok.decode(ids[:limit]) + f"\n[... output cut: {len(ids) - limit} more tokens]"
 
     def close(self) -> None:
+        """Close every environment session still open, and the tool pool if this agent made it."""
+        with self.lock:
+            sessions, self._sessions, self._scratch = list(self._sessions), set(), None
+        for session in sessions:
+            session.close()
+        wait_closed(timeout=10.0)  # their workers gone before the run's own exit joins its children
         if self._own_pool:
             self.pool.close()
 
 
+def _settle(out: cf.Future, compute) -> None:
+    """`out` gets `compute()`'s value, or, when that is itself a Future, that Future's outcome (the sampler takes a
+    Future of ids or None, never of another Future); an exception is `out`'s, so the sampler sees it."""
+    try:
+        value = compute()
+    except BaseException as e:  # noqa: BLE001 - surfaces in the sampler, not lost in a thread
+        out.set_exception(e)
+        return
+    if isinstance(value, cf.Future):
+        value.add_done_callback(lambda f: _settle(out, f.result))
+    else:
+        out.set_result(value)
+
+
+def _error_text(msg: dict) -> str:
+    """The text of an `{"error": ...}` tool message."""
+    try:
+        return str(json.loads(msg["content"])["error"])
+    except (ValueError, KeyError, TypeError):
+        return str(msg.get("content", ""))
+
+
 def _when_all(futures: list[cf.Future], then):
     """`then([results])` at once when every future is done, else a Future of it (completed in the thread that
-    finishes the last one; an exception in `then` is the Future's, so the sampler sees it)."""
+    finishes the last one; see `_settle`)."""
     if all(f.done() for f in futures):
         return then([f.result() for f in futures])
     out: cf.Future = cf.Future()
@@ -168,10 +217,7 @@ def _when_all(futures: list[cf.Future], then):
             remaining[0] -= 1
             last = remaining[0] == 0
         if last:
-            try:
-                out.set_result(then([f.result() for f in futures]))
-            except BaseException as e:  # noqa: BLE001 - surfaces in the sampler, not lost in a thread
-                out.set_exception(e)
+            _settle(out, lambda: then([f.result() for f in futures]))
 
     for f in futures:
         f.add_done_callback(done)
@@ -181,14 +227,18 @@ def _when_all(futures: list[cf.Future], then):
 class Trajectory:
     """One sequence's conversation, token buffer, tool calls and results, and counts (see the module docstring)."""
 
-    def __init__(self, agent: Agent, record: dict, prompt_ids: Sequence[int]):
-        self.agent, self.record = agent, record
-        self.env: EnvSession | None = agent.make_env() if agent.environment is not None else None
-        try:  # made at the first turn end: a reset that hangs holds the sampler up to the time limit, once
-            self.first: list[dict] = agent.first_messages(record, self.env)
-        except EnvCallError:  # kept in `self.env.failure`: the trajectory ends at its first turn end
-            self.first = []
-        self.messages: list[dict] = agent.appender.prompt_messages(self.first) if self.first else []
+    def __init__(self, agent: Agent, record: dict, prompt_ids: Sequence[int], where: str | None = None):
+        self.agent, self.record, self.where = agent, record, where
+        self.env: EnvSession | None = None
+        self._reset: cf.Future | None = None  # the environment's reset, until the first turn end has waited for it
+        self._reward: cf.Future | None = None  # the environment's final reward, asked when the trajectory ends
+        self.first: list[dict] = []
+        self.messages: list[dict] = []
+        if agent.environment is not None:  # a session of its own, reset without blocking the sampler
+            self.env = agent.make_env()
+            self._reset = self.env.reset_future(agent.env_record(record))
+        else:
+            self._start(agent.first_messages(record))
         self.prompt_ids = list(prompt_ids)
         self.length = 0  # tokens after the prompt so far, sampled and appended (the sampler records the tokens)
         self.buffer: TokenBuffer | None = None  # read from the sampler's record of the sequence (`finish`)
@@ -209,9 +259,20 @@ class Trajectory:
         """The tools this trajectory may call: the agent's and its environment session's methods."""
         return {**self.agent.tools, **(self.env.tools if self.env is not None else {})}
 
+    def _start(self, first: list[dict] | None) -> None:
+        """The conversation's first messages (None: the environment's reset failed; it ends at its first turn)."""
+        self.first = first or []
+        self.messages = self.agent.appender.prompt_messages(self.first) if self.first else []
+
     # ------------------------------------------------------------------ one turn end
     def on_turn(self, ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, room: int):
         """The sampler's turn end: None (done), the ids to append, or a Future of either."""
+        if self._reset is not None:  # the first turn end: the environment's first messages (or its failure)
+            reset, self._reset = self._reset, None
+            return _when_all([reset], lambda r: self._start(r[0]) or self._turn(ids, finish_reason, room))
+        return self._turn(ids, finish_reason, room)
+
+    def _turn(self, ids: Sequence[int], finish_reason: str, room: int):
         self.length += len(ids)
         self.turns += 1
         text = self.agent.decode(ids)
@@ -260,8 +321,8 @@ class Trajectory:
     def _append(self, results: list[tuple[dict, ToolRecord]], ids: Sequence[int], room: int):
         new = []
         for msg, rec in results:
-            if rec.error == "timeout" and self.env is not None and rec.name in self.env.tools:
-                self.env.failed(rec.name, DeadlineExceeded())  # the method's thread still runs on the instance
+            if rec.error in ("timeout", "crash") and self.env is not None and rec.name in self.env.tools:
+                self._lost(rec.name, rec.error, msg)
             if rec.error is None:  # error messages are ours, short, and must stay JSON
                 msg = dict(msg, content=self.agent.cut_output(msg["content"]))
             new.append(msg)
@@ -269,9 +330,17 @@ class Trajectory:
             self.tool_seconds += rec.seconds
             self.tool_results.append({"turn": self.turns, "name": rec.name, "content": msg["content"],
                                       "error": rec.error, "seconds": round(rec.seconds, 4)})
-        if self.env_failed:  # the instance is lost to an abandoned thread
+        if self.env_failed:  # the instance is gone with its worker
             return self._end("env_error")
         return self._append_messages(new, ids, room)
+
+    def _lost(self, method: str, kind: str, msg: dict) -> None:
+        """A tool method of the environment timed out or crashed: its instance is gone with its worker (the
+        trajectory ends)."""
+        if kind == "timeout":
+            self.env.failed(method, TimeoutError())
+        else:
+            self.env.fail(method, "crash", f"{self.env.name}.{method}: {_error_text(msg)}")
 
     def _step(self, text: str, ids: Sequence[int], room: int):
         """The environment's `step` runs in a thread of its own, within the tool time limit (a slow game or
@@ -300,8 +369,27 @@ class Trajectory:
         return append
 
     def _end(self, reason: str) -> None:
+        """The trajectory is over: the environment's final reward is asked now (its session closes after it)."""
         self.finish_reason = reason
+        if self.env is not None:
+            self._ask_reward()
         return None
+
+    def _ask_reward(self) -> cf.Future:
+        if self._reward is None:
+            env = self.env
+            if self.env_failed or not env.spec.has_reward:  # a failed session's instance is not asked again
+                self._reward = cf.Future()
+                self._reward.set_result((None, None))
+            else:
+                self._reward = env.reward_future(self.messages, self.agent.env_record(self.record))
+            self._reward.add_done_callback(lambda _: self.agent.close_env(env))
+        return self._reward
+
+    def close(self) -> None:
+        """Close the environment's session (after its reward, if asked)."""
+        if self.env is not None:
+            self.agent.close_env(self.env)
 
     # ------------------------------------------------------------------ the finished trajectory
     def finish(self, completion) -> None:
@@ -322,34 +410,43 @@ class Trajectory:
         """The environment's reward (per-turn rewards summed plus its `reward(...)`), or None without one."""
         if self.env is None or not (self.env.spec.has_step or self.env.spec.has_reward):
             return None
-        final = None
-        if not self.env_failed:  # a failed session's instance is not asked again
-            final, _ = self.env.final_reward(self.messages, self.agent.env_record(self.record))
+        final, _ = self._ask_reward().result()
         return trajectory_reward(self.env.turn_rewards, final)
 
     def summary(self) -> dict[str, Any]:
         """Plain data (JSON) about the trajectory: conversation, calls, results, counts, finish reason, and the
         environment's failure (`env_errors` 0 or 1; `env_error` its text, `env_error_kind` e.g. `step timeout`)."""
         failure = self.env.failure if self.env is not None else None
+        where = {"env_error_record": self.where} if failure is not None and self.where else {}
         return {"messages": self.messages, "tool_calls": self.tool_calls, "tool_results": self.tool_results,
                 "turns": self.turns, "num_tool_calls": self.num_calls, "tool_errors": self.tool_errors,
                 "tool_seconds": self.tool_seconds, "finish_reason": self.finish_reason or "stop",
                 "env_errors": int(failure is not None),
-                **({"env_error": failure.text, "env_error_kind": failure.label} if failure is not None else {})}
+                **({"env_error": failure.text, "env_error_kind": failure.label, **where} if failure is not None
+                   else {})}
 
 
 class AgentRollout:
-    """The `on_turn_end` callback of one `generate` call: a `Trajectory` per (prompt index, sample index)."""
+    """The `on_turn_end` callback of one `generate` call: a `Trajectory` per (prompt index, sample index).
+    `wheres`: what names each record in errors (its file and line), when known."""
 
-    def __init__(self, agent: Agent, records: Sequence[dict], prompt_ids: Sequence[Sequence[int]]):
+    def __init__(self, agent: Agent, records: Sequence[dict], prompt_ids: Sequence[Sequence[int]],
+                 wheres: Sequence[str] | None = None):
         self.agent, self.records, self.prompt_ids = agent, list(records), list(prompt_ids)
+        self.wheres = list(wheres) if wheres is not None else [None] * len(self.records)
         self.trajectories: dict[tuple[int, int], Trajectory] = {}
 
     def trajectory(self, prompt_index: int, sample_index: int) -> Trajectory:
         key = (int(prompt_index), int(sample_index))
         if key not in self.trajectories:
-            self.trajectories[key] = Trajectory(self.agent, self.records[key[0]], self.prompt_ids[key[0]])
+            self.trajectories[key] = Trajectory(self.agent, self.records[key[0]], self.prompt_ids[key[0]],
+                                                self.wheres[key[0]])
         return self.trajectories[key]
+
+    def close(self) -> None:
+        """Close every trajectory's environment session (those that ended close themselves after their reward)."""
+        for traj in self.trajectories.values():
+            traj.close()
 
     def __call__(self, end) -> Any:
         """`Sampler.generate`'s `on_turn_end` (a `posttrain.sampling.TurnEnd` in)."""

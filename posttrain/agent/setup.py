@@ -5,7 +5,8 @@ naming the key (or the file) at fault."""
 
 from __future__ import annotations
 
-from posttrain.agent.environments import EnvironmentSpec, load_environment
+from posttrain.agent.env_classes import load_environment
+from posttrain.agent.environments import EnvironmentSpec
 from posttrain.agent.rollout import Agent
 from posttrain.agent.templates import TemplateError
 from posttrain.config import ConfigError

@@ -1,4 +1,5 @@
-"""`posttrain chat MODEL`: a multi-turn conversation with a model through its chat template.
+"""`posttrain chat MODEL`: a multi-turn conversation with a model through its chat template, or raw prompts for a
+model trained on raw prompts.
 
 Each user turn is read from the terminal (`> ` prompt; `/reset` starts over, `/exit` or end of input leaves) or,
 when stdin is not a terminal, one turn per non-empty line of stdin (`echo "What is 2+3?" | posttrain chat MODEL`).
@@ -6,7 +7,10 @@ The reply is printed to stdout. With `--tools` the model may call tools within a
 as `posttrain rl` and `eval`: calls parsed in `--tool-format`, run under the tool limits); calls and results are
 printed to stderr. `--image FILE` (repeatable) attaches images to the first user turn (a vision-language
 checkpoint). The conversation is rendered from its messages at each turn (inference: no training data is made
-here).
+here). A model is prompted as it was trained to be (the prompt format its export records,
+`posttrain.models.prompt_format`; the chat template for a checkpoint that records none): a model trained on raw prompts
+(`posttrain demo`'s) gets each line as its raw prompt, answered on its own, as `generate` and `eval` prompt it;
+`--chat` / `--no-chat` and `--system-prompt` override it.
 """
 
 from __future__ import annotations
@@ -15,12 +19,12 @@ import argparse
 import sys
 
 from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
-from posttrain.cli.model_arg import add_model_argument, load_model
+from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments, load_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p, positional=True)
-    p.add_argument("--system-prompt", default=None, help="system message of the conversation")
+    add_prompt_style_arguments(p, default_chat=True)
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for the first user turn (repeatable; vision-language models)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="tokens per reply at most")
@@ -49,13 +53,18 @@ def user_turns(stream=None):
 
 
 class Chat:
-    """One conversation: its messages (the user's view: no tools section), the sampler, the optional agent."""
+    """One conversation: its messages (the user's view: no tools section), the sampler, the optional agent, and the
+    prompt style (`style`, default: the chat template with `args.system_prompt`). A raw style (no tools, no images)
+    prompts with the last user turn's text alone: a model trained on raw prompts knows no conversation."""
 
-    def __init__(self, folder, tokenizer, model, args, agent=None):
+    def __init__(self, folder, tokenizer, model, args, agent=None, style=None):
+        from posttrain.rollout.prompts import PromptStyle
         from posttrain.sampling import Sampler, SamplingParams
 
         self.folder, self.tok, self.agent = folder, tokenizer, agent
-        self.system_prompt, self.images = args.system_prompt, list(args.image)
+        self.style = style or PromptStyle(chat=True, system_prompt=args.system_prompt)
+        self.images = list(args.image)
+        self.raw = not self.style.chat and agent is None and not self.images
         self.params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                      top_p=args.top_p, n=1, seed=args.seed)
         self.sampler = Sampler(model, tokenizer, max_slots=1)
@@ -77,23 +86,41 @@ class Chat:
         from posttrain.rollout.prompts import PromptStyle, encode_prompts
 
         vision = VisionSpec.from_checkpoint(self.folder, self.tok) if self.images and self.folder.is_dir() else None
-        record = {"prompt": self.messages}
-        return record, encode_prompts([record], self.tok, PromptStyle(chat=True, system_prompt=self.system_prompt),
-                                      agent=self.agent, vision=vision, where=lambda i: f"turn {self.turn + 1}")[0]
+        record = {"prompt": self.messages[-1]["content"] if self.raw else self.messages}
+        style = self.style if self.raw else PromptStyle(chat=True, system_prompt=self.style.system_prompt)
+        return record, encode_prompts([record], self.tok, style, agent=self.agent, vision=vision,
+                                      where=lambda i: f"turn {self.turn + 1}")[0]
 
     def reply(self, text: str) -> list[dict]:
-        """Adds the user's turn, generates, and returns the new messages (the assistant's, and tool results)."""
+        """Adds the user's turn, generates, and returns the new messages (the assistant's, and tool results). The
+        reply is cut to the room the model's context leaves; a turn that cannot be answered (a conversation longer
+        than the context) raises ValueError and leaves the conversation as it was."""
+        before = len(self.messages)
+        try:
+            return self._reply(text)
+        except ValueError:
+            del self.messages[before:]
+            raise
+
+    def _reply(self, text: str) -> list[dict]:
+        import dataclasses
+
         from posttrain.agent.rollout import AgentRollout
 
         self.messages.append(self._user_message(text))
         record, prompt = self._encode()
         images = [prompt.images] if prompt.images else None
+        if len(prompt.ids) >= self.sampler.context:
+            raise ValueError(f"the {'line' if self.raw else 'conversation'} has {len(prompt.ids)} tokens; the model's "
+                             f"context holds {self.sampler.context}")
+        params = dataclasses.replace(self.params, max_new_tokens=self.sampler.budget_for([prompt.ids],
+                                                                                        self.params.max_new_tokens))
         if self.agent is None:
-            c = self.sampler.generate([prompt.ids], self.params, images=images)[0]
+            c = self.sampler.generate([prompt.ids], params, images=images)[0]
             new = [{"role": "assistant", "content": c.text}]
         else:
             rollout = AgentRollout(self.agent, [record], [prompt.ids])
-            c = self.sampler.generate([prompt.ids], self.params, images=images, on_turn_end=rollout)[0]
+            c = self.sampler.generate([prompt.ids], params, images=images, on_turn_end=rollout)[0]
             first = self.agent.appender.prompt_messages(self.agent.first_messages(record))
             new = rollout.finished(c).messages[len(first):]
         self.messages.extend(new)
@@ -108,21 +135,37 @@ def _show(new: list[dict]) -> None:
     print(new[-1]["content"] if new else "", flush=True)
 
 
+def _banner(args, chat: Chat) -> str:
+    """The first line on stderr: the model, its tools, how it is prompted, the commands."""
+    system = chat.style.system_prompt
+    how = ("raw prompts: each line is answered on its own" if chat.raw
+           else "chat template" + (f", system prompt {system!r}" if system else ""))
+    return (f"posttrain chat: {args.model} ({'tools: ' + args.tools if args.tools else 'no tools'}); {how}; "
+            "/reset starts over, /exit leaves")
+
+
 def run(args) -> int:
+    from posttrain.models.prompt_format import prompt_style
+
     checked = check_agent(args)  # a bad tool reference fails before the model loads
     folder, tokenizer, model = load_model(args.model, args.dtype)
-    agent = make_agent(checked, tokenizer, system_prompt=args.system_prompt)
-    chat = Chat(folder, tokenizer, model, args, agent)
-    print(f"posttrain chat: {args.model} ({'tools: ' + args.tools if args.tools else 'no tools'}); "
-          "/reset starts over, /exit leaves", file=sys.stderr, flush=True)
+    style = prompt_style(folder, args.chat, args.system_prompt, default_chat=True)  # flags, else the export's
+    agent = make_agent(checked, tokenizer, system_prompt=style.system_prompt)
+    chat = Chat(folder, tokenizer, model, args, agent, style)
+    print(_banner(args, chat), file=sys.stderr, flush=True)
     try:
         for line in user_turns():
             if line.strip() == "/exit":
                 break
             if line.strip() == "/reset":
                 chat.reset()
+                print("reset: a new conversation starts", file=sys.stderr, flush=True)
                 continue
-            _show(chat.reply(line))
+            try:
+                _show(chat.reply(line))
+            except ValueError as e:  # this turn only (e.g. the conversation outgrew the context): say it, go on
+                hint = "" if chat.raw else " (/reset starts over)"
+                print(f"error: turn {chat.turn + 1}: {e}{hint}", file=sys.stderr, flush=True)
     finally:
         if agent is not None:
             agent.close()

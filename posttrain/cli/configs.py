@@ -1,5 +1,5 @@
 """`posttrain configs`: the shipped example configs (the checkout's configs/ folder), each with the command that runs it
-and its first comment line."""
+and its description: the first sentence of its opening comment, whole (it may span several comment lines)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=str(CONFIG_DIR), help="the folder of configs to list (default: the checkout's configs/)")
 
 
-def first_comment(path: Path) -> str:
-    """The first comment line of a YAML file, without its `#` (empty when it starts with no comment)."""
+# a full stop that ends a sentence: followed by a space or the end, not the one of "e.g." or "i.e."
+SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.(?=\s|$)")
+
+
+def description(path: Path) -> str:
+    """The first sentence of a YAML file's opening comment (its lines joined, up to the first full stop; the whole
+    first paragraph when none ends it), without the `#`s; empty when the file starts with no comment."""
+    words: list[str] = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-        if line.strip():
-            break
-    return ""
+        text = line.lstrip("#").strip()
+        if not line.startswith("#") or not text or line.startswith("#   "):
+            break  # the comment ends, a blank comment line ends the paragraph, an indented line is a command
+        words.append(text)
+    paragraph = " ".join(words)
+    end = SENTENCE_END.search(paragraph)
+    return paragraph[: end.end()] if end else paragraph
 
 
 def command_of(path: Path) -> str:
@@ -47,5 +55,5 @@ def run(args) -> int:
     width = max(len(f"posttrain {command_of(f)} {f.relative_to(folder.parent)}") for f in files)
     for f in files:
         cmd = f"posttrain {command_of(f)} {f.relative_to(folder.parent)}"
-        print(f"{cmd:<{width}}  {first_comment(f)}")
+        print(f"{cmd:<{width}}  {description(f)}")
     return 0

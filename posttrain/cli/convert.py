@@ -16,7 +16,7 @@ def run(args) -> int:
     import sys
 
     from posttrain.models.fetch import FetchError
-    from posttrain.models.tiny import resolve_model_path
+    from posttrain.models.spec import resolve_checkpoint
     from posttrain.models.tokenizer import TokenizerError
 
     try:
@@ -24,7 +24,7 @@ def run(args) -> int:
         from posttrain.models.gguf_io import is_gguf_path
         from posttrain.models.tokenizer import load
 
-        path = resolve_model_path(args.model)
+        path = resolve_checkpoint(args.model)
         if not is_gguf_path(path):
             print(f"error: {path} is not a .gguf file or a folder holding one", file=sys.stderr)
             return 2

@@ -2,6 +2,10 @@
 
     posttrain eval --model DIR --data FILE --reward math_answer --n 8 --temperature 0.6 [--chat] [--limit N]
 
+Text prompts are rendered as the model was trained to be prompted (the prompt format its export records:
+`posttrain.models.prompt_format`; raw text for a checkpoint that records none); `--chat` / `--no-chat` and
+`--system-prompt` override it.
+
 The evaluator is RL's held-out evaluator (`posttrain.eval.evaluate`): the same sampling, rewards and
 estimators. The model is sharded over every device (of every process: on several hosts every process runs
 the same sampler on the global mesh, process 0 scores the rewards and writes the outputs). Writes one JSONL row per problem (the greedy completion, the n samples with their answers and
@@ -17,7 +21,7 @@ import sys
 from pathlib import Path
 
 from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
-from posttrain.cli.model_arg import add_model_argument, model_folder
+from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments, fitted_budget, model_folder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,8 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of the n samples")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--chat", action="store_true", help="render text prompts with the tokenizer's chat template")
-    p.add_argument("--system-prompt", default=None, help="system message for chat prompts")
+    add_prompt_style_arguments(p, default_chat=False)
     p.add_argument("--prompt-field", default=None,
                    help="the record field holding the prompt (default: the first of prompt, question, problem, "
                         "messages; with --environment, none is needed)")
@@ -123,6 +126,7 @@ def run(args) -> int:
     from posttrain.models import tokenizer as tok_lib
     from posttrain.data import read_prompts
     from posttrain.models import from_pretrained
+    from posttrain.models.prompt_format import prompt_style
     from posttrain.rewards.runner import RewardRunner, RewardSpec
     from posttrain.eval.evaluate import evaluate, per_problem
     from posttrain.sampling import Sampler
@@ -142,19 +146,20 @@ def run(args) -> int:
         folder = model_folder(args.model)
         tok = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
-        agent = make_agent(checked, tok, system_prompt=args.system_prompt, prompt_field=prompt_field or "prompt")
+        style = prompt_style(folder, args.chat, args.system_prompt, default_chat=False)  # flags, else the export's
+        agent = make_agent(checked, tok, system_prompt=style.system_prompt, prompt_field=prompt_field or "prompt")
         from posttrain.data.vlm import VisionSpec
-        from posttrain.rollout.prompts import PromptStyle, encode_prompts
+        from posttrain.rollout.prompts import encode_prompts
 
         vision = VisionSpec.from_checkpoint(folder, tok) if Path(folder).is_dir() else None
         # each prompt carries its ids, images (handed to its prefill) and record
-        prompts = encode_prompts(records, tok, PromptStyle(chat=args.chat, system_prompt=args.system_prompt),
-                                 agent=agent, vision=vision)
+        prompts = encode_prompts(records, tok, style, agent=agent, vision=vision)
         total = len(records) * max(args.n, 1)
         slots = min(args.max_slots, 1 << (total - 1).bit_length())
         sampler = Sampler(model, tok, max_slots=slots)
+        max_new_tokens = fitted_budget(sampler, prompts.ids, args.max_new_tokens, "eval")
         try:
-            e = evaluate(sampler, prompts, runner, correctness=correctness, max_new_tokens=args.max_new_tokens,
+            e = evaluate(sampler, prompts, runner, correctness=correctness, max_new_tokens=max_new_tokens,
                          k=ks, n_samples=args.n, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                          progress=not args.no_progress and primary, agent=agent)
         finally:
@@ -171,7 +176,8 @@ def run(args) -> int:
             f.write(json.dumps(row, default=_as_text) + "\n")
     summary = {k: v for k, v in e.items() if not k.startswith("_")}
     summary.update({"model": str(args.model), "data": str(args.data), "reward": correctness, "n": args.n,
-                    "temperature": args.temperature, "chat": bool(args.chat)})
+                    "temperature": args.temperature, "chat": style.chat,
+                    "system_prompt": style.system_prompt})
     out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(summary_table(summary, f"{args.model} on {args.data} ({len(records)} problems, n={args.n})"))
     print(f"eval: greedy pass@1 {summary['eval/accuracy']:.4f}"

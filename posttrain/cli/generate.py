@@ -1,4 +1,9 @@
-"""`posttrain generate`: completions for a JSONL file of prompts (`prompt` text or chat `messages`) to a JSONL file.
+"""`posttrain generate`: completions for a JSONL file of prompts (`prompt` text or chat `messages`) as JSON lines, to a
+file or to standard output (`--output -`, the default).
+
+Text prompts are rendered as the model was trained to be prompted (the prompt format its export records:
+`posttrain.models.prompt_format`; raw text for a checkpoint that records none); `--chat` / `--no-chat` and
+`--system-prompt` override it.
 
 With `--tools` or `--environment` each sample is a multi-turn conversation (`posttrain.agent`): the output
 line then holds the whole trajectory (messages, tool calls and results, turns, the token ids after the prompt
@@ -9,13 +14,14 @@ on the global mesh and gets every completion, and process 0 writes the file)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
 from pathlib import Path
 
 from posttrain.cli.agent_args import add_agent_arguments, check_agent, make_agent
-from posttrain.cli.model_arg import add_model_argument, model_folder
+from posttrain.cli.model_arg import add_model_argument, add_prompt_style_arguments, fitted_budget, model_folder
 
 
 class InputError(ValueError):
@@ -26,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p)
     p.add_argument("--prompts", required=True,
                    help="JSONL input: one object per line with `prompt` or `messages` (`-`: read standard input)")
-    p.add_argument("--output", required=True, help="JSONL output: one line per completion")
+    p.add_argument("--output", default="-", help="JSONL output: one line per completion (`-`, the default: standard "
+                                                 "output)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -34,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat", action="store_true", help="also wrap plain `prompt` text as one user message")
+    add_prompt_style_arguments(p, default_chat=False)  # a `messages` prompt always goes through the template
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--max-slots", type=int, default=32, help="sequences decoded at once (at most)")
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: fitted to the prompts)")
@@ -56,6 +63,8 @@ def read_prompts(path: str | Path) -> list[dict]:
 
 def _parse_lines(lines, path) -> list[dict]:
     """The records of JSONL `lines` from `path` (named in errors), each with its `_line`."""
+    from posttrain.data.sources import json_error_column
+
     records = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -63,7 +72,8 @@ def _parse_lines(lines, path) -> list[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            raise InputError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {json_error_column(line, e)})"
+                             ) from None
         if not isinstance(rec, dict):
             raise InputError(f"{path}, line {lineno}: expected a JSON object, got {type(rec).__name__}")
         if "messages" in rec:
@@ -83,35 +93,44 @@ def _parse_lines(lines, path) -> list[dict]:
     return records
 
 
-def encode_records(records: list[dict], tokenizer, folder, chat: bool, source: str, agent=None):
+def encode_records(records: list[dict], tokenizer, folder, style, source: str, agent=None):
     """`(records with the prompt under "prompt", their encoded PromptSet)`: text or chat messages, images for a
     vision-language checkpoint, or an agent's first messages (`posttrain.rollout.prompts`); errors name the line."""
     # lazy: image decoding and the vision spec load only for prompts that carry images
     from posttrain.data.vlm import VisionSpec, has_images
-    from posttrain.rollout.prompts import PromptStyle, encode_prompts
+    from posttrain.rollout.prompts import encode_prompts
 
     records = [{**{k: v for k, v in r.items() if k != "messages"}, "prompt": r.get("messages", r.get("prompt"))}
                for r in records]
     images = agent is None and any(has_images(r, ("prompt",)) for r in records)
     vision = VisionSpec.from_checkpoint(folder, tokenizer) if images and Path(folder).is_dir() else None
-    prompts = encode_prompts(records, tokenizer, PromptStyle(chat=chat), agent=agent, vision=vision,
+    prompts = encode_prompts(records, tokenizer, style, agent=agent, vision=vision,
                              where=lambda i: f"{source}, line {records[i]['_line']}")
     return records, prompts
 
 
-def write_output(path: str, completions, rollout=None) -> Path:
-    """One JSON line per completion (with its trajectory when `rollout`, the multi-turn driver, is given)."""
+def write_output(path: str, completions, rollout=None) -> str:
+    """One JSON line per completion (with its trajectory when `rollout`, the multi-turn driver, is given) to the file
+    `path`, or to standard output for `-`; returns where they went."""
+    if path == "-":
+        _write_rows(sys.stdout, completions, rollout)
+        sys.stdout.flush()
+        return "standard output"
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
-        for c in completions:
-            row = {"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
-                   "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-            if rollout is not None:
-                traj = rollout.finished(c)
-                row |= traj.summary() | {"text": traj.final_text, "loss_mask": c.mask}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return out
+        _write_rows(f, completions, rollout)
+    return str(out)
+
+
+def _write_rows(f, completions, rollout) -> None:
+    for c in completions:
+        row = {"prompt_index": c.prompt_index, "sample_index": c.sample_index, "text": c.text,
+               "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        if rollout is not None:
+            traj = rollout.finished(c)
+            row |= traj.summary() | {"text": traj.final_text, "loss_mask": c.mask}
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def run(args) -> int:
@@ -134,16 +153,20 @@ def run(args) -> int:
 
     from posttrain.models import tokenizer as tok_lib
     from posttrain.models import from_pretrained
+    from posttrain.models.prompt_format import prompt_style
 
     try:
         folder = model_folder(args.model)
         tokenizer = tok_lib.load(folder)
         model = from_pretrained(folder, dtype=args.dtype, mesh=distributed.devices_mesh())
-        agent = make_agent(checked, tokenizer)
-        records, encoded = encode_records(records, tokenizer, folder, args.chat, source, agent)
+        style = prompt_style(folder, args.chat, args.system_prompt, default_chat=False)  # flags, else the export's
+        agent = make_agent(checked, tokenizer, system_prompt=style.system_prompt)
+        records, encoded = encode_records(records, tokenizer, folder, style, source, agent)
         prompts, images = encoded.ids, encoded.images
         slots = min(args.max_slots, 1 << (len(prompts) * params.n - 1).bit_length())  # no idle slots on small runs
         sampler = Sampler(model, tokenizer, max_slots=slots, max_len=args.max_len)
+        params = dataclasses.replace(params, max_new_tokens=fitted_budget(sampler, prompts, params.max_new_tokens,
+                                                                          "generate"))
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
     try:

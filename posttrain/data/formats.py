@@ -19,9 +19,10 @@ import numpy as np
 from posttrain.data.sources import DataError
 from posttrain.tools.chat import TemplateToolSupport, normalize_tool_calls, to_template_messages
 from posttrain.data.vlm import VisionSpec, expand_image_tokens, prepare_vlm_record
+from posttrain.models.prompt_format import PromptStyle, trained_style
 
 __all__ = ["DataFormatConfig", "Example", "encode_record", "encode_records", "resolve_format",
-           "chat_assistant_mask"]
+           "chat_assistant_mask", "records_prompt_style"]
 
 
 @dataclasses.dataclass
@@ -340,3 +341,19 @@ def encode_records(records: Sequence[dict], tokenizer, cfg: DataFormatConfig | N
     if where is not None and getattr(records, "lines", None) is not None:
         return [encode_record(r, tokenizer, cfg, source=where(i), **kw) for i, r in enumerate(records)]
     return [encode_record(r, tokenizer, cfg, index=i, source=source, **kw) for i, r in enumerate(records)]
+
+
+def records_prompt_style(records: Sequence[dict], cfg: DataFormatConfig | None = None) -> PromptStyle:
+    """How SFT `records` prompt the model they train (`posttrain.models.prompt_format.trained_style`): through the
+    chat template for `messages` and message-list prompts, raw text for text prompts and plain texts."""
+    cfg = cfg or DataFormatConfig()
+
+    def prompt(record: dict):
+        try:
+            fmt = resolve_format(record, cfg)
+        except DataError:
+            return None
+        field = {"messages": cfg.messages_field, "prompt_completion": cfg.prompt_field}.get(fmt)
+        return record.get(field) if field else None
+
+    return trained_style(prompt(r) for r in records)

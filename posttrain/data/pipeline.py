@@ -25,10 +25,11 @@ from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 
-from posttrain.data.formats import DataFormatConfig, encode_records
+from posttrain.data.formats import DataFormatConfig, encode_records, records_prompt_style
 from posttrain.data.packing import ROW_KEYS, PackedRows, empty_row, pack_examples
 from posttrain.data.sources import DataError, read_records, source_name
 from posttrain.data.vlm import VisionSpec, check_images, pixel_values
+from posttrain.models.prompt_format import PromptStyle
 
 __all__ = ["SFTDataset", "build_sft_dataset", "stack_rows", "too_long_warning"]
 
@@ -56,6 +57,7 @@ class SFTDataset:
     batch_size: int
     num_epochs: int | None
     dataset: Any  # grain.IterDataset
+    prompt_style: PromptStyle | None = None  # how the records prompt the model (written with its export)
 
     @property
     def num_rows(self) -> int:
@@ -165,4 +167,4 @@ def build_sft_dataset(records: Sequence[dict] | str | os.PathLike, tokenizer,
     ds = grain.MapDataset.range(num_batches).map(read_batch)
     iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     return SFTDataset(rows=shard, stats=stats, seq_len=seq_len, batch_size=batch_size,
-                      num_epochs=num_epochs, dataset=iter_ds)
+                      num_epochs=num_epochs, dataset=iter_ds, prompt_style=records_prompt_style(records, fmt_cfg))

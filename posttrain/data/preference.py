@@ -29,6 +29,7 @@ import numpy as np
 
 from posttrain.data.formats import chat_assistant_mask, check_messages
 from posttrain.data.sources import DataError, read_records, source_name
+from posttrain.models.prompt_format import PromptStyle, trained_style
 
 __all__ = ["PreferenceFormat", "PreferencePairs", "PreferenceDataset", "encode_pair", "encode_pairs",
            "build_preference_dataset", "PAIR_KEYS"]
@@ -158,6 +159,7 @@ class PreferencePairs:
 
     arrays: dict[str, np.ndarray]
     stats: dict[str, Any]
+    prompt_style: PromptStyle | None = None  # how the records prompt the model (written with its export)
 
     def __len__(self) -> int:
         return int(self.arrays["input_ids"].shape[0])
@@ -178,6 +180,22 @@ def _fit(ids: list[int], mask: list[float], seq_len: int, truncation: str):
         ids, mask = ids[-seq_len:], mask[-seq_len:]
     mask = [0.0] + list(mask[1:])
     return (ids, mask) if sum(mask) else None
+
+
+def prompt_style(records: Sequence[dict], fmt: PreferenceFormat) -> PromptStyle:
+    """How preference `records` prompt the model they train (`posttrain.models.prompt_format.trained_style`): a
+    message-list prompt (or an implicit one, shared leading messages) through the chat template, text prompts
+    through it only with `fmt.chat`."""
+    def prompt(r):
+        if not isinstance(r, dict):
+            return None
+        p = r.get(fmt.prompt_field)
+        if p is None:
+            chosen = r.get(fmt.chosen_field)
+            p = chosen if isinstance(chosen, list) else ""
+        return p
+
+    return trained_style((prompt(r) for r in records), chat=fmt.chat, system_prompt=fmt.system_prompt)
 
 
 def encode_pairs(records: Sequence[dict], tok, fmt: PreferenceFormat, *, seq_len: int,
@@ -215,7 +233,7 @@ def encode_pairs(records: Sequence[dict], tok, fmt: PreferenceFormat, *, seq_len
     stats = {"num_records": len(records), "num_pairs": kept, "truncated_pairs": truncated, "dropped_pairs": dropped,
              "longest_tokens": longest, "mean_chosen_tokens": resp_tokens[0] / kept,
              "mean_rejected_tokens": resp_tokens[1] / kept}
-    return PreferencePairs({k: np.stack(v) for k, v in rows.items()}, stats)
+    return PreferencePairs({k: np.stack(v) for k, v in rows.items()}, stats, prompt_style(records, fmt))
 
 
 def stack_pairs(items: Sequence[dict], batch_pairs: int) -> dict[str, np.ndarray]:
@@ -270,7 +288,7 @@ def build_preference_dataset(source: str | os.PathLike | Sequence[dict] | Prefer
         pairs = encode_pairs(source, tok, fmt or PreferenceFormat(), seq_len=seq_len, truncation=truncation,
                              source=name)
     if extra:
-        pairs = PreferencePairs({**pairs.arrays, **extra}, pairs.stats)
+        pairs = PreferencePairs({**pairs.arrays, **extra}, pairs.stats, pairs.prompt_style)
     ds = grain.MapDataset.source(pairs)
     if shuffle:
         ds = ds.shuffle(seed=seed)

@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 from posttrain.data import reasoning_gym, shapes
 from posttrain.data.errors import DataError
 
-__all__ = ["DataError", "PROMPT_FIELDS", "pick_prompt_field", "read_records", "read_prompts", "source_name"]
+__all__ = ["DataError", "PROMPT_FIELDS", "json_error_column", "pick_prompt_field", "read_records", "read_prompts",
+           "source_name"]
 
 
 class RecordList(list):
@@ -53,6 +54,13 @@ def source_name(path_or_name: str | os.PathLike, split: str | None = None) -> st
     return f"{name} [split={split}]" if split else name
 
 
+def json_error_column(line: str, e: json.JSONDecodeError) -> int:
+    """The 1-based column of the fault `e` in one `line` of a JSONL file: json's own, except for a line that ends
+    too early, where json points past the newline (column 1 of a next line) and this points just past the line's
+    last character."""
+    return min(e.pos, len(line.rstrip())) + 1
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     records, lines = [], []
@@ -63,8 +71,9 @@ def _read_jsonl(path: Path) -> list[dict]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: malformed JSON on line {lineno}: {e.msg} "
-                                f"(column {e.colno})") from e
+                col = json_error_column(line, e)
+                raise DataError(f"{path}:{lineno}:{col}: malformed JSON on line {lineno}: {e.msg} "
+                                f"(column {col})") from e
             if not isinstance(obj, dict):
                 raise DataError(f"{path}:{lineno}: line {lineno} is a JSON {type(obj).__name__}, "
                                 "expected an object")
@@ -78,7 +87,8 @@ def _read_json(path: Path) -> list[dict]:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: malformed JSON on line {e.lineno}: {e.msg}") from e
+        raise DataError(f"{path}:{e.lineno}:{e.colno}: malformed JSON on line {e.lineno}: {e.msg} "
+                        f"(column {e.colno})") from e
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
         obj = obj["data"]
     if not isinstance(obj, list):

@@ -141,6 +141,6 @@ def run_logit(cfg, *, stop_after: int | None = None, batch_hook: Callable[[int, 
                       batch_hook=hook, seq_len=d.seq_len)
         if eval_data and tc.eval_every <= 0 and run.finished and fit.final_step > fit.start_step:
             run.logger.log(fit.final_step, evaluate())  # the skeleton evaluates only with eval_every
-        hf_dir = run.export_hf() if run.finished else None
+        hf_dir = run.export_hf(prompt_style=train_ds.prompt_style) if run.finished else None
     return LogitResult(output_dir=run.out, losses=fit.losses, final_step=fit.final_step, start_step=fit.start_step,
                        evals=evals, hf_dir=hf_dir, trainer=trainer)

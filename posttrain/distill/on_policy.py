@@ -31,8 +31,7 @@ from posttrain.distill.teacher import (
     teacher_folder,
 )
 from posttrain.models import tokenizer as tok_lib
-from posttrain.models.hf_io import resolve_path
-from posttrain.models.tiny import resolve_model_path
+from posttrain.models.spec import resolve_checkpoint
 from posttrain.rl.batch import RLBatch, build_rl_batch
 from posttrain.rl.learner import FrozenScorer
 from posttrain.rl.loop import run_rl
@@ -68,7 +67,7 @@ def build_on_policy(dcfg) -> RLParts:
         raise ConfigError(f"on_policy.rollout.temperature={dcfg.on_policy.rollout.temperature}: on-policy "
                           "distillation samples from the student itself (temperature 1.0)")
     # the tokenizers first: a teacher with another vocabulary fails before the run starts or any weight loads
-    s_tok = tok_lib.load(resolve_path(resolve_model_path(dcfg.model.path)))
+    s_tok = tok_lib.load(resolve_checkpoint(dcfg.model.path))
     check_same_vocabulary(s_tok, tok_lib.load(teacher_folder(dcfg.teacher)), student=dcfg.model.path,
                           teacher=dcfg.teacher.path)
     parts = build_rl(dcfg.rl_config())

@@ -9,8 +9,7 @@ from pathlib import Path
 from posttrain.config import ConfigError
 from posttrain.distill.config import TeacherSection
 from posttrain.models import tokenizer as tok_lib
-from posttrain.models.hf_io import resolve_path
-from posttrain.models.tiny import resolve_model_path
+from posttrain.models.spec import resolve_checkpoint
 from posttrain.training.config import ModelSection
 from posttrain.training.run import frozen_copy
 
@@ -21,7 +20,7 @@ def teacher_folder(teacher: TeacherSection) -> Path:
     if not teacher.path:
         raise ConfigError("teacher.path: no teacher given (set teacher.path=DIR: a checkpoint with the student's "
                           "tokenizer)")
-    return resolve_path(resolve_model_path(teacher.path))
+    return resolve_checkpoint(teacher.path)
 
 
 def check_same_vocabulary(student_tok, teacher_tok, *, student: str, teacher: str,

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from posttrain import distributed
-from posttrain.models import gguf_io, moe_names, vision_names
+from posttrain.models import gguf_io, moe_names, prompt_format, vision_names
 from posttrain.models.config import ModelConfig
 from posttrain.models.layers import dtype_of
 from posttrain.models.transformer import Transformer
@@ -370,8 +370,11 @@ def _read_param(index, names, per_shape, stacked: bool, idx: tuple[slice, ...], 
 
 # ---------------------------------------------------------------------- writing
 def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=None, *,
-                    dtype: str | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
+                    dtype: str | None = None, shard_bytes: int = SHARD_BYTES, prompt_style=None) -> Path:
     """Writes config.json (+ generation_config.json) and model.safetensors (sharded above 2 GB) for `transformers`.
+
+    prompt_style: how the model was trained to be prompted (`posttrain.models.prompt_format.PromptStyle`), recorded in
+    config.json's `posttrain` block, the default of the commands that prompt it; None records nothing.
 
     LoRA adapters must be merged first (`posttrain.models.lora.merge`); unmerged adapters are an error.
     In a multi-host run every process calls it (the weights are gathered from all of them, one at a time) and
@@ -433,6 +436,8 @@ def save_pretrained(model: Transformer, out_dir: str | os.PathLike, tokenizer=No
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
     hf = cfg.replace(param_dtype=dtype).to_hf()
+    if prompt_style is not None:
+        hf.update(prompt_format.config_block(prompt_style))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))

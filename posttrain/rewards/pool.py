@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import math
-import multiprocessing
 import numbers
 import os
 import pickle
@@ -29,9 +28,11 @@ import numpy as np
 import pebble
 
 from posttrain.rewards.loading import resolve_reward
-from posttrain.workers import StrictProcessPool, process_start_time, watch_owner
+from posttrain.workers import StrictProcessPool, pool_context, preload, process_start_time, watch_owner
 
 __all__ = ["RewardPool", "run_chunk"]
+
+preload("__main__", "posttrain.rewards.pool", "math_verify")
 
 
 class _SoftTimeout(BaseException):
@@ -148,10 +149,7 @@ class RewardPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context(self.mp_context)
-        if self.mp_context == "forkserver":
-            # Takes effect only if this process has not started its fork server yet.
-            ctx.set_forkserver_preload(["__main__", "posttrain.rewards.pool", "math_verify"])
+        ctx = pool_context(self.mp_context)  # (the fork server preloads the reward stack: below)
         owner = os.getpid()
         self._pool = StrictProcessPool(max_workers=self.num_workers, initializer=_worker_init,
                                        initargs=(owner, process_start_time(owner)), context=ctx)

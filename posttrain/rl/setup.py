@@ -37,6 +37,7 @@ from posttrain.rl.learner import FrozenScorer, Learner, TrainerScorer
 from posttrain.rl.loss import make_rl_loss
 from posttrain.rl.packing import attention_span
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
+from posttrain.models.prompt_format import trained_style
 from posttrain.rollout.prompts import PromptSet, PromptStyle, encode_prompts
 from posttrain.rollout.rollouts import Rollouts
 from posttrain.sampling import ProgramCache, SamplingParams
@@ -209,6 +210,17 @@ def _encode_all(tok, records, data: PromptData, agent: Agent | None = None, visi
     return prompts
 
 
+def trained_prompt_style(prompts: RLPrompts, agent: Agent | None = None) -> PromptStyle:
+    """How the run prompts its policy, written with its export (`posttrain.models.prompt_format`): the chat
+    template with tools or an environment (the agent renders its first messages), else the training prompts' own
+    (message lists and `data.chat` through the template, text otherwise; `data.system_prompt`)."""
+    data = prompts.data
+    if agent is not None:
+        return PromptStyle(chat=True, system_prompt=data.system_prompt)
+    return trained_style((r.get("prompt") for r in prompts.train.records), chat=data.chat,
+                         system_prompt=data.system_prompt)
+
+
 def policy_loss_kwargs(preset: GRPOFamily, learner: LearnerConfig, max_new_tokens: int) -> dict:
     """The policy loss's keyword arguments: the algorithm preset's, the length normaliser (default: the
     generation budget) and the learner's off-policy correction."""
@@ -265,5 +277,5 @@ def env_watch(rollout: RolloutConfig, agent: Agent | None, say: Callable[[str], 
     """The watch over an environment's failures (None without an environment)."""
     if agent is None or agent.environment is None:
         return None
-    return EnvErrorWatch(agent.environment.cls.__name__, rollout.max_env_error_fraction,
+    return EnvErrorWatch(agent.environment.name, rollout.max_env_error_fraction,
                          warn=lambda line: say(f"warning: {line}"))

@@ -27,7 +27,7 @@ from posttrain import distributed
 from posttrain.agent.failures import EnvironmentFailedError
 from posttrain.eval.evaluate import evaluate as held_out
 from posttrain.rl.ledger import ROW_FILES, Ledger
-from posttrain.rl.setup import RLParts
+from posttrain.rl.setup import RLParts, trained_prompt_style
 from posttrain.rollout.rollouts import Rollouts
 from posttrain.sampling import Sampler
 
@@ -163,7 +163,7 @@ def finish(parts: RLParts, state: RLState, step: int) -> Path | None:
     """Final evaluation and checkpoint; the HF export (LoRA merged)."""
     evaluate(parts, state, step)
     save(parts, step, wait=True)
-    return parts.run.export_hf(quiet=True)
+    return parts.run.export_hf(quiet=True, prompt_style=trained_prompt_style(parts.prompts, parts.agent))
 
 
 def close(parts: RLParts, state: RLState | None = None) -> None:

@@ -22,19 +22,13 @@ import numpy as np
 from posttrain.agent.environments import EnvCallError
 from posttrain.data.errors import DataError
 from posttrain.data.vlm import encode_image_prompt, has_images
+from posttrain.models.prompt_format import PromptStyle  # re-exported: how text prompts are rendered
 
 __all__ = ["Prompt", "PromptError", "PromptSet", "PromptStyle", "encode_prompt", "encode_prompts"]
 
 
 class PromptError(DataError):
     """A prompt that cannot be encoded (empty, unrenderable, images for a text-only model, a failed `reset`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptStyle:
-    """How text prompts are rendered: `chat` (through the chat template) and the `system_prompt` to add."""
-    chat: bool = True
-    system_prompt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

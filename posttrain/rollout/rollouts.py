@@ -200,7 +200,20 @@ def generate_rollouts(
     token is stamped with the version that produced it. `record_experts` (a mixture of experts, routing replay):
     each sample's `routed_experts` (module docstring)."""
     prompts = list(prompts)
-    completions, trajs = _sample(sampler, prompts, params, uids, agent, progress, between_segments, record_experts)
+    rollout = AgentRollout(agent, [p.record for p in prompts], [p.ids for p in prompts],
+                           [getattr(p, "where", None) for p in prompts]) if agent is not None else None
+    try:
+        return _scored(sampler, prompts, params, reward_runner, uids, rollout, progress, between_segments,
+                       record_experts)
+    finally:
+        if rollout is not None:  # environment sessions still open (a failed call): closed
+            rollout.close()
+
+
+def _scored(sampler, prompts, params, reward_runner, uids, rollout, progress, between_segments,
+            record_experts) -> Rollouts:
+    """`generate_rollouts`' body: sample, score, gather."""
+    completions, trajs = _sample(sampler, prompts, params, uids, rollout, progress, between_segments, record_experts)
     n = len(completions)
     records = [p.record for p in prompts]
     prompt_ids = [p.ids for p in prompts]
@@ -245,11 +258,11 @@ def generate_rollouts(
     )
 
 
-def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uids, agent: Agent | None,
+def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uids, rollout: AgentRollout | None,
             progress: bool, between_segments, record_experts: bool = False):
     """The sampler's completions of `prompts` (their ids, and their images when any has some; with
-    `record_experts`, the experts routed to), and with an `agent` each completion's finished `Trajectory` (None
-    without one)."""
+    `record_experts`, the experts routed to), and with an agent's `rollout` each completion's finished
+    `Trajectory` (None without one)."""
     prompt_ids = [p.ids for p in prompts]
     kwargs: dict[str, Any] = {"progress": True} if progress else {}
     if between_segments is not None:
@@ -258,10 +271,8 @@ def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uid
         kwargs["record_experts"] = True
     if any(p.images for p in prompts):
         kwargs["images"] = [p.images for p in prompts]
-    rollout = None
-    if agent is not None:
-        rollout = AgentRollout(agent, [p.record for p in prompts], prompt_ids)
-        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, agent))
+    if rollout is not None:
+        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, rollout.agent))
     completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
     return completions, [rollout.finished(c) for c in completions] if rollout is not None else None
 

@@ -637,6 +637,19 @@ class Sampler:
             slots = -(-slots // ways) * ways
         return slots
 
+    @property
+    def context(self) -> int:
+        """The most tokens a sequence may have, prompt and completion: the sampler's cache, else the model's positions."""
+        limit = self.cfg.max_position_embeddings
+        return limit if self.max_len is None else min(limit, self.max_len)
+
+    def budget_for(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+        """`max_new_tokens`, cut to the room the longest of `prompts` leaves in the `context`: what a command asks for
+        by default may not fit a small model. Unchanged when a prompt leaves no room at all (then `generate` names
+        that prompt)."""
+        room = self.context - max((len(p) for p in prompts), default=0)
+        return min(max_new_tokens, room) if room >= 1 else max_new_tokens
+
     def _validate(self, prompts, params: SamplingParams, max_len: int | None = None) -> tuple[int, str]:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")

@@ -1,21 +1,32 @@
-"""A memory and process-count limit for one sandboxed call, from the kernel's cgroups where this machine offers them.
+"""Memory, process-count and CPU limits for one sandboxed call, from the kernel's cgroups where this machine offers them.
 
-`CallGroup.create(memory_bytes, max_processes)` makes a cgroup beside this process's own (cgroup v2: memory.max,
-pids.max in a child of our cgroup when its subtree delegates those controllers; cgroup v1: one group in each of
-the memory and pids hierarchies) or returns None where neither can be written (then only the per-process rlimits
-hold: see posttrain.tools.jail). `add(pid)` puts the sandbox's first process in it (its children follow);
-`remove()` deletes it once the processes are gone. `cgroup_support()` says which kind this machine gives.
+`CallGroup.create(memory_bytes, max_processes, cpus)` makes a cgroup beside this process's own (cgroup v2:
+memory.max, pids.max and, where the `cpu` controller is delegated too, cpu.max in a child of our cgroup when its
+subtree delegates those controllers; cgroup v1: one group in each of the memory and pids hierarchies, and the cpu
+one where writable) or returns None where none can be written (then only the per-process rlimits hold: see
+posttrain.tools.jail). `add(pid)` puts the sandbox's first process in it (its children follow); `remove()` deletes
+it once the processes are gone. `cgroup_support()` says which kind this machine gives, `cgroup_controllers()`
+which limits it covers.
+
+Groups are named `posttrain-sandbox-<pid>-<start time>-<random>` after the process that made them:
+`sweep_stale_groups()` (run when a tool or environment worker starts) removes those whose maker is gone (a worker
+killed mid-call), after killing anything left in them (old-style names without a maker: only when empty).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 
-__all__ = ["CallGroup", "cgroup_support"]
+from posttrain.tools.scratch import owner_alive, owner_tag
+
+__all__ = ["CallGroup", "cgroup_controllers", "cgroup_support", "sweep_stale_groups"]
 
 ROOT = "/sys/fs/cgroup"
+PREFIX = "posttrain-sandbox-"
+CPU_PERIOD_US = 100_000
 
 
 def _own_path(controller: str | None) -> str | None:
@@ -32,33 +43,47 @@ def _own_path(controller: str | None) -> str | None:
     return None
 
 
-def _v2_parent() -> str | None:
+def _v2_parent() -> tuple[str, bool] | None:
+    """Our v2 cgroup folder when it delegates memory and pids to children we may make, and whether cpu too."""
     path = _own_path(None)
     if path is None or not os.path.exists(os.path.join(ROOT, "cgroup.controllers")):
         return None
     folder = os.path.join(ROOT, path.lstrip("/"))
     try:
         with open(os.path.join(folder, "cgroup.subtree_control")) as f:
-            enabled = f.read().split()
+            enabled = set(f.read().split())
     except OSError:
         return None
-    return folder if {"memory", "pids"} <= set(enabled) and os.access(folder, os.W_OK) else None
+    if {"memory", "pids"} <= enabled and os.access(folder, os.W_OK):
+        return folder, "cpu" in enabled
+    return None
 
 
 def _v1_parents() -> dict[str, str] | None:
+    """Our folder in each writable v1 hierarchy: memory and pids needed, cpu where it is writable."""
     out = {}
-    for controller in ("memory", "pids"):
+    for controller in ("memory", "pids", "cpu"):
         path = _own_path(controller)
         folder = os.path.join(ROOT, controller, (path or "").lstrip("/"))
-        if path is None or not os.access(folder, os.W_OK):
+        if path is not None and os.access(folder, os.W_OK):
+            out[controller] = folder
+        elif controller != "cpu":
             return None
-        out[controller] = folder
     return out
 
 
 def cgroup_support() -> str | None:
     """"v2", "v1" or None: which cgroups a sandboxed call can be limited by on this machine."""
     return "v2" if _v2_parent() else "v1" if _v1_parents() else None
+
+
+def cgroup_controllers() -> tuple[str, ...]:
+    """The limits a call's cgroup sets here: a subset of ("memory", "pids", "cpu"); () without cgroups."""
+    v2 = _v2_parent()
+    if v2 is not None:
+        return ("memory", "pids") + (("cpu",) if v2[1] else ())
+    v1 = _v1_parents()
+    return tuple(v1) if v1 is not None else ()
 
 
 def _write(path: str, value) -> None:
@@ -73,19 +98,22 @@ class CallGroup:
         self.folders, self.procs_file = folders, procs_file
 
     @classmethod
-    def create(cls, memory_bytes: int, max_processes: int) -> "CallGroup | None":
-        name = f"posttrain-sandbox-{uuid.uuid4().hex[:12]}"
+    def create(cls, memory_bytes: int, max_processes: int, cpus: float = 1.0) -> "CallGroup | None":
+        name = f"{PREFIX}{owner_tag()}-{uuid.uuid4().hex[:12]}"
+        quota = max(1000, int(cpus * CPU_PERIOD_US))
         group = None
         try:
-            parent = _v2_parent()
-            if parent is not None:
-                folder = os.path.join(parent, name)
+            v2 = _v2_parent()
+            if v2 is not None:
+                folder = os.path.join(v2[0], name)
                 os.mkdir(folder)
                 group = cls([folder], "cgroup.procs")
                 _write(os.path.join(folder, "memory.max"), memory_bytes)
                 if os.path.exists(os.path.join(folder, "memory.swap.max")):
                     _write(os.path.join(folder, "memory.swap.max"), 0)
                 _write(os.path.join(folder, "pids.max"), max_processes)
+                if v2[1]:
+                    _write(os.path.join(folder, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
                 return group
             parents = _v1_parents()
             if parents is None:
@@ -95,8 +123,13 @@ class CallGroup:
                 folder = os.path.join(parent, name)
                 os.mkdir(folder)
                 group.folders.append(folder)
-            _write(os.path.join(group.folders[0], "memory.limit_in_bytes"), memory_bytes)
-            _write(os.path.join(group.folders[1], "pids.max"), max_processes)
+                if controller == "memory":
+                    _write(os.path.join(folder, "memory.limit_in_bytes"), memory_bytes)
+                elif controller == "pids":
+                    _write(os.path.join(folder, "pids.max"), max_processes)
+                else:
+                    _write(os.path.join(folder, "cpu.cfs_period_us"), CPU_PERIOD_US)
+                    _write(os.path.join(folder, "cpu.cfs_quota_us"), quota)
             return group
         except OSError:
             if group is not None:
@@ -121,3 +154,42 @@ class CallGroup:
                     if time.monotonic() > deadline:
                         break
                     time.sleep(0.01)
+
+
+def _kill_inside(folder: str) -> None:
+    if os.path.exists(os.path.join(folder, "cgroup.kill")):
+        try:
+            _write(os.path.join(folder, "cgroup.kill"), 1)
+            return
+        except OSError:
+            pass
+    try:
+        with open(os.path.join(folder, "cgroup.procs")) as f:
+            pids = [int(x) for x in f.read().split()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def sweep_stale_groups() -> list[str]:
+    """Remove the call cgroups beside ours whose maker is gone (killing what is left in them); their paths."""
+    v2 = _v2_parent()
+    parents = [v2[0]] if v2 is not None else list((_v1_parents() or {}).values())
+    stale = []
+    for parent in parents:
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            alive = owner_alive(name[len(PREFIX):])
+            if alive is False:  # its maker is gone: what is left inside is ours to end
+                _kill_inside(os.path.join(parent, name))
+            if alive is not True:  # (an old-style name: removed only when empty)
+                stale.append(os.path.join(parent, name))
+    CallGroup(stale, "cgroup.procs").remove(wait_s=1.0 if stale else 0.0)
+    return [f for f in stale if not os.path.exists(f)]

@@ -9,10 +9,16 @@ content `{"error": "..."}` instead and never raises. `record` is a `ToolRecord(n
 
 Tools loaded from a reference run in a `ToolPool`: pebble worker processes that load the tool by its
 reference, so a tool that hangs is killed at `timeout` (its worker is replaced) and one whose process dies
-(a crash, or an exit with any status) fails only its own call, at once; calls `submit`ted together run concurrently, one per worker. What a tool
-prints is captured and dropped (bounded). Tools without a reference (an environment's bound methods) run in
-the calling process, where their state lives, each in a daemon thread: their exceptions are caught, and a call
-past `timeout` is reported as a `timeout` (its thread cannot be killed and is abandoned: posttrain.tools.in_process).
+(a crash, or an exit with any status) fails only its own call, at once; calls `submit`ted together run
+concurrently, one per worker. What a tool prints is captured and dropped (bounded). The built-in `python` tool's
+limit is not `timeout` but its sandbox's `call_limit_s` (its own wall limit plus start-up slack, so the sandbox
+always cleans up before the pool would kill it). Workers sweep the leftovers of killed calls when they start
+(`python_sandbox.sweep_leftovers`) and die at once on SIGTERM.
+
+An environment's methods run in `ObjectHost`s the pool makes (`host(ref)`: one worker process per trajectory,
+holding its instance; `posttrain.tools.hosting`), as tools with a `runner` that calls into that worker; a call past
+`timeout` kills the worker (the instance is lost). Tools in hand without a reference or a runner (a plain function
+given to the API) run in the calling process in a daemon thread, abandoned past `timeout` (posttrain.tools.in_process).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import io
 import json
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,10 +38,11 @@ from typing import Any, Mapping
 
 import pebble
 
+from posttrain.tools.hosting import ObjectHost
 from posttrain.tools.in_process import as_text, call_plain, settle_within
 from posttrain.tools.loading import Tool, resolve_tool
-from posttrain.tools.python_sandbox import SandboxConfig, use_sandbox
-from posttrain.workers import StrictProcessPool, process_start_time, watch_owner
+from posttrain.tools.python_sandbox import SandboxConfig, python, sweep_leftovers, use_sandbox
+from posttrain.workers import StrictProcessPool, pool_context, preload, process_start_time, watch_owner
 
 __all__ = ["ERROR_KINDS", "ToolCall", "ToolPool", "ToolRecord", "cut_text", "error_content", "run_tool_call",
            "tool_message"]
@@ -42,6 +50,8 @@ __all__ = ["ERROR_KINDS", "ToolCall", "ToolPool", "ToolRecord", "cut_text", "err
 #: `ToolRecord.error` values: no such tool, arguments not matching the schema, the tool raised, ran past its
 #: time limit, its process died; `parse` is for calls the parser could not read (see posttrain.agent.parsers).
 ERROR_KINDS = ("unknown_tool", "bad_arguments", "exception", "timeout", "crash", "parse")
+
+preload("posttrain.tools.execution")  # tool and environment workers start from a fork server that has it
 
 
 @dataclass(frozen=True)
@@ -125,9 +135,12 @@ def _worker_call(ref: str, arguments: dict) -> tuple[str, str, float]:
 
 
 def _worker_init(owner: int, owner_start: str | None, sandbox: SandboxConfig) -> None:
-    """Workers end themselves once the process that owns the pool is gone (even after SIGKILL), and run the
-    python tool with the run's sandbox setting."""
+    """Workers end themselves once the process that owns the pool is gone (even after SIGKILL), die at once on
+    SIGTERM (pebble's stop: a call holding the interpreter lock would otherwise wait 3 s for SIGKILL), remove what
+    killed calls left behind, and run the python tool with the run's sandbox setting."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     watch_owner(owner, owner_start)
+    sweep_leftovers()
     use_sandbox(sandbox)
 
 
@@ -138,7 +151,7 @@ def _ping() -> int:
 class ToolPool:
     """`num_workers` processes running tool calls (started lazily, replaced when killed or crashed); a worker
     that exits during a call, with any status, fails that call at once as a `crash`. `sandbox`: how the
-    built-in python tool runs code in the workers (and in this process, for environments' methods)."""
+    built-in python tool runs code in the workers (and in environments' workers, `host`)."""
 
     def __init__(self, num_workers: int = 4, mp_context: str | None = None,
                  sandbox: SandboxConfig = SandboxConfig()):
@@ -150,14 +163,27 @@ class ToolPool:
         self._pool: StrictProcessPool | None = None
         self._lock = threading.Lock()
 
+    def _initargs(self) -> tuple:
+        owner = os.getpid()
+        return owner, process_start_time(owner), self.sandbox
+
     def _active(self) -> StrictProcessPool:
         with self._lock:
             if self._pool is None or not self._pool.active:
-                ctx = multiprocessing.get_context(self.mp_context)
-                owner = os.getpid()
                 self._pool = StrictProcessPool(max_workers=self.num_workers, initializer=_worker_init,
-                                               initargs=(owner, process_start_time(owner), self.sandbox), context=ctx)
+                                               initargs=self._initargs(), context=pool_context(self.mp_context))
             return self._pool
+
+    def host(self, ref: str) -> ObjectHost:
+        """A worker process of its own holding one object of the class `ref` names (an environment's instance),
+        started like this pool's workers (same context, owner watch, sandbox setting); the caller closes it."""
+        return ObjectHost(ref, context=pool_context(self.mp_context), initializer=_worker_init,
+                          initargs=self._initargs())
+
+    def time_limit(self, tool: Tool, timeout: float | None) -> float | None:
+        """The pool's limit for a call of `tool`: `timeout`, but for the built-in python tool its sandbox's
+        `call_limit_s` (the sandbox's own wall limit ends first and cleans up)."""
+        return self.sandbox.call_limit_s if tool.fn is python else timeout
 
     def submit(self, tools: Mapping[str, Tool], call: ToolCall, *, timeout: float | None,
                max_output_chars: int | None) -> cf.Future:
@@ -167,14 +193,19 @@ class ToolPool:
         problem = _problem(tools, tool, call)
         if problem is not None:
             out.set_result(problem)
-        elif tool.in_process:  # an environment's method, where its state lives: a daemon thread, given up on past
-            # `timeout` (a thread cannot be killed: it is abandoned; posttrain.tools.in_process)
+        elif tool.runner is not None:  # an environment's method, in the worker holding its instance
+            start = time.perf_counter()
+            fut = tool.runner(dict(call.arguments), timeout)
+            fut.add_done_callback(lambda f: out.set_result(_outcome(f, call, start, timeout, max_output_chars)))
+        elif tool.in_process:  # a callable in hand: a daemon thread, given up on past `timeout` (a thread cannot
+            # be killed: it is abandoned; posttrain.tools.in_process)
             settle_within(out, timeout,
                           lambda: _finish(call, *call_plain(tool.fn, dict(call.arguments)), max_output_chars),
                           lambda: _failure(call, "timeout", f"tool {call.name!r} ran past its {timeout:g}s time limit "
                                            "(its thread was abandoned)", float(timeout)), name=f"tool-{call.name}")
         else:
             start = time.perf_counter()
+            timeout = self.time_limit(tool, timeout)
             try:
                 fut = self._active().schedule(_worker_call, args=(tool.ref, dict(call.arguments)), timeout=timeout)
             except Exception as e:  # the pool broke while scheduling

@@ -1,13 +1,12 @@
-"""Calls that must run in the caller's own process (an environment's `reset`, `step`, `reward` and tool methods,
-where a trajectory's state lives), with a time limit.
+"""Calls of a tool in hand (a plain function given to the API, without a reference a worker could load it by) in
+the caller's own process, with a time limit; and `as_text`, a tool result as text.
 
 The call runs in a fresh daemon thread and the caller stops waiting at the limit. A Python thread cannot be
 killed: a call past its limit is **abandoned**, still running; being a daemon it never holds up the process's
-exit, but whatever it does later (to the environment instance it was given, say) is never looked at again, so
-the caller must treat that instance as lost. `settle_within` fills a `Future` (for callers that must not block:
-the sampler's turn-end callbacks), `call_within` waits; `call_plain` runs a tool method like the worker pool's
-`call_tool` but without swapping `sys.stdout` (a swap is process-wide: an abandoned thread would keep the run's
-own output in the sink).
+exit. (Tools loaded by reference and environments' methods run in worker processes instead, where a call past
+its limit is killed: posttrain.tools.execution.) `settle_within` fills a `Future` (for callers that must not
+block: the sampler's turn-end callbacks); `call_plain` runs a tool like the worker pool's `call_tool` but without
+swapping `sys.stdout` (a swap is process-wide: an abandoned thread would keep the run's own output in the sink).
 """
 
 from __future__ import annotations
@@ -18,11 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["DeadlineExceeded", "as_text", "call_plain", "call_within", "settle_within"]
-
-
-class DeadlineExceeded(TimeoutError):
-    """An in-process call ran past its time limit (its thread is abandoned, still running)."""
+__all__ = ["as_text", "call_plain", "settle_within"]
 
 
 def settle_within(out: cf.Future, timeout: float | None, work: Callable[[], Any], on_timeout: Callable[[], Any],
@@ -52,27 +47,6 @@ def settle_within(out: cf.Future, timeout: float | None, work: Callable[[], Any]
         timer.start()
         out.add_done_callback(lambda _: timer.cancel())
     return out
-
-
-def call_within(fn: Callable[..., Any], timeout: float | None, *args, name: str = "posttrain-in-process") -> Any:
-    """`fn(*args)` in a daemon thread, waited for at most `timeout` seconds (None: no limit): its result or its
-    exception, or `DeadlineExceeded` (the thread is then abandoned)."""
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = e
-        done.set()
-
-    threading.Thread(target=run, daemon=True, name=name).start()
-    if not done.wait(timeout):
-        raise DeadlineExceeded(f"ran past its {timeout:g}s time limit")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def as_text(value: Any) -> str:

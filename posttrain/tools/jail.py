@@ -2,17 +2,25 @@
 
 `run_jailed(code, limits)` -> `JailResult(returncode, timed_out, stdout, stderr)` runs `code` through
 `posttrain.tools.jail_launcher` (see its docstring for what happens inside): new user, PID, mount, network, IPC,
-UTS and cgroup namespaces; a root of read-only binds of the system and Python folders, a private tmpfs `/work`
-(the only writable place, also `/tmp`), no view of the run's files, processes or environment; no network, not
-even loopback; `no_new_privs`; an unprivileged uid (outside the namespace: `nobody` when the run is root, the
-run's own uid otherwise); rlimits on CPU, address space, file size, processes and open files, and a cgroup
-memory and process limit where this machine offers cgroups (`posttrain.tools.cgroups`). When the snippet ends,
-or its time is up, the namespace's init dies and the kernel kills every process left in it; the tmpfs goes with
-the namespace and the host folder holding stdout/stderr is removed here.
+UTS and cgroup namespaces; a fresh session keyring; a root of read-only binds of the system and Python folders,
+a private tmpfs `/work` (the only writable place, also `/tmp`), no view of the run's files, processes or
+environment; no network, not even loopback; `no_new_privs`; a seccomp filter (`posttrain.tools.seccomp`); an
+unprivileged uid (outside the namespace: `nobody` when the run is root, the run's own uid otherwise); rlimits on
+CPU, address space, file size, processes and open files, and a cgroup memory, process and CPU limit where this
+machine offers cgroups (`posttrain.tools.cgroups`). The launcher's source and its spec (the code included) go to
+it on a pipe, never on its command line. When the snippet ends, or its time is up, the namespace's init dies and
+the kernel kills every process left in it; the tmpfs goes with the namespace and the host folder holding
+stdout/stderr (`posttrain.tools.scratch`, named by its owner so that a worker killed mid-call leaves one that the
+next worker's start sweeps away) is removed here.
+
+Time: the launcher must answer within `START_TIMEOUT_S`, the snippet gets `wall_s` after that, and clean-up
+takes well under `CLEANUP_S`: a caller's own limit must be at least `wall_s + START_SLACK_S` (what
+`SandboxConfig.call_limit_s` gives the tool pool), or it may kill a call before its clean-up runs.
 
 `jail_support()` runs one empty snippet (once per process) and returns None when the boundary works here, or the
-reason it does not (user namespaces disabled, say): callers refuse to run model code then (`posttrain.tools.
-python_sandbox`). Costs one extra interpreter start per call (the launcher), a few tens of milliseconds.
+reason it does not (user namespaces disabled, no libseccomp, say): callers refuse to run model code then
+(`posttrain.tools.python_sandbox`). Costs one extra interpreter start per call (the launcher), a few tens of
+milliseconds.
 """
 
 from __future__ import annotations
@@ -25,15 +33,21 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 
 from posttrain.tools.cgroups import CallGroup
+from posttrain.tools.scratch import owned_tempdir
+from posttrain.tools.seccomp import SeccompUnavailable, filter_program
 
-__all__ = ["JailLimits", "JailResult", "jail_support", "run_jailed"]
+__all__ = ["START_SLACK_S", "JailLimits", "JailResult", "jail_support", "run_jailed"]
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_launcher.py")
+#: The launcher's command line: it reads `SOURCE\0SPEC` from stdin (no host path on any command line inside).
+BOOT = ("import os\n"
+        "d = b''.join(iter(lambda: os.read(0, 1 << 16), b''))\n"
+        "c, s = d.split(b'\\0', 1)\n"
+        "exec(compile(c, 'jail_launcher', 'exec'), {'__name__': 'jail_launcher', 'SPEC': s.decode()})\n")
 INSIDE_UID = 1000  # the snippet's uid inside its user namespace
 NOBODY = 65534  # ... and outside it, when the run is root
 SYSTEM_FOLDERS = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin", "/etc/ld.so.cache",
@@ -41,19 +55,23 @@ SYSTEM_FOLDERS = ("/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin"
 SNIPPET_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 WORK_NAMES = ("/work", "/sandbox", "/sandbox-work")
-START_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 10.0  # for the launcher's first answer (an interpreter start; slow only on a loaded machine)
+CLEANUP_S = 2.0  # killing the tree, reading the output, removing the cgroup and the folder: well under this
+START_SLACK_S = START_TIMEOUT_S + CLEANUP_S  # a call's most time beyond its wall limit
 
 
 @dataclass(frozen=True)
 class JailLimits:
     """What one snippet may use: wall and CPU seconds, memory (address space per process and, with cgroups,
-    all processes together), bytes per written file (stdout and stderr included), processes, /work's size."""
+    all processes together), bytes per written file (stdout and stderr included), processes, /work's size, and
+    (with cgroups) the CPU cores its processes may keep busy at once."""
     wall_s: float
     cpu_s: int
     memory_bytes: int
     file_bytes: int
     max_processes: int
     work_bytes: int
+    cpus: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +84,12 @@ class JailResult:
 
 class JailError(RuntimeError):
     """The sandbox could not be set up (not the snippet's fault)."""
+
+
+@lru_cache(maxsize=1)
+def _launcher_source() -> bytes:
+    with open(LAUNCHER, "rb") as f:
+        return f.read()
 
 
 def _python_folders() -> list[str]:
@@ -135,39 +159,63 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _spec(code: str, limits: JailLimits, root: str, status_w: int, go_r: int) -> dict:
+    work = _work_folder()
+    try:
+        program = filter_program()
+    except SeccompUnavailable as e:
+        raise JailError(str(e)) from None
+    return {"status_fd": status_w, "go_fd": go_r, "parent_pid": os.getpid(), "root": os.path.join(root, "jail"),
+            "binds": list(_binds()), "code": code, "uid": INSIDE_UID, "python": sys.executable, "work": work,
+            "env": {**SNIPPET_ENV, "HOME": work, "TMPDIR": work}, "work_bytes": limits.work_bytes,
+            "shm_bytes": 16 << 20, "seccomp": program.hex(),
+            "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
+                       "file_bytes": limits.file_bytes, "max_processes": limits.max_processes}}
+
+
+def _send(proc: subprocess.Popen, spec: dict) -> None:
+    """The launcher's source and spec on its stdin (then closed: it reads to the end)."""
+    try:
+        proc.stdin.write(_launcher_source() + b"\0" + json.dumps(spec).encode())
+        proc.stdin.close()
+    except OSError as e:  # it died before reading (BrokenPipeError)
+        raise JailError(f"the sandbox launcher did not take its spec: {e}") from None
+
+
+def _start(proc: subprocess.Popen, spec: dict, limits: JailLimits, status_r: int, go_w: int) -> CallGroup | None:
+    """Hand the launcher its spec, wait for its namespaces, write its uid/gid maps, put it in the call's cgroup
+    and say go; the call's `CallGroup` (None where cgroups cannot be written)."""
+    _send(proc, spec)
+    line = _read_line(status_r, START_TIMEOUT_S)
+    if line != "R":
+        raise JailError(line[1:] if line.startswith("E") else f"unexpected launcher answer {line!r}")
+    _maps(proc.pid)
+    group = CallGroup.create(limits.memory_bytes, limits.max_processes, limits.cpus)
+    if group is not None:
+        group.add(proc.pid)
+    os.write(go_w, b"G")
+    return group
+
+
 def run_jailed(code: str, limits: JailLimits, max_output_bytes: int) -> JailResult:
     """Run `code` in the sandbox (see the module docstring); raises `JailError` if the sandbox fails to start."""
-    root = tempfile.mkdtemp(prefix="posttrain-python-tool-")
+    root = owned_tempdir()
     group = None
     status_r, status_w = os.pipe()
     go_r, go_w = os.pipe()
     try:
-        snippet = os.path.join(root, "snippet.py")
-        with open(snippet, "w", encoding="utf-8") as f:
-            f.write(code)
         os.mkdir(os.path.join(root, "jail"))
-        spec = {"status_fd": status_w, "go_fd": go_r, "parent_pid": os.getpid(), "root": os.path.join(root, "jail"),
-                "binds": list(_binds()), "snippet": snippet, "uid": INSIDE_UID, "python": sys.executable,
-                "work": _work_folder(), "env": {**SNIPPET_ENV, "HOME": _work_folder(), "TMPDIR": _work_folder()}, "work_bytes": limits.work_bytes, "shm_bytes": 16 << 20,
-                "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes,
-                           "file_bytes": limits.file_bytes, "max_processes": limits.max_processes}}
+        spec = _spec(code, limits, root, status_w, go_r)
         out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", LAUNCHER, json.dumps(spec)],
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd="/",
-                                    env={"LANG": "C.UTF-8"}, pass_fds=(status_w, go_r), start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", "-c", BOOT], stdin=subprocess.PIPE,
+                                    stdout=out, stderr=err, cwd="/", env={"LANG": "C.UTF-8"},
+                                    pass_fds=(status_w, go_r), start_new_session=True)
         os.close(status_w)
         os.close(go_r)
         status_w = go_r = -1
         try:
-            line = _read_line(status_r, START_TIMEOUT_S)
-            if line != "R":
-                raise JailError(line[1:] if line.startswith("E") else f"unexpected launcher answer {line!r}")
-            _maps(proc.pid)
-            group = CallGroup.create(limits.memory_bytes, limits.max_processes)
-            if group is not None:
-                group.add(proc.pid)
-            os.write(go_w, b"G")
+            group = _start(proc, spec, limits, status_r, go_w)
         except BaseException:
             _kill(proc)
             raise

@@ -1,27 +1,32 @@
-"""The inside of the python tool's kernel sandbox: run by `posttrain.tools.jail` as `python -I -S -B THIS SPEC`.
+"""The inside of the python tool's kernel sandbox, run by `posttrain.tools.jail`.
 
-Standard library only (it runs without site-packages). Three processes, one job each:
+Standard library only (it runs without site-packages). Its source and its spec (JSON, the snippet's code included)
+come on stdin, not on the command line: `python -I -S -B -c BOOT` (`jail.BOOT`) reads `SOURCE\0SPEC` and runs
+this source with `SPEC` set, so `/proc/1/cmdline` inside shows no host path. Three processes, one job each:
 
-- the launcher (this script's process): enters new user, mount, PID, network, IPC, UTS and cgroup namespaces
-  (`unshare(2)`), tells the parent, which writes its uid/gid maps, then forks the namespace's init and exits
-  with its status;
+- the launcher (this script's process): joins a fresh anonymous session keyring (a child keeps its parent's
+  session keyring through new namespaces and uids, and possessing a keyring grants access to its keys), enters
+  new user, mount, PID, network, IPC, UTS and cgroup namespaces (`unshare(2)`), tells the parent, which writes
+  its uid/gid maps, then forks the namespace's init and exits with its status;
 - init (PID 1 of the new PID namespace): builds the sandbox's root on a tmpfs (read-only, nosuid binds of the
   system and Python folders, a minimal /dev, its own /proc, a size-limited tmpfs /work: the only writable
   place, named `/work` unless a bound folder lies there), `pivot_root`s into it and detaches the host's tree, forbids new user namespaces, then forks the
   snippet and waits for it. When init exits, the kernel kills every process left in the namespace;
 - the snippet: drops to the unprivileged uid (capabilities go with it), sets `no_new_privs` and its rlimits,
-  closes every other file and execs `python -I -B WORK/snippet.py`.
+  reads from /dev/null, closes every other file, installs the seccomp filter (`spec["seccomp"]`: a BPF program
+  libseccomp compiled in the parent, `posttrain.tools.seccomp`; loaded last, so set-up may still mount and
+  unshare) and execs `python -I -B WORK/snippet.py`.
 
 Errors before the snippet runs are written as one line `E<text>` to the status pipe; exit status 70.
 """
 
 import ctypes
+import errno
 import json
 import os
 import platform
 import resource
 import signal
-import sys
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
@@ -29,7 +34,11 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 1, 4, 38, 47, 4
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+HIDDEN = ("/proc/keys", "/proc/key-users", "/proc/kallsyms", "/proc/sysrq-trigger")  # /dev/null bound over them
 DEVICES = ("null", "zero", "full", "random", "urandom")
 FAILED = 70
 
@@ -52,6 +61,29 @@ def mount(src, target, fstype, flags, data=None):
 
 def prctl(option, arg):
     _check(libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl {option}")
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def join_fresh_keyring():
+    """A new anonymous session keyring for this process and all it starts (the trainer's is no longer possessed).
+    Where the kernel refuses keyctl to this process (ENOSYS: no keys; EPERM: an outer seccomp filter) the snippet
+    cannot reach any keyring either, and that is fine."""
+    ret = libc.syscall(SYS_KEYCTL[platform.machine()], KEYCTL_JOIN_SESSION_KEYRING, None)
+    if ret < 0 and ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):
+        raise OSError(ctypes.get_errno(), f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(ctypes.get_errno())}")
+
+
+def install_seccomp(bpf_hex):
+    """Load the BPF program libseccomp compiled in the parent (needs `no_new_privs`, set before)."""
+    program = bytes.fromhex(bpf_hex)
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"seccomp filter: {os.strerror(err)}")
 
 
 def fail(status_fd, text):
@@ -97,8 +129,11 @@ def build_root(spec):
         os.symlink(work, new + "/tmp")
     os.makedirs(new + "/proc")
     mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    with open(spec["snippet"], "rb") as src, open(new + work + "/snippet.py", "wb") as dst:
-        dst.write(src.read())
+    for path in HIDDEN:  # global files a new /proc still shows (keys by description, kernel symbols)
+        if os.path.exists(new + path):
+            mount(new + "/dev/null", new + path, None, MS_BIND)
+    with open(new + work + "/snippet.py", "w", encoding="utf-8") as dst:
+        dst.write(spec["code"])
     os.chown(new + work + "/snippet.py", uid, uid)
     os.chdir(new)
     os.mkdir(".old")
@@ -132,7 +167,10 @@ def run_snippet(spec):
                         (resource.RLIMIT_NPROC, (lim["max_processes"],) * 2),
                         (resource.RLIMIT_NOFILE, (256, 256)), (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(what, value)
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)  # (stdin was the pipe the spec came on)
     os.closerange(3, 1 << 16)
+    install_seccomp(spec["seccomp"])  # last: from here keyctl, mount, unshare, io_uring, ... are refused
     os.execve(spec["python"], [spec["python"], "-I", "-B", spec["work"] + "/snippet.py"], spec["env"])
 
 
@@ -157,14 +195,17 @@ def init(spec, status_fd):
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
 
-def main():
-    spec = json.loads(sys.argv[1])
+def main(spec):
     status_fd, go_fd = spec["status_fd"], spec["go_fd"]
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != spec["parent_pid"]:
         os._exit(FAILED)
     if platform.machine() not in SYS_PIVOT_ROOT:
         fail(status_fd, f"no pivot_root syscall number known for {platform.machine()}")
+    try:
+        join_fresh_keyring()
+    except OSError as e:
+        fail(status_fd, f"sandbox set-up failed: {e}")
     flags = (CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
              | CLONE_NEWCGROUP)
     if libc.unshare(flags) != 0:
@@ -181,5 +222,5 @@ def main():
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "jail_launcher":  # run by jail.BOOT, which sets SPEC
+    main(json.loads(SPEC))  # noqa: F821

@@ -26,15 +26,19 @@ BUILTIN_TOOLS: dict[str, Callable] = {"calculator": calculator, "python": python
 @dataclass(frozen=True)
 class Tool:
     """One tool: its name (the schema's), JSON schema, the callable, and the reference it was loaded from
-    (None for a callable in hand, which then runs in the caller's process)."""
+    (None for a callable in hand, which then runs in the caller's process). `runner`, when set, runs the tool
+    somewhere else (an environment's method in the worker holding its instance): `runner(arguments, timeout)` ->
+    a Future of `(status, text, seconds)` as a tool worker answers, failing with `TimeoutError` past `timeout` or
+    `pebble.ProcessExpired` when that worker died."""
     name: str
     schema: dict
     fn: Callable = field(repr=False, compare=False)
     ref: str | None = None
+    runner: Callable[[dict, float | None], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def in_process(self) -> bool:
-        return self.ref is None
+        return self.ref is None and self.runner is None
 
 
 #: Tools by name, in config order.

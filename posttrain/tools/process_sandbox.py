@@ -16,7 +16,8 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
+
+from posttrain.tools.scratch import owned_tempdir
 
 __all__ = ["run_in_process"]
 
@@ -106,7 +107,7 @@ def _read_cut(path: str, max_bytes: int) -> bytes:
 
 def run_in_process(code: str, limits, max_output_bytes: int) -> tuple[int, bool, bytes, bytes]:
     """`(returncode, timed_out, stdout, stderr)` of `code` under rlimits and the audit hook (see the docstring)."""
-    root = tempfile.mkdtemp(prefix="posttrain-python-tool-")
+    root = owned_tempdir()
     work = os.path.join(root, "work")
     os.mkdir(work)
     try:

@@ -9,8 +9,17 @@ it runs:
 - `process`: a plain process with rlimits and an audit hook (`posttrain.tools.process_sandbox`): NOT a boundary,
   for machines without user namespaces, chosen explicitly; a warning says so at start.
 There is no silent downgrade: `check_sandbox(config)` (called when a run with the python tool starts) raises a
-one-line `SandboxUnavailable` when the chosen backend cannot run here, saying what to enable; `run_python` of
-an unavailable backend answers an `Error:` line and runs nothing.
+one-line `SandboxUnavailable` when the chosen backend cannot run here (no user namespaces, no seccomp), saying what
+to enable; `run_python` of an unavailable backend answers an `Error:` line and runs nothing. Where cgroups cannot
+be written it says so once (a call's memory is then bounded per process only: `memory_mb` x `max_processes`,
+and no CPU quota holds).
+
+Time: a call's own limit (`wall_s`) ends before the limit of whoever waits for it, so the sandbox always cleans up
+after itself: `SandboxConfig.call_limit_s` (wall time plus the sandbox's start-up and clean-up slack, or for the
+remote backend every attempt's time limit and back-off) is the tool pool's limit for the python tool, derived,
+not a second number to keep in step. A worker killed anyway (an environment method past its own limit while it
+ran a snippet) leaves a folder and cgroup named after it, which `sweep_leftovers()` removes when the next worker
+starts.
 
 Each process uses one sandbox setting: `use_sandbox(config)` sets it (the tool worker pool does so in its
 workers); without it, the defaults hold. Every outcome comes back as text, never as an exception.
@@ -23,12 +32,14 @@ import logging
 import signal
 from typing import Literal
 
-from posttrain.tools.jail import JailError, JailLimits, jail_support, run_jailed
+from posttrain.tools.cgroups import cgroup_controllers, sweep_stale_groups
+from posttrain.tools.jail import START_SLACK_S, JailError, JailLimits, jail_support, run_jailed
 from posttrain.tools.process_sandbox import run_in_process
 from posttrain.tools.remote_sandbox import RemoteSandbox, RemoteSandboxError
+from posttrain.tools.scratch import sweep_stale_folders
 
 __all__ = ["PythonLimits", "SandboxConfig", "SandboxUnavailable", "check_sandbox", "python", "run_python",
-           "use_sandbox"]
+           "sweep_leftovers", "use_sandbox"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +48,8 @@ logger = logging.getLogger(__name__)
 class PythonLimits:
     """Limits of one `python` tool run: wall and CPU seconds, memory (address space per process; with cgroups
     also all its processes together), bytes of any file it writes (stdout and stderr included), processes,
-    the size of its writable folder, and the bytes of output returned."""
+    the size of its writable folder, the bytes of output returned, and (with cgroups) the CPU cores it may keep
+    busy at once."""
     wall_s: float = 10.0
     cpu_s: int = 5
     memory_bytes: int = 1 << 30
@@ -45,6 +57,7 @@ class PythonLimits:
     max_output_bytes: int = 16_384
     max_processes: int = 32
     work_bytes: int = 64 << 20
+    cpus: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +81,7 @@ class SandboxConfig:
     file_mb: MiB of any file it writes, stdout and stderr included.
     max_processes: processes of one call at once.
     work_mb: MiB of its private writable folder.
+    cpus: CPU cores a call's processes may keep busy at once (a cgroup CPU quota, where cgroups can be written).
     """
     backend: Literal["namespaces", "remote", "process"] = "namespaces"
     url: str | None = None
@@ -80,13 +94,14 @@ class SandboxConfig:
     file_mb: int = 1
     max_processes: int = 32
     work_mb: int = 64
+    cpus: float = 1.0
 
     def __post_init__(self):
         if self.backend == "remote" and not self.url:
             raise ValueError("rollout.sandbox.url is required with rollout.sandbox.backend: remote "
                              "(the SandboxFusion service's base address, e.g. http://127.0.0.1:8080)")
         for key in ("request_timeout_s", "wall_s", "cpu_s", "memory_mb", "file_mb", "max_processes", "work_mb",
-                    "max_concurrency"):
+                    "max_concurrency", "cpus"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"rollout.sandbox.{key} must be > 0, found {getattr(self, key)}")
         if self.retries < 0:
@@ -96,7 +111,17 @@ class SandboxConfig:
     def limits(self) -> PythonLimits:
         return PythonLimits(wall_s=self.wall_s, cpu_s=self.cpu_s, memory_bytes=self.memory_mb << 20,
                             file_bytes=self.file_mb << 20, max_processes=self.max_processes,
-                            work_bytes=self.work_mb << 20)
+                            work_bytes=self.work_mb << 20, cpus=self.cpus)
+
+    @property
+    def call_limit_s(self) -> float:
+        """The most one python tool call can take, its sandbox's own start-up, retries and clean-up included: the
+        tool pool's time limit for it (longer than `wall_s`, so the sandbox's limit always fires first)."""
+        if self.backend == "remote":
+            attempts = self.retries + 1
+            backoff = sum(min(2.0, 0.2 * 2 ** a) for a in range(1, attempts))
+            return attempts * (self.wall_s + self.request_timeout_s) + backoff + 1.0
+        return self.wall_s + START_SLACK_S
 
 
 class SandboxUnavailable(RuntimeError):
@@ -112,8 +137,44 @@ def use_sandbox(config: SandboxConfig) -> None:
     _CONFIG = config
 
 
+def sweep_leftovers() -> None:
+    """Remove the host folders and cgroups of calls whose worker was killed mid-call (their makers are gone):
+    run when a tool or environment worker starts."""
+    sweep_stale_folders()
+    sweep_stale_groups()
+
+
+def _enable_hint(why: str) -> str:
+    if "seccomp" in why:
+        return ("install the system's libseccomp (Debian/Ubuntu: apt-get install libseccomp2; RHEL: dnf install "
+                "libseccomp) and the pyseccomp package")
+    return ("enable unprivileged user namespaces (sysctl user.max_user_namespaces=15000, and "
+            "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0 where those "
+            "exist)")
+
+
+def no_cgroup_note(config: SandboxConfig) -> str | None:
+    """What a call is not limited by on this machine for want of writable cgroups (None: nothing missing)."""
+    have = cgroup_controllers()
+    if {"memory", "pids", "cpu"} <= set(have):
+        return None
+    if not have:
+        bound = config.memory_mb * config.max_processes
+        return (f"cgroups cannot be written here, so a python tool call's memory is bounded per process only "
+                f"({config.memory_mb} MiB address space x {config.max_processes} processes = {bound / 1024:g} GiB "
+                f"a call, times the calls running at once) and no CPU quota holds (only {config.cpu_s} s of CPU "
+                "per process); give the run a delegated cgroup (memory, pids and cpu controllers) to limit each "
+                f"call to {config.memory_mb} MiB and {config.cpus:g} cores")
+    return (f"the cgroup's cpu controller is not delegated here, so a python tool call has no CPU quota "
+            f"(rollout.sandbox.cpus={config.cpus:g} does not apply; only {config.cpu_s} s of CPU per process)")
+
+
+_NOTED: set[str] = set()
+
+
 def check_sandbox(config: SandboxConfig) -> None:
-    """Raise `SandboxUnavailable` (one line) when `config.backend` cannot run here; warn once for `process`."""
+    """Raise `SandboxUnavailable` (one line) when `config.backend` cannot run here; warn once for `process`, and
+    once where cgroups cannot limit a call."""
     if config.backend == "process":
         logger.warning("rollout.sandbox.backend is 'process': model-written code runs as this run's user with "
                        "rlimits and an audit hook only, which a snippet can turn off; this is not a sandbox")
@@ -121,11 +182,13 @@ def check_sandbox(config: SandboxConfig) -> None:
         why = jail_support()
         if why is not None:
             raise SandboxUnavailable(
-                f"the python tool's sandbox cannot start here ({why}): enable unprivileged user namespaces "
-                "(sysctl user.max_user_namespaces=15000, and kernel.unprivileged_userns_clone=1 or "
-                "kernel.apparmor_restrict_unprivileged_userns=0 where those exist), or set "
+                f"the python tool's sandbox cannot start here ({why}): {_enable_hint(why)}, or set "
                 "rollout.sandbox.backend=remote with rollout.sandbox.url, or accept the unsafe "
                 "rollout.sandbox.backend=process")
+        note = no_cgroup_note(config)
+        if note is not None and note not in _NOTED:
+            _NOTED.add(note)
+            logger.warning(note)
 
 
 def _status(code: int, timed_out: bool, limits: PythonLimits) -> str | None:
@@ -157,7 +220,8 @@ def _run(code: str, config: SandboxConfig, limits: PythonLimits) -> tuple[int, b
     if why is not None:
         raise SandboxUnavailable(why)
     jail = JailLimits(wall_s=limits.wall_s, cpu_s=limits.cpu_s, memory_bytes=limits.memory_bytes,
-                      file_bytes=limits.file_bytes, max_processes=limits.max_processes, work_bytes=limits.work_bytes)
+                      file_bytes=limits.file_bytes, max_processes=limits.max_processes, work_bytes=limits.work_bytes,
+                      cpus=limits.cpus)
     r = run_jailed(code, jail, limits.max_output_bytes)
     return r.returncode, r.timed_out, r.stdout, r.stderr
 

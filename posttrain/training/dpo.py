@@ -327,7 +327,7 @@ class DPORun:
     def export(self) -> Path | None:
         """The HF export of a finished run (LoRA merged); None when stopped early."""
         self.run.logger.close()
-        return self.run.export_hf() if self.run.finished else None
+        return self.run.export_hf(prompt_style=self.train_pairs.prompt_style) if self.run.finished else None
 
 
 def run_dpo(cfg: DPOConfig, *, stop_after: int | None = None, batch_hook: Callable[[int, dict], dict] | None = None,

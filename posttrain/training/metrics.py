@@ -79,8 +79,10 @@ def truncate_after(path: str | Path, step: int) -> int:
     return dropped
 
 
-# Progress-bar fields, shown when a record has them (GRPO's loss is ~0 by construction: show reward).
-PROGRESS_FIELDS = (("reward/mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("loss", "loss", "{:.4f}"))
+# Progress-bar fields, shown when a record has them (GRPO's loss is ~0 by construction: show reward). RL's reward and
+# accuracy are the step's training batch's (its rollouts), named so, apart from the held-out accuracy of evaluations.
+PROGRESS_FIELDS = (("reward/mean", "batch reward", "{:.3f}"), ("accuracy", "batch reward accuracy", "{:.3f}"),
+                   ("loss", "loss", "{:.4f}"))
 
 
 def _summary_writer(folder: Path):
@@ -143,7 +145,7 @@ class MetricsLogger:
             if "reward/mean" in metrics:
                 info = [x for x in info if not x.startswith("loss")]
             if info:
-                self.progress.update(self.task, info=" ".join(info))
+                self.progress.update(self.task, info=", ".join(info))
 
     def advance(self, step: int) -> None:
         if self.progress is not None:

@@ -41,8 +41,8 @@ from posttrain import compile_cache, distributed
 from posttrain.config import ConfigError, save_config
 from posttrain.models import lora as lora_lib
 from posttrain.models import tokenizer as tokenizer_lib
-from posttrain.models.hf_io import from_pretrained, resolve_path, save_pretrained
-from posttrain.models.tiny import resolve_model_path
+from posttrain.models.hf_io import from_pretrained, save_pretrained
+from posttrain.models.spec import resolve_checkpoint
 from posttrain.training.checkpoint import Checkpointer
 from posttrain.training.config import LoraConfig, ModelSection, RunConfig
 from posttrain.training.errors import TrainingDivergedError
@@ -61,7 +61,7 @@ def frozen_copy(model: ModelSection, mesh=None, path: str | None = None):
     """The checkpoint at `path` (default: `model.path`; a hub id is downloaded) with the section's numerics and
     no adapters, streamed straight into its shards when a mesh is given: a run's reference policy or teacher,
     and what `build_model` attaches adapters to; returns (model, folder)."""
-    folder = resolve_path(resolve_model_path(path or model.path))  # a local folder, or a hub id downloaded
+    folder = resolve_checkpoint(path or model.path)  # a local folder, or a hub id downloaded
     m = model
     return from_pretrained(folder, dtype=m.param_dtype, compute_dtype=m.compute_dtype or m.param_dtype, mesh=mesh,
                            scan_layers=m.scan_layers, remat=m.remat, attention_impl=m.attention_impl,
@@ -189,7 +189,7 @@ class Run:
     def model_folder(self) -> Path:
         """The configured checkpoint's local folder (a hub id is downloaded: a clear error offline)."""
         if self.folder is None:
-            self.folder = resolve_path(resolve_model_path(self.cfg.model.path))
+            self.folder = resolve_checkpoint(self.cfg.model.path)
         return self.folder
 
     def tokenizer(self):
@@ -257,13 +257,15 @@ class Run:
         self.last_saved = self.trainer.step_count
         return True
 
-    def export_hf(self, *, tokenizer=None, quiet: bool = False) -> Path | None:
+    def export_hf(self, *, tokenizer=None, quiet: bool = False, prompt_style=None) -> Path | None:
         """The final model (LoRA merged, QLoRA dequantised) as a Hugging Face folder OUTPUT_DIR/hf, when
-        `export_hf`; None otherwise."""
+        `export_hf`; None otherwise. `prompt_style`: how the run's data prompted the model
+        (`posttrain.models.prompt_format`), written into the export as the default of chat, generate and eval."""
         if not self.cfg.export_hf:
             return None
         model = lora_lib.merge(self.trainer.model())
-        hf_dir = save_pretrained(model, self.out / "hf", tokenizer=tokenizer or self.tok, dtype=self.cfg.export_dtype)
+        hf_dir = save_pretrained(model, self.out / "hf", tokenizer=tokenizer or self.tok, dtype=self.cfg.export_dtype,
+                                 prompt_style=prompt_style)
         if not quiet:
             self.say(f"{self.command}: exported {hf_dir}")
         return hf_dir

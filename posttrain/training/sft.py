@@ -104,7 +104,7 @@ def run_sft(cfg: SFTConfig, *, stop_after: int | None = None, batch_hook: Callab
         fit = run.fit(it, evaluate=evaluate if eval_data else None, stop_after=stop_after, batch_hook=batch_hook,
                       seq_len=d.seq_len)
         run.logger.close()
-        hf_dir = run.export_hf() if run.finished else None
+        hf_dir = run.export_hf(prompt_style=train_ds.prompt_style) if run.finished else None
     return SFTResult(output_dir=run.out, losses=fit.losses, final_step=trainer.step_count, start_step=start,
                      eval_loss=fit.last_eval.get("eval_loss"), hf_dir=hf_dir, checkpoint_dir=run.ckpt.directory,
                      stats=dict(train_ds.stats), trainer=trainer)
