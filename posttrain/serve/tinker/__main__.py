@@ -22,7 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
+        from posttrain import compile_cache  # lazy: --help answers without JAX
         from posttrain.serve.tinker.app import TinkerServer, open_service  # lazy: --help answers without JAX
+
+        compile_cache.enable()  # a restarted server compiles nothing it compiled before
 
         service = open_service(args.model, name=args.served_model_name, checkpoints=args.checkpoints,
                                dtype=args.dtype, max_slots=args.max_slots)
@@ -32,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"Tinker API for {service.name!r} on {server.url}/api/v1", file=sys.stderr, flush=True)
     server.run()
+    print("Tinker API: stopped", file=sys.stderr, flush=True)
     return 0
 
 

@@ -12,6 +12,7 @@ engine), this is how the service runs: `python -m posttrain.serve.tinker MODEL` 
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -68,6 +69,7 @@ class TinkerServer:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
+        self.sock.listen(2048)  # clients that connect before uvicorn accepts wait in the backlog
         self.server = uvicorn.Server(uvicorn.Config(build_app(service, api_key=api_key, poll_s=poll_s),
                                                     log_level="warning", access_log=False, lifespan="off",
                                                     timeout_graceful_shutdown=5))
@@ -79,11 +81,16 @@ class TinkerServer:
         return f"http://{host}:{port}"
 
     def run(self) -> None:
-        """Serves in the foreground until SIGTERM / SIGINT."""
+        """Serves in the foreground until SIGTERM / SIGINT (requests in flight finish first), then returns."""
+        # uvicorn re-raises the signal it stopped on once it is done: with a no-op in its place the service still
+        # closes and the caller returns normally (exit status 0)
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self.server.run(sockets=[self.sock])
         finally:
             self.service.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     @classmethod
     def start(cls, service: TinkerService, **options) -> TinkerServer:
