@@ -243,3 +243,26 @@ def test_rest_endpoints_and_the_api_key(server):
     assert caps.supported_models[0].model_name == BASE and caps.supported_models[0].trainable
     assert httpx.get(f"{server.url}/api/v1/healthz", headers={"X-API-Key": "tml-x"}).json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/api/v1/healthz").status_code == 401
+
+
+def test_new_restored_and_sampling_clients_of_a_known_shape_compile_nothing(client, tokenizer):
+    from compile_counter import count_compiles
+
+    ids = tokenizer.encode("no compiles")
+    d = datum(ids, weights=[1.0] * (len(ids) - 1))
+    first = client.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
+    first.forward_backward([d], "cross_entropy")
+    first.optim_step(types.AdamParams(learning_rate=1e-2))
+    first.forward([d], "cross_entropy")
+    first.save_weights_and_get_sampling_client().result().compute_logprobs(
+        types.ModelInput.from_ints(ids)).result()  # every program of this shape exists now
+    with count_compiles() as compiles:
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=12).result()
+        tc.forward_backward([d], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        resumed = client.create_training_client_from_state_with_optimizer(tc.save_state("c").result().path).result()
+        resumed.forward_backward([d], "cross_entropy")
+        resumed.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = resumed.save_weights_and_get_sampling_client().result()
+        sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+    assert compiles.total == 0, compiles
