@@ -195,3 +195,29 @@ def test_a_future_is_polled_until_it_settles():
     assert first is None and 0.15 < waited < 2 and second.proto == b"x"
     with pytest.raises(KeyError):
         asyncio.run(futures.wait("nope", 0.1))
+
+
+def test_sessions_expire_and_snapshots_are_bounded(tmp_path):
+    from types import SimpleNamespace
+
+    from posttrain.serve.tinker.sampling import Weights
+    from posttrain.serve.tinker.service import TinkerService, _Sampler
+
+    pool = SimpleNamespace(cfg=SimpleNamespace(vocab_size=10, max_position_embeddings=32), max_len=32)
+    service = TinkerService(pool, tokenizer=None, names=("m",), folder=tmp_path, checkpoints=tmp_path,
+                            session_ttl_s=0.05, keep_snapshots=3)
+    body = {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}
+    old = service.create_session(body)["session_id"]
+    for i in range(5):
+        key = f"{old}:sample:{i}"
+        service._add_sampler(key, _Sampler(Weights(key), owner=f"{old}:train:0"))
+    assert sorted(service.samplers) == [f"{old}:sample:{i}" for i in (2, 3, 4)]  # the newest 3
+    time.sleep(0.1)
+    service.create_session(body)  # sweeps the silent one
+    assert service.sessions[old].finished and not service.samplers
+    from posttrain.serve.tinker.wire import BadInput
+
+    with pytest.raises(BadInput) as e:
+        service.session(old)
+    assert e.value.status == 410
+    service.close()

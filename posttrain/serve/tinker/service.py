@@ -2,14 +2,16 @@
 sampling sessions, and the futures that carry every result.
 
 - Sessions (`create_session`, heartbeats, `finish`): a client's scope. Finishing one drops its training clients and
-  sampling sessions (their memory goes; their saved checkpoints stay on disk).
+  sampling sessions (their memory goes; their saved checkpoints stay on disk); a session not heard from for
+  `session_ttl_s` (10 minutes; the SDK beats every 10 s) is finished when the next session starts.
 - Training clients: `create_model` makes a `Tenant` (`posttrain.training.tenants`) over the base named by its
   served name, id `SESSION:train:N` (the SDK derives the same id itself when it creates a client from a
   checkpoint). Its operations (`forward_backward`, `forward`, `optim_step`, `save_weights`,
   `save_weights_for_sampler`, `load_weights`) run on the training worker in `seq_id` order (`OrderedOps`).
 - Sampling sessions, id `SESSION:sample:N`: the base (`base_model`), a saved checkpoint (`model_path`), or a
   training client's adapters at the moment `save_weights_for_sampler` ran without a name (what
-  `save_weights_and_get_sampling_client` does). `asample` requests go to the sampling worker.
+  `save_weights_and_get_sampling_client` does; a training client keeps its `keep_snapshots` newest ones).
+  `asample` requests go to the sampling worker.
 - Every operation answers a request id at once; its result or error (`{"error", "category"}`) is fetched through
   `retrieve_future`. A request the server cannot run (an unknown model id, a bad tensor, an unsupported loss or
   option) settles as a user error whose message names the field.
@@ -57,6 +59,7 @@ class _Sampler:
     weights: Weights
     model_path: str | None = None
     clients: int = 0
+    owner: str | None = None  # the training client whose adapters it snapshot (None: base or checkpoint)
 
 
 def _types():
@@ -74,9 +77,11 @@ class TinkerService:
     """
 
     def __init__(self, pool: TenantPool, tokenizer, *, names: tuple[str, ...], folder: str | Path,
-                 checkpoints: str | Path, max_slots: int = 32):
+                 checkpoints: str | Path, max_slots: int = 32, session_ttl_s: float = 600.0,
+                 keep_snapshots: int = 8):
         self.pool, self.tokenizer, self.names = pool, tokenizer, tuple(names)
         self.folder = str(Path(folder).absolute())
+        self.session_ttl_s, self.keep_snapshots = session_ttl_s, keep_snapshots
         self.store = CheckpointStore(checkpoints)
         self.futures = Futures()
         self.ops = OrderedOps(self.futures)
@@ -102,10 +107,18 @@ class TinkerService:
     # ------------------------------------------------------------------ sessions
     def create_session(self, body: Any) -> dict:
         parse(_types().CreateSessionRequest, body)
+        self._expire()
         sid = f"session-{secrets.token_hex(6)}"
         with self._lock:
             self.sessions[sid] = _Session(sid, time.monotonic())
         return {"type": "create_session", "session_id": sid}
+
+    def _expire(self) -> None:
+        """Finishes the sessions not heard from for `session_ttl_s` (the SDK beats every 10 s: their client is
+        gone), so a crashed client's adapters do not stay in memory."""
+        now = time.monotonic()
+        for s in [s for s in list(self.sessions.values()) if not s.finished and now - s.last_seen > self.session_ttl_s]:
+            self.finish(s.id)
 
     def session(self, sid: str, field: str = "session_id") -> _Session:
         s = self.sessions.get(sid)
@@ -118,7 +131,9 @@ class TinkerService:
 
     def finish(self, sid: str) -> None:
         """Ends session `sid`: its training clients and sampling sessions are dropped (checkpoints stay)."""
-        s = self.session(sid)
+        s = self.sessions.get(sid)
+        if s is None or s.finished:
+            self.session(sid)  # the error for an unknown or finished session
         with self._lock:
             s.finished = True
             for mid in s.models:
@@ -271,7 +286,7 @@ class TinkerService:
             tenant = self._tenant(req.model_id)
             if target is None:
                 sid = self._sampler_id(req.model_id.split(":train:")[0], req.sampling_session_seq_id)
-                self._add_sampler(sid, _Sampler(Weights(sid, tenant.spec, tenant.params)))
+                self._add_sampler(sid, _Sampler(Weights(sid, tenant.spec, tenant.params), owner=req.model_id))
                 return Reply(json={"sampling_session_id": sid, "type": "save_weights_for_sampler"})
             save_tenant(target[1], tenant, {"base_model": self.name, "user_metadata": req.user_metadata or {}},
                         optimizer=False, overwrite=True)
@@ -329,8 +344,14 @@ class TinkerService:
         return f"{sid}:sample:{seq}"
 
     def _add_sampler(self, key: str, entry: _Sampler) -> None:
+        """Registers a sampling session; a training client keeps its `keep_snapshots` newest snapshots (an RL loop
+        takes one a step and never samples an old one again: their adapters' memory goes)."""
         with self._lock:
             self.samplers[key] = entry
+            if entry.owner is not None:
+                mine = [k for k, e in self.samplers.items() if e.owner == entry.owner]
+                for old in mine[:-self.keep_snapshots]:
+                    del self.samplers[old]
             session = self.sessions.get(key.split(":sample:")[0])
             if session is not None:
                 session.samplers.append(key)
