@@ -310,7 +310,7 @@ class TinkerService:
             saved = load_tenant(folder, optimizer=req.optimizer)
             _same_structure(LoraSpec.from_json(saved["meta"]["lora"]), tenant.spec)
             fresh = self.pool.restore(tenant.spec, saved["params"], saved["opt_state"], tenant.steps)
-            tenant.params = fresh.params
+            tenant.params, tenant.grads, tenant.pending = fresh.params, fresh.grads, 0
             if req.optimizer:
                 tenant.opt_state = fresh.opt_state
             return Reply(json={"path": req.path, "model_id": req.model_id, "type": "load_weights"})
@@ -417,7 +417,7 @@ class TinkerService:
     async def retrieve(self, body: Any, poll_s: float) -> Reply | None:
         req = parse(_types().FutureRetrieveRequest, body)
         if not self.futures.known(req.request_id):
-            raise BadInput(f"request_id: unknown request {req.request_id!r}")
+            raise BadInput(f"request_id: unknown request {req.request_id!r}", status=404)
         return await self.futures.wait(req.request_id, poll_s)
 
     def capabilities(self) -> dict:
