@@ -158,9 +158,9 @@ def test_operations_run_in_seq_order_when_submitted(server, client, tokenizer):
     service = server.service
     rid = service.forward_backward(_proto(tc.model_id, 4, ids), None)
     deadline = time.monotonic() + 60
-    while not service.futures._entries[rid][0].done() and time.monotonic() < deadline:
+    while service.futures.settled(rid) is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert service.futures._entries[rid][0].result().proto is not None
+    assert service.futures.settled(rid).proto is not None
 
 
 def _proto(model_id: str, seq: int, ids: list[int]) -> bytes:

@@ -68,6 +68,12 @@ class Futures:
     def fail(self, rid: str, message: str, category: str = "user") -> None:
         self.resolve(rid, Reply.error(message, category))
 
+    def settled(self, rid: str) -> Reply | None:
+        """The entry's reply if it is settled, else None (an unknown id: None)."""
+        with self._lock:
+            entry = self._entries.get(rid)
+        return entry[0].result() if entry is not None and entry[0].done() else None
+
     def known(self, rid: str) -> bool:
         with self._lock:
             return rid in self._entries
