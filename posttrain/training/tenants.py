@@ -24,7 +24,6 @@ is) stays valid after later steps.
 from __future__ import annotations
 
 import dataclasses
-import math
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -99,15 +98,13 @@ class AdamSettings:
 
 @dataclasses.dataclass
 class Tenant:
-    """One LoRA training client's state (module docstring). `steps`: optimizer updates applied; `pending`:
-    `forward_backward` calls accumulated since the last update."""
+    """One LoRA training client's state (module docstring). `steps`: optimizer updates applied."""
 
     spec: LoraSpec
     params: Any
     opt_state: Any
     grads: Any
     steps: int = 0
-    pending: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +246,6 @@ class TenantPool:
             logp, loss_sum = fn(tenant.params, self.rest, *args)
         else:
             tenant.grads, logp, loss_sum = fn(tenant.params, self.rest, tenant.grads, *args)
-            tenant.pending += 1
         return batch.per_row(np.asarray(logp)), float(loss_sum)
 
     def logprobs(self, spec: LoraSpec | None, params, rows: Sequence[TokenRow]) -> list[np.ndarray]:
@@ -275,7 +271,6 @@ class TenantPool:
         tenant.params, tenant.opt_state, tenant.grads, metrics = self._update(tenant.params, tenant.opt_state,
                                                                               tenant.grads, hp)
         tenant.steps += 1
-        tenant.pending = 0
         return {k: float(v) for k, v in metrics.items()}
 
     def _program(self, spec: LoraSpec, loss: str, config: tuple, forward_only: bool):
@@ -335,6 +330,3 @@ def random_seed() -> int:
     """A seed for a tenant that asked for none."""
     return secrets.randbits(31)
 
-
-def lora_param_count(tenant: Tenant) -> int:
-    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tenant.params)))

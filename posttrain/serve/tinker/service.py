@@ -310,7 +310,7 @@ class TinkerService:
             saved = load_tenant(folder, optimizer=req.optimizer)
             _same_structure(LoraSpec.from_json(saved["meta"]["lora"]), tenant.spec)
             fresh = self.pool.restore(tenant.spec, saved["params"], saved["opt_state"], tenant.steps)
-            tenant.params, tenant.grads, tenant.pending = fresh.params, fresh.grads, 0
+            tenant.params, tenant.grads = fresh.params, fresh.grads
             if req.optimizer:
                 tenant.opt_state = fresh.opt_state
             return Reply(json={"path": req.path, "model_id": req.model_id, "type": "load_weights"})
