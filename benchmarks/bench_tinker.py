@@ -1,5 +1,5 @@
 """Benchmark: a LoRA training step through the Tinker API (`forward_backward` + `optim_step` from the `tinker` SDK
-over HTTP to `python -m posttrain.serve.tinker`) against the same LoRA step through `posttrain sft`: the API's
+over HTTP to `posttrain serve MODEL --tinker`) against the same LoRA step through `posttrain sft`: the API's
 overhead as a ratio of tokens/s, in one run.
 
 Same Llama-shaped model (random weights written once as a HF folder with a character tokenizer), same rows (random
@@ -99,10 +99,12 @@ def run_api(folder: Path, rows: list[list[int]], ckpts: Path, args) -> list[floa
     from tinker import types
 
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "posttrain.serve.tinker", str(folder), "--port", str(port),
-                               "--checkpoints", str(ckpts), "--served-model-name", "bench"], cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    log = open(ckpts.parent / "server.log", "w+")  # a file, not a pipe: one log line per request never blocks it
+    server = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "serve", str(folder), "--tinker",
+                               "--port", str(port), "--tinker-checkpoints", str(ckpts), "--served-model-name", "bench"],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                              stderr=log, text=True)
+    server.log = log
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, server)
@@ -131,7 +133,8 @@ def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300) -> N
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited:\n{server.stderr.read()[-3000:]}")
+            server.log.seek(0)
+            raise RuntimeError(f"the server exited:\n{server.log.read()[-3000:]}")
         try:
             if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": "tml-bench"}, timeout=2).status_code == 200:
                 return

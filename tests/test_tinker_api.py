@@ -21,19 +21,24 @@ BASE = "tiny:llama"
 pytestmark = pytest.mark.slow
 
 
+KEY = "tml-test"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from posttrain.serve.tinker import TinkerServer, open_service
+    """`posttrain serve tiny:llama --tinker --api-key tml-test` in this process (the OpenAI routes beside)."""
+    from posttrain.serve import Server, ServeConfig
 
-    service = open_service(BASE, checkpoints=tmp_path_factory.mktemp("tinker-ckpts"), max_slots=8)
-    srv = TinkerServer.start(service, poll_s=5.0)
+    config = ServeConfig(model=BASE, port=0, api_key=KEY, max_slots=8, segment_steps=8, tinker=True,
+                         tinker_checkpoints=str(tmp_path_factory.mktemp("tinker-ckpts")))
+    srv = Server(config).start()
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    sc = tinker.ServiceClient(base_url=server.url, api_key="tml-test")
+    sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
     yield sc
     sc.close("success").result()
 
@@ -155,7 +160,7 @@ def test_operations_run_in_seq_order_when_submitted(server, client, tokenizer):
     lp_before, lp_after = logprobs_of(before.result())[0], logprobs_of(after.result())[0]
     assert lp_after.sum() > lp_before.sum()  # the forward submitted after the step saw it
     # computed when submitted, not when polled: with nobody polling, the future settles anyway
-    service = server.service
+    service = server.state.tinker
     rid = service.forward_backward(_proto(tc.model_id, 4, ids), None)
     deadline = time.monotonic() + 60
     while service.futures.settled(rid) is None and time.monotonic() < deadline:
@@ -235,14 +240,22 @@ def test_bad_requests_fail_with_the_field_named_and_the_server_goes_on(client, t
         client.create_lora_training_client(base_model="not-served", rank=4).result()
 
 
-def test_rest_endpoints_and_the_api_key(server):
+def test_rest_endpoints_the_api_key_and_the_openai_routes_beside(server):
     import httpx
 
-    rest = tinker.RestClient(base_url=server.url, api_key="tml-test")
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)
     caps = rest.get_server_capabilities().result()
     assert caps.supported_models[0].model_name == BASE and caps.supported_models[0].trainable
-    assert httpx.get(f"{server.url}/api/v1/healthz", headers={"X-API-Key": "tml-x"}).json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/api/v1/healthz", headers={"X-API-Key": KEY}).json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/api/v1/healthz", headers={"X-API-Key": "tml-x"}).status_code == 401
     assert httpx.get(f"{server.url}/api/v1/healthz").status_code == 401
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=server.url, api_key="tml-wrong").get_server_capabilities()
+    # the same server, the same key as a bearer token: the OpenAI-compatible routes
+    models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert [m["id"] for m in models["data"]] == [BASE]
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'endpoint="/api/v1/create_session"' in metrics and 'endpoint="/api/v1/retrieve_future"' in metrics
 
 
 def test_new_restored_and_sampling_clients_of_a_known_shape_compile_nothing(client, tokenizer):

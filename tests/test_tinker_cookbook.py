@@ -32,10 +32,11 @@ pytestmark = pytest.mark.slow  # the SDK against a live server, two training loo
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    from posttrain.serve.tinker import TinkerServer, open_service
+    """`posttrain serve tiny:llama --tinker` in this process."""
+    from posttrain.serve import Server, ServeConfig
 
-    srv = TinkerServer.start(open_service(BASE, checkpoints=tmp_path_factory.mktemp("ckpts"), max_slots=8),
-                             poll_s=5.0)
+    srv = Server(ServeConfig(model=BASE, port=0, max_slots=8, segment_steps=8, tinker=True,
+                             tinker_checkpoints=str(tmp_path_factory.mktemp("ckpts")))).start()
     yield srv.url
     srv.stop()
 

@@ -204,17 +204,21 @@ def test_sessions_expire_and_snapshots_are_bounded(tmp_path):
     from posttrain.serve.tinker.service import TinkerService, _Sampler
 
     pool = SimpleNamespace(cfg=SimpleNamespace(vocab_size=10, max_position_embeddings=32), max_len=32)
-    service = TinkerService(pool, tokenizer=None, names=("m",), folder=tmp_path, checkpoints=tmp_path,
-                            session_ttl_s=0.05, keep_snapshots=3)
+    closed = []  # the engine lanes the service lets go
+    sampling = SimpleNamespace(pool=pool, max_len=32, close=lambda w: closed.append(w.lane))
+    service = TinkerService(sampling, names=("m",), folder=tmp_path, checkpoints=tmp_path, session_ttl_s=0.05,
+                            keep_snapshots=3)
     body = {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}
     old = service.create_session(body)["session_id"]
     for i in range(5):
         key = f"{old}:sample:{i}"
-        service._add_sampler(key, _Sampler(Weights(key), owner=f"{old}:train:0"))
+        service._add_sampler(key, _Sampler(Weights(f"lane{i}"), owner=f"{old}:train:0"))
     assert sorted(service.samplers) == [f"{old}:sample:{i}" for i in (2, 3, 4)]  # the newest 3
+    assert closed == ["lane0", "lane1"]  # the older snapshots' lanes left the engine
     time.sleep(0.1)
     service.create_session(body)  # sweeps the silent one
     assert service.sessions[old].finished and not service.samplers
+    assert sorted(closed) == [f"lane{i}" for i in range(5)]
     from posttrain.serve.tinker.wire import BadInput
 
     with pytest.raises(BadInput) as e:

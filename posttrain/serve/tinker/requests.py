@@ -1,7 +1,8 @@
-"""An `asample` request (the SDK's `SampleRequest`), checked and turned into a `SampleJob` for the sampling worker.
+"""An `asample` request (the SDK's `SampleRequest`), checked and turned into a `SampleJob` for the serving engine.
 
-Mapping of the Tinker sampling parameters: `max_tokens` (None: 256, at most what the context leaves), `temperature`
-(0: greedy), `top_k` (-1 or 0: off), `top_p`, `seed` (None: a fresh one; any integer, folded to 32 bits), `stop`
+Mapping of the Tinker sampling parameters onto the serving engine's per-sequence ones: `max_tokens` (None: 256, at most
+what the context leaves), `temperature` (0: greedy), `top_k` (-1 or 0: off), `top_p`, `seed` (None: a fresh one; any
+integer, folded to 32 bits), `stop`
 (None: the model's end-of-sequence ids; `[]`: none, sample `max_tokens`; token ids: exactly those; strings: the
 sequence ends at the token that completes the first one, end-of-sequence ids still stop it). Prompt chunks must be
 text tokens. Features this server does not compute are refused by name, never silently ignored: top-k log-probs,
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from posttrain.sampling import SamplingParams
 from posttrain.serve.tinker.sampling import SampleJob, Weights
 from posttrain.serve.tinker.wire import BadInput
 
@@ -59,7 +59,7 @@ def _stops(stop) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
     raise BadInput("sampling_params.stop: a string, a list of strings or a list of token ids")
 
 
-def _params(sp, prompt_len: int, num_samples: int, max_len: int) -> SamplingParams:
+def _budget(sp, prompt_len: int, max_len: int) -> int:
     room = max_len - prompt_len
     max_tokens = min(DEFAULT_MAX_TOKENS, room) if sp.max_tokens is None else sp.max_tokens
     if max_tokens < 1 or max_tokens > room:
@@ -71,10 +71,7 @@ def _params(sp, prompt_len: int, num_samples: int, max_len: int) -> SamplingPara
         raise BadInput(f"sampling_params.top_p: {sp.top_p} must be in (0, 1]")
     if sp.top_k < -1:
         raise BadInput(f"sampling_params.top_k: {sp.top_k} must be -1 (off) or >= 0")
-    ids, _ = _stops(sp.stop)
-    return SamplingParams(max_new_tokens=int(max_tokens), temperature=float(sp.temperature), top_k=max(sp.top_k, 0),
-                          top_p=float(sp.top_p), stop_token_ids=ids, n=num_samples,
-                          seed=0 if sp.seed is None else int(sp.seed) & 0xFFFFFFFF)
+    return int(max_tokens)
 
 
 def check_sample(req, weights: Weights, reply: Callable, *, vocab: int, max_len: int) -> SampleJob:
@@ -87,6 +84,8 @@ def check_sample(req, weights: Weights, reply: Callable, *, vocab: int, max_len:
     if last_n is not None and (not req.prompt_logprobs or not 1 <= last_n <= len(prompt) - 1):
         raise BadInput(f"prompt_logprobs_last_n: {last_n} needs prompt_logprobs and must be in "
                        f"[1, {len(prompt) - 1}]")
-    params = _params(req.sampling_params, len(prompt), req.num_samples, max_len)
-    return SampleJob(weights, prompt, req.num_samples, params, req.sampling_params.seed is not None,
-                     _stops(req.sampling_params.stop)[1], bool(req.prompt_logprobs), last_n, reply)
+    sp = req.sampling_params
+    stop_ids, stop_strings = _stops(sp.stop)
+    return SampleJob(weights, prompt, req.num_samples, _budget(sp, len(prompt), max_len), float(sp.temperature),
+                     max(sp.top_k, 0), float(sp.top_p), None if sp.seed is None else int(sp.seed), stop_ids,
+                     stop_strings, bool(req.prompt_logprobs), last_n, reply)

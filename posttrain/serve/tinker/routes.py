@@ -1,5 +1,5 @@
-"""The Tinker API's HTTP routes (a FastAPI `APIRouter` mounted under `/api/v1`), as the `tinker` SDK (0.38.0) calls
-them.
+"""The Tinker API's HTTP routes (a FastAPI `APIRouter` that `posttrain serve --tinker` mounts under `/api/v1`), as the
+`tinker` SDK (0.38.0) calls them.
 
 Served: `healthz`, `get_server_capabilities`, `client/config` and `client/dynamic_config` (the feature flags this
 server supports: plain API keys, uncompressed-or-zstd protobuf `forward_backward` bodies, one `retrieve_future` poll
@@ -8,8 +8,8 @@ per request, client-side custom losses), `telemetry` (accepted and dropped), `cr
 `optim_step`, `save_weights`, `save_weights_for_sampler`, `load_weights`, `create_sampling_session`,
 `join_sampling_session`, `samplers/{id}`, `asample`, `cancel_future` and `retrieve_future`.
 
-Every request needs `X-API-Key` (the SDK's rule: it starts with `tml-`; with a server key, it must equal it: 401
-otherwise). Operations answer a request id at once; `retrieve_future` holds the poll up to `poll_s` seconds and
+The API key is the server's (`posttrain serve --api-key`, checked in front of every route): the SDK sends it as
+`X-API-Key` (and insists it starts with `tml-`, so give the server a `tml-` key). Operations answer a request id at once; `retrieve_future` holds the poll up to `poll_s` seconds and
 answers `{"type": "try_again"}` while the operation runs, the result when it is done (protobuf for
 `forward_backward` and sampling, JSON otherwise) or `{"error", "category"}`. Any other bad request is a 400 with
 `{"detail": ...}` naming the field (404 for an unknown session, 410 for a finished one); a failure of ours is a 500
@@ -19,7 +19,6 @@ with one line, its traceback in the server's log only.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from typing import Any, Awaitable, Callable
@@ -31,10 +30,11 @@ from posttrain.serve.tinker.futures import Reply
 from posttrain.serve.tinker.service import TinkerService
 from posttrain.serve.tinker.wire import BadInput
 
-__all__ = ["CLIENT_CONFIG", "build_router"]
+__all__ = ["CLIENT_CONFIG", "PREFIX", "build_router"]
 
 log = logging.getLogger("posttrain.serve.tinker")
 PROTOBUF = "application/x-protobuf"
+PREFIX = "/api/v1"  # where the SDK looks for the routes
 
 #: the SDK's feature flags as this server supports them (`tinker.types.ClientConfigResponse`)
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "proto_compress_fwdbwd": False,
@@ -61,32 +61,18 @@ async def _json(request: Request) -> Any:
         raise BadInput(f"the request body is not valid JSON ({e})") from None
 
 
-def _authorized(request: Request, key: str | None) -> str | None:
-    """None when the request may go on, else why not."""
-    given = request.headers.get("x-api-key", "")
-    if not given.startswith("tml-"):
-        return "missing or malformed X-API-Key (Tinker keys start with 'tml-')"
-    if key and not hmac.compare_digest(given, key):
-        return "invalid X-API-Key"
-    return None
-
-
-def build_router(service: TinkerService, *, api_key: str | None = None, poll_s: float = 20.0) -> APIRouter:
-    """The routes over `service` (module docstring); mount with `app.include_router(router, prefix="/api/v1")`."""
+def build_router(service: TinkerService, *, poll_s: float = 20.0) -> APIRouter:
+    """The routes over `service` (module docstring); mount with `app.include_router(router, prefix=PREFIX)`."""
     router = APIRouter()
     for method, path, handler in _handlers(service, poll_s):
-        router.add_api_route(path, _endpoint(handler, api_key, f"{method} {path}"), methods=[method],
-                             include_in_schema=False)
+        router.add_api_route(path, _endpoint(handler, f"{method} {path}"), methods=[method], include_in_schema=False)
     return router
 
 
-def _endpoint(handler: Callable[[Request], Awaitable[Response]], api_key: str | None, what: str):
-    """The route around `handler`: the API key first; a `BadInput` becomes its status with the message, anything
-    else a 500 with one line."""
+def _endpoint(handler: Callable[[Request], Awaitable[Response]], what: str):
+    """The route around `handler`: a `BadInput` becomes its status with the message, anything else a 500 with one
+    line."""
     async def endpoint(request: Request) -> Response:
-        refusal = _authorized(request, api_key)
-        if refusal is not None:
-            return _detail(401, refusal)
         try:
             return await handler(request)
         except BadInput as e:

@@ -1,154 +1,178 @@
-"""Sampling for the Tinker routes: a thread that runs `posttrain.sampling.Sampler` over the weights a sampling
-session names (the base, or a training client's adapters saved for the sampler).
+"""Sampling for the Tinker routes on the server's serving engine: the same continuous batching as the OpenAI routes.
 
-This is the seam until the server's shared engine serves Tinker sampling sessions too (`posttrain serve`'s
-continuous batching): requests queue here, and each round the thread takes every waiting one and runs them in as few
-`generate` calls as their settings allow (same weights, samples per prompt and sampling parameters; a request
-without a seed shares a fresh one with the others of its call, each prompt with its own key, and a seeded request
-draws exactly what it would alone). Stop strings end a sequence at the token that completes the first one (the
-sampler stops on token ids; the rest is cut here). Prompt log-probs (`compute_logprobs`) are the learner's
-teacher-forced numbers (`TenantPool.logprobs`), NaN for the first token and before `prompt_logprobs_last_n`.
+A sampling session over the base samples in the base's lane. One over adapters (a training client's, saved for the
+sampler, or a checkpoint's) gets a lane of its own while it lives (`open`, `close`): a `Policy` over a model that
+shares the base's arrays with the adapters attached (`TenantPool.model`), its compiled programs those of every
+lane of its adapter structure (one `ProgramCache`), its cache made only while it has work. An `asample` request is
+`num_samples` sequences submitted together (`AsyncEngine.start`), sample i drawing from keys of (seed, i): a seeded
+request gives the same tokens whatever else shares the batch; an unseeded one gets a fresh seed. Its answer is
+made on the event loop as the tokens arrive:
 
-A sampler per weights is kept for the most recent sessions (`keep`), their compiled programs shared (one
-`ProgramCache`), so a training loop that opens a sampling session every step compiles nothing new.
+- stop token ids other than the model's own (`stop` given as ids) and stop strings end a sequence at the token
+  that completes the first one (the rest of the sequence is cancelled in the engine: its slot frees);
+- prompt log-probs (`compute_logprobs`) are the engine's teacher-forced scores under the session's weights
+  (`posttrain.sampling.scoring`), NaN for the first token and before `prompt_logprobs_last_n`;
+- a full engine queue holds the request back (the client's future stays pending) instead of failing it.
 """
 
 from __future__ import annotations
 
-import collections
+import asyncio
 import dataclasses
 import logging
-import queue
 import secrets
-import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from posttrain.sampling import ProgramCache, Sampler, SamplingParams
+from posttrain.rollout.policy import Policy
+from posttrain.sampling.serving import Finished, SequenceRequest
+from posttrain.serve.engine import AsyncEngine
+from posttrain.serve.errors import APIError
 from posttrain.serve.tinker.futures import Reply
-from posttrain.serve.tinker.ops import reply_of
 from posttrain.serve.tinker.wire import SampledSequence, sample_response
-from posttrain.training.tenants import LoraSpec, TenantPool, TokenRow
+from posttrain.training.tenants import LoraSpec, TenantPool
 
-__all__ = ["SampleJob", "SamplingWorker", "Weights"]
+__all__ = ["EngineSampling", "SampleJob", "Weights"]
 
 log = logging.getLogger("posttrain.serve.tinker")
+RETRY_S = 0.05  # how soon a request held back by a full queue tries again
 
 
 @dataclasses.dataclass(frozen=True)
 class Weights:
-    """What a sampling session samples from: `key` (the session), the adapters' spec and arrays (None: the base)."""
+    """What a sampling session samples from: its engine `lane`, the adapters' spec and arrays (None: the base)."""
 
-    key: str
+    lane: str
     spec: LoraSpec | None = None
     params: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class SampleJob:
-    """One `asample` request, checked: prompt ids, samples, sampler settings (seed None: any), stop strings,
-    whether to score the prompt (and only its last `last_n` tokens), and where its reply goes."""
+    """One `asample` request, checked: prompt ids, samples, token budget and sampling settings (seed None: a fresh
+    one), stop token ids replacing the model's (None: the model's), stop strings, whether to score the prompt (and
+    only its last `last_n` tokens), and where its reply goes."""
 
     weights: Weights
     prompt: tuple[int, ...]
     num_samples: int
-    params: SamplingParams
-    seeded: bool
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop_ids: tuple[int, ...] | None
     stop_strings: tuple[str, ...]
     prompt_logprobs: bool
     last_n: int | None
     reply: Callable[[Reply], None]
 
 
-class SamplingWorker:
-    """The sampling thread (module docstring). `max_slots`: sequences decoded at once per call at most."""
+class EngineSampling:
+    """Sampling sessions' lanes and requests on `engine` (module docstring); `base` is the base's lane and policy."""
 
-    def __init__(self, pool: TenantPool, tokenizer, *, max_slots: int = 32, keep: int = 4):
-        self.pool, self.tokenizer = pool, tokenizer
-        self.max_slots, self.keep = max_slots, keep
-        self.programs = ProgramCache()
-        self._samplers: collections.OrderedDict[str, Sampler] = collections.OrderedDict()
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="tinker-sampling", daemon=True)
-        self._thread.start()
+    def __init__(self, engine: AsyncEngine, base_lane: str, base: Policy, pool: TenantPool):
+        self.engine, self.base_lane, self.base, self.pool = engine, base_lane, base, pool
+        self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def max_len(self) -> int:
+        return self.engine.max_len
+
+    # ------------------------------------------------------------------ lanes (any thread but the event loop's)
+    def open(self, key: str, spec: LoraSpec | None = None, params=None) -> Weights:
+        """The weights of a new session `key`: the base's lane, or a lane of its own over `params`."""
+        if spec is None:
+            return Weights(self.base_lane)
+        lane = f"tinker/{key}"
+        policy = Policy(self.pool.model(spec, params), self.base.tokenizer, folder=self.base.encoder.folder,
+                        style=self.base.style, max_slots=self.engine.engine.slots,
+                        program_cache=self.base.sampler.program_cache)
+        self.engine.engine.add_lane(lane, policy.sampler).result()
+        return Weights(lane, spec, params)
+
+    def close(self, weights: Weights) -> None:
+        """Ends a session's lane (its sequences in flight end as cancelled); the base's stays."""
+        if weights.lane != self.base_lane:
+            self.engine.engine.remove_lane(weights.lane)
+
+    # ------------------------------------------------------------------ requests (on the event loop)
     def submit(self, job: SampleJob) -> None:
-        self._jobs.put(job)
+        """Starts the job on the event loop; its reply comes through `job.reply`."""
+        task = asyncio.get_running_loop().create_task(self._answer(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    def stop(self, timeout: float | None = 10.0) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout)
+    async def _answer(self, job: SampleJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            reply = await self._sample(job)
+            log.info("tinker: sampled %d sequence(s) in %.3fs", job.num_samples, time.perf_counter() - t0)
+        except APIError as e:
+            reply = Reply.error(f"sample: {e.message}", "user" if e.status < 500 else "server")
+        except Exception as e:  # noqa: BLE001 - the client's future carries it in one line; the log has the traceback
+            log.exception("tinker: sampling failed")
+            reply = Reply.error(f"sample: internal error ({type(e).__name__}: {e})", "server")
+        job.reply(reply)
 
-    def _loop(self) -> None:
+    async def _sample(self, job: SampleJob) -> Reply:
+        seed = secrets.randbits(32) if job.seed is None else job.seed & 0xFFFFFFFF
+        reqs = [SequenceRequest(list(job.prompt), job.max_tokens, temperature=job.temperature, top_k=job.top_k,
+                                top_p=job.top_p, seed=seed, sample=i, ignore_stop=job.stop_ids is not None)
+                for i in range(job.num_samples)]
         while True:
-            jobs = [self._jobs.get()]
-            while True:
-                try:
-                    jobs.append(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
-            if None in jobs:
-                return
-            groups: dict[tuple, list[SampleJob]] = {}
-            for job in jobs:
-                seed_key = job.params.seed if job.seeded else None
-                groups.setdefault((job.weights.key, job.num_samples, job.params, seed_key), []).append(job)
-            for group in groups.values():
-                t0 = time.perf_counter()
-                try:
-                    self._run(group)
-                    log.info("tinker: sampled %d request(s) of %d sample(s) in %.3fs", len(group),
-                             group[0].num_samples, time.perf_counter() - t0)
-                except Exception as e:  # noqa: BLE001 - every request of the call gets the error; the thread goes on
-                    log.exception("tinker: sampling failed")
-                    for job in group:
-                        job.reply(Reply.error(f"sample: internal error ({type(e).__name__}: {e})", "server"))
+            try:
+                handles = self.engine.start(job.weights.lane, reqs, param="prompt")
+                break
+            except APIError as e:
+                if e.code != "queue_full":
+                    raise
+                await asyncio.sleep(RETRY_S)
+        sequences = await asyncio.gather(*(self._collect(h, job) for h in handles))
+        return Reply(proto=sample_response(list(sequences), await self._prompt_logprobs(job)))
 
-    def _sampler(self, weights: Weights) -> Sampler:
-        sampler = self._samplers.pop(weights.key, None)
-        if sampler is None:
-            model = self.pool.model(weights.spec, weights.params)
-            sampler = Sampler(model, self.tokenizer, max_slots=self.max_slots, program_cache=self.programs)
-        self._samplers[weights.key] = sampler
-        while len(self._samplers) > self.keep:
-            self._samplers.popitem(last=False)
-        return sampler
+    async def _collect(self, handle, job: SampleJob) -> SampledSequence:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        async for ev in handle.events():
+            if isinstance(ev, Finished):
+                if ev.reason in ("error", "cancelled"):
+                    raise APIError(503 if ev.reason == "cancelled" else 500,
+                                   ev.error or "the sampling session was closed while it sampled")
+                return SampledSequence(tokens, logprobs, ev.reason == "stop")
+            start = len(tokens)
+            tokens += ev.token_ids
+            logprobs += ev.logprobs
+            end = self._stop_at(tokens, start, job)
+            if end is not None:
+                handle.cancel()
+                return SampledSequence(tokens[:end], logprobs[:end], True)
+        raise APIError(500, "the sequence ended without its end")
 
-    def _run(self, group: list[SampleJob]) -> None:
-        first = group[0]
-        params, key_ids = first.params, [0] * len(group)
-        if not first.seeded:
-            params = dataclasses.replace(params, seed=secrets.randbits(32))
-            key_ids = list(range(len(group)))
-        completions = self._sampler(first.weights).generate([list(j.prompt) for j in group], params,
-                                                            key_ids=key_ids)
-        n = first.num_samples
-        for i, job in enumerate(group):
-            def answer(job=job, mine=completions[i * n:(i + 1) * n]):
-                sequences = [self._cut(c.token_ids, c.logprobs, c.finish_reason == "stop", job.stop_strings)
-                             for c in mine]
-                return Reply(proto=sample_response(sequences, self._prompt_logprobs(job)))
+    def _stop_at(self, tokens: list[int], start: int, job: SampleJob) -> int | None:
+        """The length of the sequence cut after its first stop (an id of `stop_ids` or the token completing a stop
+        string) among the tokens from `start` on; None when none is there yet."""
+        if job.stop_ids:
+            for k in range(start, len(tokens)):
+                if tokens[k] in job.stop_ids:
+                    return k + 1
+        if job.stop_strings:
+            decode = self.base.tokenizer.decode
+            if any(s in decode(tokens, skip_special_tokens=False) for s in job.stop_strings):
+                for k in range(max(start, 1), len(tokens) + 1):
+                    if any(s in decode(tokens[:k], skip_special_tokens=False) for s in job.stop_strings):
+                        return k
+        return None
 
-            job.reply(reply_of(answer, "sample"))
-
-    def _cut(self, tokens: list[int], logprobs: list[float], stopped: bool, stops: tuple[str, ...]):
-        """The sequence ended at the token that completes its first stop string (if any)."""
-        if stops and any(s in self.tokenizer.decode(tokens, skip_special_tokens=False) for s in stops):
-            for k in range(1, len(tokens) + 1):
-                if any(s in self.tokenizer.decode(tokens[:k], skip_special_tokens=False) for s in stops):
-                    return SampledSequence(tokens[:k], logprobs[:k], True)
-        return SampledSequence(list(tokens), list(logprobs), stopped)
-
-    def _prompt_logprobs(self, job: SampleJob) -> np.ndarray | None:
+    async def _prompt_logprobs(self, job: SampleJob) -> np.ndarray | None:
         if not job.prompt_logprobs:
             return None
-        ids = np.asarray(job.prompt, np.int32)
-        out = np.full(len(ids), np.nan, np.float32)
-        if len(ids) > 1:
-            w = job.weights
-            out[1:] = self.pool.logprobs(w.spec, w.params, [TokenRow(ids[:-1], ids[1:])])[0]
+        out = np.full(len(job.prompt), np.nan, np.float32)
+        if len(job.prompt) > 1:
+            scored = (await self.engine.score(job.weights.lane, [list(job.prompt)], 0))[0]
+            out[1:] = np.asarray(scored.logprobs, np.float32)
         if job.last_n is not None:
-            out[: len(ids) - job.last_n] = np.nan
+            out[: len(job.prompt) - job.last_n] = np.nan
         return out

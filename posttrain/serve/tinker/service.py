@@ -11,7 +11,8 @@ sampling sessions, and the futures that carry every result.
 - Sampling sessions, id `SESSION:sample:N`: the base (`base_model`), a saved checkpoint (`model_path`), or a
   training client's adapters at the moment `save_weights_for_sampler` ran without a name (what
   `save_weights_and_get_sampling_client` does; a training client keeps its `keep_snapshots` newest ones).
-  `asample` requests go to the sampling worker.
+  `asample` requests go to the server's serving engine (`sampling`: the base's lane, or a lane of the session's
+  own over its adapters while it lives).
 - Every operation answers a request id at once; its result or error (`{"error", "category"}`) is fetched through
   `retrieve_future`. A request the server cannot run (an unknown model id, a bad tensor, an unsupported loss or
   option) settles as a user error whose message names the field.
@@ -29,7 +30,7 @@ from typing import Any
 from posttrain.serve.tinker.futures import Futures, Reply
 from posttrain.serve.tinker.ops import OrderedOps
 from posttrain.serve.tinker.requests import check_sample
-from posttrain.serve.tinker.sampling import SampleJob, SamplingWorker, Weights
+from posttrain.serve.tinker.sampling import EngineSampling, SampleJob, Weights
 from posttrain.serve.tinker.store import CheckpointStore
 from posttrain.serve.tinker.wire import BadInput, forward_backward_output, parse, read_forward_backward
 from posttrain.training.tenant_checkpoints import load_tenant, save_tenant
@@ -69,23 +70,22 @@ def _types():
 
 
 class TinkerService:
-    """The Tinker API over `pool`'s base (module docstring).
+    """The Tinker API over `sampling.pool`'s base (module docstring).
 
-    names: the names a client may ask for as `base_model` (the first is the served name); tokenizer: the base's
-    (`posttrain.models.tokenizer`); folder: its checkpoint folder (handed to clients as the tokenizer id, so
-    `get_tokenizer()` loads it without a hub); checkpoints: where `tinker://` checkpoints are written.
+    sampling: the sampling sessions on the server's engine (its `pool`: the base the training clients adapt).
+    names: the names a client may ask for as `base_model` (the first is the served name); folder: the base's
+    checkpoint folder (handed to clients as the tokenizer id, so `get_tokenizer()` loads it without a hub);
+    checkpoints: where `tinker://` checkpoints are written.
     """
 
-    def __init__(self, pool: TenantPool, tokenizer, *, names: tuple[str, ...], folder: str | Path,
-                 checkpoints: str | Path, max_slots: int = 32, session_ttl_s: float = 600.0,
-                 keep_snapshots: int = 8):
-        self.pool, self.tokenizer, self.names = pool, tokenizer, tuple(names)
+    def __init__(self, sampling: EngineSampling, *, names: tuple[str, ...], folder: str | Path,
+                 checkpoints: str | Path, session_ttl_s: float = 600.0, keep_snapshots: int = 8):
+        self.sampling, self.pool, self.names = sampling, sampling.pool, tuple(names)
         self.folder = str(Path(folder).absolute())
         self.session_ttl_s, self.keep_snapshots = session_ttl_s, keep_snapshots
         self.store = CheckpointStore(checkpoints)
         self.futures = Futures()
         self.ops = OrderedOps(self.futures)
-        self.sampling = SamplingWorker(pool, tokenizer, max_slots=max_slots)
         self.sessions: dict[str, _Session] = {}
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
@@ -100,9 +100,19 @@ class TinkerService:
     def vocab(self) -> int:
         return int(self.pool.cfg.vocab_size)
 
+    @classmethod
+    def open(cls, engine, lane: str, policy, *, names: tuple[str, ...], checkpoints: str | Path) -> TinkerService:
+        """The service over the base `policy` (a `Policy` served in `lane` of the serving `engine`, an
+        `AsyncEngine`): its training clients adapt the policy's model (its arrays shared, never trained)."""
+        folder = policy.encoder.folder
+        if folder is None:
+            raise ValueError("the Tinker API needs the served model's checkpoint folder (its tokenizer for clients)")
+        sampling = EngineSampling(engine, lane, policy, TenantPool(policy.model))
+        return cls(sampling, names=names, folder=folder, checkpoints=checkpoints)
+
     def close(self) -> None:
+        """Stops the training worker (operations queued still run first); the engine is the server's."""
         self.ops.stop()
-        self.sampling.stop()
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, body: Any) -> dict:
@@ -139,8 +149,9 @@ class TinkerService:
             for mid in s.models:
                 self.models.pop(mid, None)
                 self.ops.close(mid)
-            for key in s.samplers:
-                self.samplers.pop(key, None)
+            closed = [self.samplers.pop(key) for key in s.samplers if key in self.samplers]
+        for entry in closed:
+            self.sampling.close(entry.weights)
 
     # ------------------------------------------------------------------ training clients
     def _base(self, name: str | None, field: str) -> None:
@@ -286,7 +297,8 @@ class TinkerService:
             tenant = self._tenant(req.model_id)
             if target is None:
                 sid = self._sampler_id(req.model_id.split(":train:")[0], req.sampling_session_seq_id)
-                self._add_sampler(sid, _Sampler(Weights(sid, tenant.spec, tenant.params), owner=req.model_id))
+                self._add_sampler(sid, _Sampler(self.sampling.open(sid, tenant.spec, tenant.params),
+                                                owner=req.model_id))
                 return Reply(json={"sampling_session_id": sid, "type": "save_weights_for_sampler"})
             save_tenant(target[1], tenant, {"base_model": self.name, "user_metadata": req.user_metadata or {}},
                         optimizer=False, overwrite=True)
@@ -348,13 +360,15 @@ class TinkerService:
         takes one a step and never samples an old one again: their adapters' memory goes)."""
         with self._lock:
             self.samplers[key] = entry
+            dropped = []
             if entry.owner is not None:
                 mine = [k for k, e in self.samplers.items() if e.owner == entry.owner]
-                for old in mine[:-self.keep_snapshots]:
-                    del self.samplers[old]
+                dropped = [self.samplers.pop(old) for old in mine[:-self.keep_snapshots]]
             session = self.sessions.get(key.split(":sample:")[0])
             if session is not None:
                 session.samplers.append(key)
+        for old in dropped:
+            self.sampling.close(old.weights)
 
     def create_sampling_session(self, body: Any) -> dict:
         """A sampling session over the base (`base_model`) or a saved checkpoint (`model_path`); runs in a worker
@@ -368,13 +382,14 @@ class TinkerService:
             if req.base_model is None:
                 raise BadInput("base_model: give base_model or model_path")
             self._base(req.base_model, "base_model")
-            entry = _Sampler(Weights(key))
+            entry = _Sampler(self.sampling.open(key))
         else:
             _, folder = self.store.folder(req.model_path, "model_path")
             saved = load_tenant(folder)
             self._base(saved["meta"].get("base_model"), "model_path")
             spec = LoraSpec.from_json(saved["meta"]["lora"])
-            entry = _Sampler(Weights(key, spec, self.pool.restore(spec, saved["params"]).params), req.model_path)
+            entry = _Sampler(self.sampling.open(key, spec, self.pool.restore(spec, saved["params"]).params),
+                             req.model_path)
         self._add_sampler(key, entry)
         return {"type": "create_sampling_session", "sampling_session_id": key}
 
@@ -411,7 +426,7 @@ class TinkerService:
     def _sample_job(self, body: Any, reply) -> SampleJob:
         req = parse(_types().SampleRequest, body)
         entry = self._sampler_entry(req.sampling_session_id, "sampling_session_id")
-        return check_sample(req, entry.weights, reply, vocab=self.vocab, max_len=self.pool.max_len)
+        return check_sample(req, entry.weights, reply, vocab=self.vocab, max_len=self.sampling.max_len)
 
     # ------------------------------------------------------------------ results
     async def retrieve(self, body: Any, poll_s: float) -> Reply | None:
