@@ -95,53 +95,56 @@ def _free_port() -> int:
 
 def run_api(folder: Path, rows: list[list[int]], ckpts: Path, args) -> list[float]:
     """Step times of forward_backward + optim_step through the SDK against a server process of its own."""
-    import tinker
-    from tinker import types
-
     port = _free_port()
-    log = open(ckpts.parent / "server.log", "w+")  # a file, not a pipe: one log line per request never blocks it
-    server = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "serve", str(folder), "--tinker",
-                               "--port", str(port), "--tinker-checkpoints", str(ckpts), "--served-model-name", "bench"],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                              stderr=log, text=True)
-    server.log = log
+    log = ckpts.parent / "server.log"
+    with open(log, "w") as err:  # a file, not a pipe: one log line per request never blocks the server
+        server = subprocess.Popen([sys.executable, "-m", "posttrain.cli.main", "serve", str(folder), "--tinker",
+                                   "--port", str(port), "--tinker-checkpoints", str(ckpts), "--served-model-name",
+                                   "bench"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                  stdout=subprocess.DEVNULL, stderr=err, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, server)
-        client = tinker.ServiceClient(base_url=url, api_key="tml-bench")
-        tc = client.create_lora_training_client(base_model="bench", rank=args.rank, seed=0).result()
-        adam = types.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.999, eps=1e-8)
-        times = []
-        for step in range(args.steps):
-            batch = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
-                                 loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)})
-                     for r in rows[step * args.batch:(step + 1) * args.batch]]
-            t = time.perf_counter()
-            fb, opt = tc.forward_backward(batch, "cross_entropy"), tc.optim_step(adam)
-            fb.result(), opt.result()
-            times.append(time.perf_counter() - t)
-        client.close("success").result()
-        return times[1:]
+        _wait_healthy(url, server, log)
+        return _api_steps(url, rows, args)
     finally:
         server.terminate()
         server.wait(30)
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300) -> None:
+def _api_steps(url: str, rows: list[list[int]], args) -> list[float]:
+    import tinker
+    from tinker import types
+
+    client = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+    tc = client.create_lora_training_client(base_model="bench", rank=args.rank, seed=0).result()
+    adam = types.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.999, eps=1e-8)
+    times = []
+    for step in range(args.steps):
+        batch = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                             loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)})
+                 for r in rows[step * args.batch:(step + 1) * args.batch]]
+        t = time.perf_counter()
+        fb, opt = tc.forward_backward(batch, "cross_entropy"), tc.optim_step(adam)
+        fb.result(), opt.result()
+        times.append(time.perf_counter() - t)
+    client.close("success").result()
+    return times[1:]
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            server.log.seek(0)
-            raise RuntimeError(f"the server exited:\n{server.log.read()[-3000:]}")
+            raise RuntimeError(f"the server exited:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": "tml-bench"}, timeout=2).status_code == 200:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError("the server did not start")
+    raise RuntimeError(f"the server did not start within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,7 @@ KEY = "tml-test"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`posttrain serve tiny:llama --tinker --api-key tml-test` in this process (the OpenAI routes beside)."""
-    from posttrain.serve import Server, ServeConfig
+    from posttrain.serve import ServeConfig, Server
 
     config = ServeConfig(model=BASE, port=0, api_key=KEY, max_slots=8, segment_steps=8, tinker=True,
                          tinker_checkpoints=str(tmp_path_factory.mktemp("tinker-ckpts")))

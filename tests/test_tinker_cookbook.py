@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow  # the SDK against a live server, two training loo
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     """`posttrain serve tiny:llama --tinker` in this process."""
-    from posttrain.serve import Server, ServeConfig
+    from posttrain.serve import ServeConfig, Server
 
     srv = Server(ServeConfig(model=BASE, port=0, max_slots=8, segment_steps=8, tinker=True,
                              tinker_checkpoints=str(tmp_path_factory.mktemp("ckpts")))).start()

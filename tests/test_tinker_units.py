@@ -64,7 +64,7 @@ def test_optim_step_is_torch_adamw():
     tp = {k: torch.tensor(v, requires_grad=True) for k, v in p0.items()}
     opt = torch.optim.AdamW(list(tp.values()), lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
     for g in grads:
-        params, state, zeros, metrics = update(params, state, jax.tree.map(jnp.asarray, g), hp)
+        params, state, zeros, _ = update(params, state, jax.tree.map(jnp.asarray, g), hp)
         for k, t in tp.items():
             t.grad = torch.tensor(g[k])
         torch.nn.utils.clip_grad_norm_(list(tp.values()), 2.0)

@@ -142,7 +142,7 @@ class TokenBatch:
             k = len(r.input_ids)
             ids[i, :k], tgt[i, :k], valid[i, :k] = r.input_ids, r.targets, True
             for name in names:
-                floats[name][i, :k] = r.inputs[name] if name in r.inputs else 1.0
+                floats[name][i, :k] = r.inputs.get(name, 1.0)
         return cls(ids, tgt, valid, floats, tuple(len(r.input_ids) for r in rows))
 
     def per_row(self, values: np.ndarray) -> list[np.ndarray]:

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from posttrain.serve.tinker.futures import Futures, Reply
 

@@ -11,7 +11,7 @@ target and alternative prompt tokens.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from posttrain.serve.tinker.sampling import SampleJob, Weights
 from posttrain.serve.tinker.wire import BadInput

@@ -135,7 +135,7 @@ def _datum(d, i: int, loss: str, vocab: int) -> TokenRow:
     if missing:
         raise BadInput(f"data[{i}].loss_fn_inputs.{missing[0]}: required by loss {loss!r}")
     if names - accepted:
-        raise BadInput(f"data[{i}].loss_fn_inputs.{sorted(names - accepted)[0]}: not an input of loss {loss!r} "
+        raise BadInput(f"data[{i}].loss_fn_inputs.{min(names - accepted)}: not an input of loss {loss!r} "
                        f"(accepted: {', '.join(sorted(accepted))})")
     where = f"data[{i}].loss_fn_inputs"
     targets = _tensor(d.loss_fn_inputs["target_tokens"], f"{where}.target_tokens", "int", n)
