@@ -250,7 +250,7 @@ def test_rest_endpoints_the_api_key_and_the_openai_routes_beside(server):
     assert httpx.get(f"{server.url}/api/v1/healthz", headers={"X-API-Key": "tml-x"}).status_code == 401
     assert httpx.get(f"{server.url}/api/v1/healthz").status_code == 401
     with pytest.raises(tinker.AuthenticationError):
-        tinker.ServiceClient(base_url=server.url, api_key="tml-wrong").get_server_capabilities()
+        tinker.RestClient(base_url=server.url, api_key="tml-wrong").get_server_capabilities().result()
     # the same server, the same key as a bearer token: the OpenAI-compatible routes
     models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert [m["id"] for m in models["data"]] == [BASE]
