@@ -15,7 +15,7 @@ from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
 from posttrain.config import ConfigError, at_least
 from posttrain.tools.python_sandbox import SandboxConfig
 
-__all__ = ["AgentOptions", "LIMIT_KEYS", "RolloutConfig"]
+__all__ = ["LIMIT_KEYS", "AgentOptions", "RolloutConfig"]
 
 
 @dataclasses.dataclass
