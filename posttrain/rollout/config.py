@@ -15,7 +15,7 @@ from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
 from posttrain.config import ConfigError, at_least
 from posttrain.tools.python_sandbox import SandboxConfig
 
-__all__ = ["AgentOptions", "LIMIT_KEYS", "RolloutConfig"]
+__all__ = ["LIMIT_KEYS", "AgentOptions", "RolloutConfig"]
 
 
 @dataclasses.dataclass
@@ -86,6 +86,11 @@ class RolloutConfig(AgentLimits):
     def completion_budget(self) -> int:
         """Tokens after the prompt at most: max_new_tokens, or a multi-turn trajectory's total."""
         return self.budget(self.max_new_tokens) if self.multi_turn else self.max_new_tokens
+
+    @property
+    def slots(self) -> int:
+        """The sampler's slots (a `Policy`'s `max_slots`): `max_slots`, else one per sample of a step's prompts."""
+        return self.max_slots or self.batch_prompts * self.group_size
 
     def __post_init__(self):
         super().__post_init__()
