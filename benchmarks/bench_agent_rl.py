@@ -89,23 +89,19 @@ def evaluate_model(path: str | Path, cfg, heldout: Path) -> dict:
     from posttrain.agent.setup import build_agent
     from posttrain.data import read_prompts
     from posttrain.eval.evaluate import evaluate
-    from posttrain.models import from_pretrained
-    from posttrain.models import tokenizer as tok_lib
-    from posttrain.models.tiny import resolve_model_path
     from posttrain.rewards.runner import RewardRunner, RewardSpec
-    from posttrain.rl.metrics import correct
+    from posttrain.rollout.policy import Policy
     from posttrain.rollout.prompts import PromptSet
-    from posttrain.sampling import Sampler
+    from posttrain.rollout.rollouts import correct
 
-    path = resolve_model_path(str(path))
-    model, tok = from_pretrained(path), tok_lib.load(path)
+    policy = Policy.open(str(path), mesh=None, max_slots=cfg.rollout.max_slots or 32)
     records = read_prompts(str(heldout))
-    agent = build_agent(cfg.rollout, tok, system_prompt=cfg.data.system_prompt)
+    agent = build_agent(cfg.rollout, policy.tokenizer, system_prompt=cfg.data.system_prompt)
     try:
         ids = [agent.prompt_ids(agent.first_messages(r)) for r in records]
         with RewardRunner([RewardSpec("reasoning_gym")], num_workers=1) as runner:
-            e = evaluate(Sampler(model, tok, max_slots=cfg.rollout.max_slots or 32), PromptSet.of(records, ids), runner,
-                         correctness="reasoning_gym", max_new_tokens=cfg.rollout.max_new_tokens, agent=agent)
+            e = evaluate(policy, PromptSet.of(records, ids), runner, correctness="reasoning_gym",
+                         max_new_tokens=cfg.rollout.max_new_tokens, agent=agent)
     finally:
         agent.close()
     g = e["_greedy"]

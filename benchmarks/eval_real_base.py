@@ -28,15 +28,15 @@ def encode(tok, records, system):
     return out
 
 
-def evaluate_set(sampler, tok, records, reward, system, max_new_tokens):
+def evaluate_set(policy, records, reward, system, max_new_tokens):
     from posttrain.rewards import RewardRunner
     from posttrain.eval.evaluate import evaluate
     from posttrain.rollout.prompts import PromptSet
 
-    ids = encode(tok, records, system)
+    ids = encode(policy.tokenizer, records, system)
     t = time.perf_counter()
     with RewardRunner([reward], num_workers=1) as runner:
-        out = evaluate(sampler, PromptSet.of(records, ids), runner, correctness=reward, max_new_tokens=max_new_tokens)
+        out = evaluate(policy, PromptSet.of(records, ids), runner, correctness=reward, max_new_tokens=max_new_tokens)
     greedy = out.pop("_greedy")
     out["seconds"] = round(time.perf_counter() - t, 1)
     out["examples"] = greedy.texts[:2]
@@ -54,22 +54,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from posttrain.data import read_prompts
-    from posttrain.models import from_pretrained
-    from posttrain.models.tiny import resolve_model_path
-    from posttrain.sampling import Sampler
-    from posttrain.models.tokenizer import load
+    from posttrain.rollout.policy import Policy
 
-    path = resolve_model_path(args.model)
-    model, tok = from_pretrained(path), load(path)
-    sampler = Sampler(model, tok, max_slots=args.slots)
+    policy = Policy.open(args.model, mesh=None, max_slots=args.slots)
     results = {}
     for spec in args.tasks:
-        res = evaluate_set(sampler, tok, read_prompts(spec), "reasoning_gym", SYSTEM, args.max_new_tokens)
+        res = evaluate_set(policy, read_prompts(spec), "reasoning_gym", SYSTEM, args.max_new_tokens)
         results[spec] = res
         print(json.dumps({spec: res}), flush=True)
     if args.gsm8k:
         recs = read_prompts(str(REPO / "../shared/data/gsm8k/test.jsonl"), prompt_field="question")[: args.gsm8k]
-        res = evaluate_set(sampler, tok, recs, "math_answer", GSM8K_SYSTEM, args.gsm8k_max_new_tokens)
+        res = evaluate_set(policy, recs, "math_answer", GSM8K_SYSTEM, args.gsm8k_max_new_tokens)
         results["gsm8k"] = res
         print(json.dumps({"gsm8k": res}), flush=True)
     return 0

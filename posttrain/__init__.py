@@ -2,7 +2,8 @@
 
 The Python API (`posttrain.api`) is reached from here and loads on first use, so `import posttrain` loads no JAX:
 `posttrain.sft(...)`, `posttrain.rl(...)`, `posttrain.dpo(...)`, `posttrain.distill(...)`,
-`posttrain.evaluate(...)`, `posttrain.generate(...)`, `posttrain.demo_task(...)`.
+`posttrain.evaluate(...)`, `posttrain.generate(...)`, `posttrain.demo_task(...)`, and `posttrain.Policy` (a
+checkpoint opened once, to sample and score from Python).
 
 `posttrain.rl` and `posttrain.distill` are also subpackages (`posttrain.rl.config`, ...): the package object is the
 subpackage, and calling it calls the API function of that name. Python sets a subpackage as an attribute of its
@@ -21,8 +22,8 @@ import types as _types
 _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 #: Names of `posttrain.api` reachable as `posttrain.NAME`.
-API = ("sft", "rl", "dpo", "distill", "evaluate", "generate", "demo_task", "RunResult", "EvalResult",
-       "GenerateResult", "DemoTask", "CommandError")
+API = ("sft", "rl", "dpo", "distill", "evaluate", "generate", "demo_task", "Policy", "RunResult", "EvalResult",
+       "GenerateResult", "DemoTask")
 #: API functions that share their name with a subpackage.
 _CALLABLE_PACKAGES = ("rl", "distill")
 

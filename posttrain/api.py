@@ -11,31 +11,55 @@ Training functions take what `posttrain sft|rl|dpo|distill CONFIG.yaml key=value
   ill-typed key is a `posttrain.config.ConfigError` naming it.
 
 They run the command's own code (`run_sft`, `run_rl`, `run_dpo`, `run_distill`: the same files under
-`output_dir`, the same resume) and return a `RunResult`. `evaluate` and `generate` take the options of
-`posttrain eval` / `posttrain generate` as keyword arguments (`max_new_tokens=32` for `--max-new-tokens 32`,
-`chat=True` for `--chat`, `chat=False` for `--no-chat`, a list for a comma-separated value) and return what those commands wrote.
-Nothing here loads JAX until a function is called, so `import posttrain` stays light.
+`output_dir`, the same resume) and return a `RunResult`. `evaluate` and `generate` call the runs `posttrain eval`
+and `posttrain generate` call (`posttrain.eval.run.run_eval`, `posttrain.rollout.generate.run_generate`) with
+those commands' options as keyword arguments, named as their flags (`max_new_tokens=32` for `--max-new-tokens 32`,
+`chat=True` for `--chat`, `chat=False` for `--no-chat`, a list for a comma-separated value), and return what the
+runs wrote. Bad input raises
+the package's typed errors (`ConfigError`, `DataError`, `CheckpointError`, ...: the CLI prints them as one line),
+never `SystemExit`; an unknown option is a `TypeError` naming it. Sampling from Python without files: `Policy`
+(`posttrain.rollout.policy`). Nothing here loads JAX until a function is called, so `import posttrain` stays
+light.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CommandError", "DemoTask", "EvalResult", "GenerateResult", "RunResult", "demo_task", "distill", "dpo",
+if TYPE_CHECKING:  # imported on first use (`__getattr__`): their modules load JAX
+    from posttrain.eval.run import EvalResult
+    from posttrain.rollout.generate import GenerateResult
+    from posttrain.rollout.policy import Policy
+
+__all__ = ["DemoTask", "EvalResult", "GenerateResult", "Policy", "RunResult", "demo_task", "distill", "dpo",
            "evaluate", "generate", "override_strings", "rl", "sft"]
 
 
-class CommandError(RuntimeError):
-    """`evaluate` or `generate` stopped with an error that the command reported as a line (its text here)."""
+def __getattr__(name: str):
+    """`Policy` and the runs' result types, `EvalResult` and `GenerateResult`, imported on first use (their modules
+    load JAX)."""
+    if name == "Policy":
+        # lazy: the policy loads JAX
+        from posttrain.rollout.policy import Policy
+
+        return Policy
+    if name == "EvalResult":
+        # lazy: the eval run loads JAX, which `import posttrain.api` does not
+        from posttrain.eval.run import EvalResult
+
+        return EvalResult
+    if name == "GenerateResult":
+        # lazy: the generate run loads JAX
+        from posttrain.rollout.generate import GenerateResult
+
+        return GenerateResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,31 +92,6 @@ class RunResult:
         """`(step, value)` of every row of OUTPUT_DIR/metrics.jsonl that logged `key`, in order."""
         return [(row["step"], row[key]) for row in metrics_rows(self.output_dir / "metrics.jsonl")
                 if key in row and "step" in row]
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalResult:
-    """What `posttrain eval` wrote: one JSONL row per problem in `output`, the summary beside it.
-
-    metrics: the summary (`eval/accuracy` = greedy pass@1, `eval/pass@k`, `eval/maj@k`, ... and the settings).
-    """
-
-    output: Path
-    summary_path: Path
-    metrics: dict[str, Any]
-
-    def problems(self) -> list[dict]:
-        """The per-problem rows (greedy completion, samples, their answers and correctness, pass@k / maj@k)."""
-        return metrics_rows(self.output)
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateResult:
-    """What `posttrain generate` wrote: `output`, one JSON line per completion (`prompt_index`,
-    `sample_index`, `text`, `token_ids`, `logprobs`, `finish_reason`; multi-turn samples their trajectory)."""
-
-    output: Path
-    completions: list[dict] = dataclasses.field(repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,89 +225,45 @@ def distill(config: str | Path | Mapping | None = None, *, overrides: Mapping | 
     return _train("distill", load_distill_config, run_distill, config, overrides, kwargs)
 
 
-class _Parser(argparse.ArgumentParser):
-    """A command's argument parser whose errors are exceptions (a TypeError naming the option), not an exit."""
-
-    def error(self, message):
-        raise TypeError(f"{self.prog}: {message}")
-
-
-def _argv(options: Mapping[str, Any], negatable: Iterable[str] = ()) -> list[str]:
-    """Keyword options as command-line flags: `max_new_tokens=32` -> `--max-new-tokens 32`, True -> the bare
-    flag, False -> `--no-FLAG` for the `negatable` flags (`--chat/--no-chat`), else left out, None -> left out, a
-    list -> comma-separated."""
-    argv: list[str] = []
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if value is False and f"--no-{flag[2:]}" in negatable:
-            argv.append(f"--no-{flag[2:]}")
-            continue
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, ",".join(map(str, value))]
-        else:
-            argv += [flag, str(value)]
-    return argv
+def _check_options(cls, function: str, options: Mapping[str, Any]) -> None:
+    """Keyword options of the run config `cls`: an unknown one is a TypeError naming it and the accepted ones."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise TypeError(f"posttrain.{function}: unknown option {unknown[0]!r}; accepted: {', '.join(names)}")
 
 
-class _Tee:
-    """Writes through to a stream and keeps the last line that starts with `error:`."""
-
-    def __init__(self, stream):
-        self.stream, self.error = stream, None
-
-    def write(self, text):
-        for line in text.splitlines():
-            if line.startswith("error: "):
-                self.error = line.removeprefix("error: ")
-        return self.stream.write(text)
-
-    def flush(self):
-        self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-def _run_command(name: str, options: Mapping[str, Any]) -> argparse.Namespace:
-    """Runs `posttrain NAME` with `options` through its CLI module (`add_arguments`, `run`) and returns the parsed
-    arguments; a non-zero exit is a CommandError with the command's error line."""
-    module = importlib.import_module(f"posttrain.cli.{name}")
-    parser = _Parser(prog=f"posttrain {name}")
-    module.add_arguments(parser)
-    args = parser.parse_args(_argv(options, negatable=parser._option_string_actions))
+def _start_sampling() -> None:
+    """What the CLI does before a sampling command: the compilation cache, and several processes joined (from the
+    environment or the cluster; else a no-op)."""
     # lazy: distributed imports JAX
     from posttrain import distributed
 
     _start()
-    distributed.initialize()  # as the CLI: several processes from the environment or the cluster; else a no-op
-    tee = _Tee(sys.stderr)
-    with contextlib.redirect_stderr(tee):
-        code = int(module.run(args) or 0)
-    if code:
-        raise CommandError(tee.error or f"posttrain {name} exited with status {code}")
-    return args
+    distributed.initialize()
 
 
-def evaluate(model: str | Path, data: str | Path, **options: Any) -> EvalResult:
+def evaluate(model: str | Path, data: str | Path, **options: Any):
     """Greedy pass@1, pass@k and maj@k of `model` on `data`, as `posttrain eval --model M --data D ...`; the
     options are that command's (`reward`, `n`, `k`, `temperature`, `chat`, `limit`, `output`, `max_new_tokens`,
-    tools...). E.g. `posttrain.evaluate("outputs/rl", "heldout.jsonl", n=8, k=[1, 4, 8], limit=100)`."""
-    args = _run_command("eval", {"model": str(model), "data": str(data), **options})
-    output = Path(args.output)
-    summary_path = output.with_suffix(".summary.json")
-    return EvalResult(output=output, summary_path=summary_path,
-                      metrics=json.loads(summary_path.read_text(encoding="utf-8")))
+    tools...). Returns an `EvalResult`. E.g. `posttrain.evaluate("outputs/rl", "heldout.jsonl", n=8, k=[1, 4, 8],
+    limit=100)`."""
+    # lazy: the eval run loads JAX
+    from posttrain.eval.run import EvalConfig, run_eval
+
+    _check_options(EvalConfig, "evaluate", options)
+    _start_sampling()
+    return run_eval(EvalConfig(model=model, data=data, **options))
 
 
-def generate(model: str | Path, prompts: str | Path | Iterable[str | dict], output: str | Path,
-             **options: Any) -> GenerateResult:
+def generate(model: str | Path, prompts: str | Path | Iterable[str | dict], output: str | Path, **options: Any):
     """Completions of `prompts`, as `posttrain generate --model M --prompts P --output O ...` (options:
-    `max_new_tokens`, `temperature`, `top_p`, `n`, `chat`, `tools`, ...). `prompts` is a JSONL file, or a list of
-    strings (each a `prompt`) or records (`{"prompt": ...}` / `{"messages": [...]}`), written to a temporary file."""
+    `max_new_tokens`, `temperature`, `top_p`, `n`, `chat`, `tools`, ...); returns a `GenerateResult`. `prompts` is
+    a JSONL file, or a list of strings (each a `prompt`) or records (`{"prompt": ...}` / `{"messages": [...]}`),
+    written to a temporary file."""
+    # lazy: the generate run loads JAX
+    from posttrain.rollout.generate import GenerateConfig, run_generate
+
     with contextlib.ExitStack() as stack:
         if not isinstance(prompts, (str, Path)):
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="posttrain-prompts-")))
@@ -316,8 +271,9 @@ def generate(model: str | Path, prompts: str | Path | Iterable[str | dict], outp
             rows = [{"prompt": p} if isinstance(p, str) else p for p in prompts]
             path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
             prompts = path
-        _run_command("generate", {"model": str(model), "prompts": str(prompts), "output": str(output), **options})
-    return GenerateResult(output=Path(output), completions=metrics_rows(Path(output)))
+        _check_options(GenerateConfig, "generate", options)
+        _start_sampling()
+        return run_generate(GenerateConfig(model=model, prompts=prompts, output=output, **options))
 
 
 def demo_task(folder: str | Path, *, seed: int = 0, n_sft: int = 20000, n_rl: int = 4000, n_heldout: int = 500,

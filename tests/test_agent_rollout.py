@@ -26,7 +26,9 @@ from posttrain.models.tokenizer import load as load_tokenizer
 from posttrain.rl.batch import build_rl_batch
 from posttrain.rl.metrics import agent_metrics
 from posttrain.rollout.prompts import PromptSet
-from posttrain.rollout.rollouts import Rollouts, generate_rollouts
+from posttrain.rollout.collect import generate_rollouts
+from posttrain.rollout.policy import Policy
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
 from posttrain.sampling.params import Completion, TurnEnd
@@ -74,6 +76,7 @@ class ScriptedSampler:
         self.rng = np.random.default_rng(0)
         self.cfg = SimpleNamespace(max_position_embeddings=100_000)
         self.max_len = None
+        self.context = 100_000  # as `Sampler.context`: the model's positions (no cache limit)
 
     def generate(self, prompts, params, *, key_ids=None, on_turn_end=None, max_len=None, progress=False):
         out = []
@@ -125,8 +128,8 @@ def run(tok, pool, tools, script, records, *, limits=AgentLimits(), max_new=2000
     prompts = [agent.prompt_ids(agent.first_messages(r)) for r in records]
     sampler = ScriptedSampler(tok, script)
     runner = RewardRunner([], num_workers=0)
-    ro = generate_rollouts(sampler, PromptSet.of(records, prompts), SamplingParams(max_new_tokens=max_new, n=n),
-                           runner, agent=agent)
+    ro = generate_rollouts(Policy(None, tok, sampler=sampler), PromptSet.of(records, prompts),
+                           SamplingParams(max_new_tokens=max_new, n=n), runner, agent=agent)
     return ro, agent
 
 
@@ -372,4 +375,4 @@ def test_generate_runs_the_multi_turn_rollout(tmp_path):
         assert len(r["loss_mask"]) == len(r["token_ids"]) and r["turns"] >= 1
         assert r["text"] == [m for m in r["messages"] if m["role"] == "assistant"][-1]["content"]
     assert main(["generate", "--model", "tiny:llama", "--prompts", str(prompts), "--output", str(out),
-                 "--tools", "nonexist.py:f"]) == 1
+                 "--tools", "nonexist.py:f"]) == 2

@@ -68,18 +68,35 @@ def test_a_config_mapping_loads_as_its_yaml_does(tmp_path):
         load_config(SFTConfig, *api._config_and_overrides(None, None, {"trainer__max_stepz": 1}))
 
 
-def test_command_options_become_flags_and_unknown_ones_are_type_errors():
-    assert api._argv({"model": "m", "n": 4, "chat": True, "no_progress": False, "k": [1, 4], "seed": None,
-                      "max_new_tokens": 8}) == ["--model", "m", "--n", "4", "--chat", "--k", "1,4",
-                                                "--max-new-tokens", "8"]
-    assert api._argv({"chat": False, "no_progress": False}, negatable={"--no-chat"}) == ["--no-chat"]
-    with pytest.raises(TypeError, match="unrecognized arguments: --nonsense"):
+def test_options_are_the_runs_config_and_unknown_ones_are_type_errors():
+    from posttrain.eval.run import EvalConfig
+
+    options = {"n": 4, "chat": True, "k": [1, 4], "max_new_tokens": 8, "tools": "calculator"}
+    api._check_options(EvalConfig, "evaluate", options)
+    cfg = EvalConfig(model="m", data="d.jsonl", **options)
+    assert (cfg.n, cfg.chat, cfg.k, cfg.max_new_tokens, cfg.tools) == (4, True, [1, 4], 8, "calculator")
+    assert EvalConfig(n=8, k="1,2").k == [1, 2] and EvalConfig(n=6).k == [1, 2, 4, 6]
+    assert EvalConfig().chat is None and EvalConfig(chat=False).chat is False  # unset: the model's own prompt format
+    with pytest.raises(TypeError, match="unknown option 'nonsense'"):
         api.evaluate("m", "d.jsonl", nonsense=1)
+    with pytest.raises(ConfigError, match="--k"):
+        api.evaluate("m", "d.jsonl", n=2, k=[3])
 
 
-def test_a_command_error_line_becomes_the_exception(tmp_path):
-    with pytest.raises(api.CommandError, match="does not exist"):
+def test_bad_input_is_a_typed_error_naming_the_file(tmp_path):
+    """The runs raise the package's errors (never SystemExit, never text read back from stderr), before any model
+    loads."""
+    from posttrain.data.errors import DataError
+
+    with pytest.raises(DataError, match=str(tmp_path / "missing.jsonl")):
         posttrain.generate("tiny:llama", tmp_path / "missing.jsonl", tmp_path / "out.jsonl")
+    with pytest.raises(DataError, match=str(tmp_path / "missing.jsonl")):
+        posttrain.evaluate("tiny:llama", tmp_path / "missing.jsonl")
+
+
+def test_the_api_reaches_no_cli_module():
+    text = (REPO / "posttrain" / "api.py").read_text()
+    assert "posttrain.cli" not in text and "importlib" not in text and "argv" not in text
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -69,28 +68,30 @@ def test_user_turns_reads_the_non_empty_lines_of_piped_input():
     assert list(user_turns(io.StringIO("hi\n\n  \nsecond turn\n"))) == ["hi", "second turn"]
 
 
-def _chat_args(**kw):
-    base = dict(system_prompt=None, image=[], max_new_tokens=6, temperature=0.0, top_p=1.0, seed=0)
-    return Namespace(**(base | kw))
+def _conversation(policy, images=()):
+    from posttrain.rollout.chat import Conversation
+    from posttrain.sampling import SamplingParams
+
+    return Conversation(policy, SamplingParams(max_new_tokens=6, temperature=0.0), images=images)
 
 
 def test_chat_is_multi_turn_through_the_chat_template(monkeypatch, tiny_cache):
     """The second turn's prompt is the template of the whole conversation: the first turn's prompt, the model's reply,
     the new user turn; a greedy reply equals the sampler's on that prompt."""
     monkeypatch.setenv("POSTTRAIN_CACHE", tiny_cache)
-    from posttrain.cli.chat import Chat
-    from posttrain.cli.model_arg import load_model
+    from posttrain.rollout.policy import Policy
     from posttrain.sampling import SamplingParams
 
-    folder, tok, model = load_model("tiny:llama")
-    chat = Chat(folder, tok, model, _chat_args())
+    policy = Policy.open("tiny:llama", max_slots=1)
+    tok = policy.tokenizer
+    chat = _conversation(policy)
     first = chat.reply("1+1=")
     assert [m["role"] for m in first] == ["assistant"]
     second = chat.reply("2+2=")
     assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
     assert chat.messages[1]["content"] == first[0]["content"]
     ids = tok.apply_chat_template(chat.messages[:3], add_generation_prompt=True, tokenize=True)
-    again = chat.sampler.generate([list(ids)], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+    again = policy.sampler.generate([list(ids)], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
     assert second[0]["content"] == again.text
     chat.reset()
     assert chat.messages == [] and chat.reply("1+1=") == first  # greedy: the same reply after /reset
@@ -118,21 +119,20 @@ def test_chat_with_an_image_hands_its_pixels_to_every_turn(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from posttrain.cli.chat import Chat
-    from posttrain.cli.model_arg import load_model
     from posttrain.models.tiny import resolve_model_path
+    from posttrain.rollout.policy import Policy
     from posttrain.sampling import SamplingParams
 
-    folder, tok, model = load_model(resolve_model_path("tiny:gemma3-vlm", cache_dir=tmp_path / "tiny"))
+    policy = Policy.open(resolve_model_path("tiny:gemma3-vlm", cache_dir=tmp_path / "tiny"), max_slots=1)
     img = tmp_path / "red.png"
     Image.fromarray(np.full((40, 30, 3), (200, 10, 10), np.uint8)).save(img)
-    chat = Chat(folder, tok, model, _chat_args(image=[str(img)]))
+    chat = _conversation(policy, images=[str(img)])
     chat.reply("colour?")
     second = chat.reply("and now?")[0]["content"]
     chat.messages = chat.messages[:3]  # the conversation as the second turn saw it
-    record, prompt = chat._encode()
+    prompt = chat.prompt()
     assert len(prompt.images) == 1 and prompt.images[0].ndim == 3
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-    assert chat.sampler.generate([prompt.ids], greedy, images=[prompt.images])[0].text == second
+    assert policy.sampler.generate([prompt.ids], greedy, images=[prompt.images])[0].text == second
     blank = [np.zeros_like(prompt.images[0])]
-    assert chat.sampler.generate([prompt.ids], greedy, images=[blank])[0].text != second
+    assert policy.sampler.generate([prompt.ids], greedy, images=[blank])[0].text != second

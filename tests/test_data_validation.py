@@ -143,13 +143,14 @@ def test_prompt_field_falls_back_to_messages_as_eval_does(tmp_path):
     data = _write(tmp_path / "m.jsonl", [{"messages": messages, "answer": "6"}])
     records = read_prompts(str(data), fallback=True)
     assert records.prompt_field == "messages" and records[0] == {"prompt": messages, "answer": "6"}
-    from posttrain.cli.eval import _prompt_field
+    from posttrain.eval.run import EvalConfig, _records
 
-    assert _prompt_field(str(data), None) == "messages"
+    assert _records(EvalConfig(data=str(data))).prompt_field == "messages"
     guess = _write(tmp_path / "g.jsonl", [{"secret": 3}])
-    assert _prompt_field(str(guess), None, environment=True) is None
+    env = "posttrain.agent.envs.guess_number:GuessNumber"
+    assert _records(EvalConfig(data=str(guess), environment=env)).prompt_field is None
     with pytest.raises(DataError, match="none of the prompt fields"):
-        _prompt_field(str(guess), None)
+        _records(EvalConfig(data=str(guess)))
 
 
 @pytest.mark.slow

@@ -26,8 +26,10 @@ from posttrain.agent.failures import EnvErrorWatch, EnvironmentFailedError
 from posttrain.agent.rollout import Agent
 from posttrain.rl.ledger import Ledger
 from posttrain.rl.metrics import agent_metrics
-from posttrain.rollout.prompts import PromptSet
-from posttrain.rollout.rollouts import Rollouts, generate_rollouts
+from posttrain.rollout.collect import generate_rollouts
+from posttrain.rollout.policy import Policy
+from posttrain.rollout.prompts import PromptEncoder, PromptSet
+from posttrain.rollout.rollouts import Rollouts
 from posttrain.rewards.runner import RewardRunner
 from posttrain.sampling import SamplingParams
 from posttrain.tools import ToolPool
@@ -177,7 +179,7 @@ def test_hanging_reset_is_an_error_at_set_up_and_in_a_trajectory(tok, pool, envs
     from posttrain.data import read_prompts
     from posttrain.data.sources import DataError
     from posttrain.rl.config import PromptData
-    from posttrain.rl.setup import _encode_all
+    from posttrain.rl.prompts import encode_prompt_set
 
     env = load_environment(f"{envs}:HangingReset")
     agent = Agent(tok, environment=env, limits=AgentLimits(tool_timeout_s=LIMIT), pool=pool)
@@ -186,14 +188,14 @@ def test_hanging_reset_is_an_error_at_set_up_and_in_a_trajectory(tok, pool, envs
     records = read_prompts(str(data), optional=True)
     t0 = time.monotonic()
     with pytest.raises(DataError) as e:
-        _encode_all(tok, records, PromptData(), agent)
+        encode_prompt_set(PromptEncoder(tok), records, PromptData(), agent)
     assert time.monotonic() - t0 < LIMIT + 2.0
     assert str(e.value) == (f"{data}, line 2: HangingReset.reset ran past its 1s time limit (its worker process "
                             "was killed)")
     prompt = agent.prompt_ids(agent.first_messages({}))
     sampler = ScriptedSampler(tok, lambda p, i, k: "a move")
-    ro = generate_rollouts(sampler, PromptSet.of([{"hang": True}], [prompt]), SamplingParams(max_new_tokens=50),
-                           RewardRunner([], num_workers=0), agent=agent)
+    ro = generate_rollouts(Policy(None, tok, sampler=sampler), PromptSet.of([{"hang": True}], [prompt]),
+                           SamplingParams(max_new_tokens=50), RewardRunner([], num_workers=0), agent=agent)
     assert ro.finish_reasons == ["env_error"] and ro.trajectories[0]["env_error_kind"] == "reset timeout"
     with pytest.raises(EnvCallError, match="HangingReset.reset ran past"):
         agent.first_messages({"hang": True})

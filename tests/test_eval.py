@@ -14,6 +14,7 @@ import pytest
 from test_rl_options import ScriptedSampler as RLScriptedSampler
 
 from posttrain.eval.evaluate import answer_key, evaluate, maj_at_k, pass_at_k, per_problem
+from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import PromptSet
 
 
@@ -83,8 +84,8 @@ def test_evaluate_reports_pass_and_maj_at_k_and_rows():
 
     records = [{"prompt": f"q{i}", "answer": str(i + 1)} for i in range(3)]
     with RewardRunner([RewardSpec("math_answer")], num_workers=0) as runner:
-        e = evaluate(ScriptedSampler(), PromptSet.of(records, [[5, 6]] * 3), runner, correctness="math_answer",
-                     max_new_tokens=8, k=[1, 2, 4], n_samples=4, temperature=0.7)
+        e = evaluate(Policy(None, None, sampler=ScriptedSampler()), PromptSet.of(records, [[5, 6]] * 3), runner,
+                     correctness="math_answer", max_new_tokens=8, k=[1, 2, 4], n_samples=4, temperature=0.7)
     samples = ScriptedSampler.SAMPLED
     ok = [[answer_key(t, "math_answer") == str(i + 1) for t in s] for i, s in enumerate(samples)]
     keys = [[answer_key(t, "math_answer") for t in s] for s in samples]
@@ -142,8 +143,9 @@ def test_model_paths(tmp_path):
     folder, which stands for its hf/ export; a missing folder is a CheckpointError."""
     import shutil
 
-    from posttrain.cli.eval import default_ks, model_folder
+    from posttrain.eval.run import default_ks
     from posttrain.models.hf_io import CheckpointError
+    from posttrain.models.spec import resolve_checkpoint as model_folder
     from posttrain.models.tiny import resolve_model_path
 
     tiny = resolve_model_path("tiny:llama")

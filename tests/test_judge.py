@@ -156,13 +156,15 @@ def test_judge_requests_overlap_generation_and_ask_once(server):
     from posttrain.models import from_pretrained
     from posttrain.models.tiny import resolve_model_path
     from posttrain.models.tokenizer import load as load_tokenizer
+    from posttrain.rollout.collect import generate_rollouts
+    from posttrain.rollout.policy import Policy
     from posttrain.rollout.prompts import PromptSet
-    from posttrain.rollout.rollouts import generate_rollouts
-    from posttrain.sampling import Sampler, SamplingParams
+    from posttrain.sampling import SamplingParams
 
     path = resolve_model_path("tiny:llama")
     tok = load_tokenizer(path)
-    sampler = Sampler(from_pretrained(path), tok, max_slots=16, segment_steps=8)  # the host sees every 8 tokens
+    policy = Policy(from_pretrained(path), tok, max_slots=16, segment_steps=8)  # the host sees every 8 tokens
+    sampler = policy.sampler
     ends = []
     generate = sampler.generate
     sampler.generate = lambda *a, **k: (out := generate(*a, **k), ends.append(time.monotonic()))[0]
@@ -172,7 +174,7 @@ def test_judge_requests_overlap_generation_and_ask_once(server):
     params = SamplingParams(max_new_tokens=128, n=2, temperature=1.0, seed=3, stop_token_ids=[2, 9, 23])
     server.reset()
     with _runner(server.url, concurrency=4, template="{answer} REPLY:yes") as runner:
-        ro = generate_rollouts(sampler, prompts, params, runner)
+        ro = generate_rollouts(policy, prompts, params, runner)
         asked = [r for r in server.requests if r["path"].endswith("/chat/completions")]
         again = runner.score(ro.prompts_text, ro.texts, {"answer": [records[i]["answer"] for i in ro.record_index]})
     lengths = ro.completion_lengths()

@@ -85,8 +85,8 @@ def test_a_fleet_worker_samples_in_the_rollout_compute_dtype():
                            rollout=RolloutConfig(batch_prompts=1, group_size=2, compute_dtype="float16"),
                            rewards=RewardsSection(num_workers=0), preset=GRPOFamily(), seed=0)
     try:
-        assert worker.sampler.model.cfg.compute_dtype == "float16"
-        out = worker.sampler.generate([[5, 6, 7]], None)
+        assert worker.policy.model.cfg.compute_dtype == "float16"
+        out = worker.policy.sample([[5, 6, 7]])
         assert out and np.isfinite(out[0].logprobs).all()
     finally:
         worker.runner.close()

@@ -91,8 +91,9 @@ def test_sampler_swaps_weights_at_a_segment_boundary_and_logprobs_follow_the_pro
 
 
 def test_rollouts_carry_token_versions_and_their_span(policies):
+    from posttrain.rollout.collect import generate_rollouts
+    from posttrain.rollout.policy import Policy
     from posttrain.rollout.prompts import PromptSet
-    from posttrain.rollout.rollouts import generate_rollouts
 
     sampler = _sampler(policies, 4)
     offered = iter([None, (policies[2], 5)])
@@ -103,8 +104,8 @@ def test_rollouts_carry_token_versions_and_their_span(policies):
 
     records = [{"prompt": "p"} for _ in PROMPTS]
     params = SamplingParams(n=2, max_new_tokens=NEW, temperature=1.0, seed=3, stop_token_ids=[])
-    ro = generate_rollouts(sampler, PromptSet.of(records, PROMPTS), params, Runner(), uids=[10, 11, 12],
-                           between_segments=lambda: next(offered, None))
+    ro = generate_rollouts(Policy(sampler.model, None, sampler=sampler), PromptSet.of(records, PROMPTS), params,
+                           Runner(), uids=[10, 11, 12], between_segments=lambda: next(offered, None))
     assert ro.version_first == [4] * 6 and ro.version_last == [5] * 6
     assert all(v == [4] * (1 + 2 * SEG) + [5] * (NEW - 1 - 2 * SEG) for v in ro.token_versions)
     assert ro.sampled_token_versions().tolist() == [v for row in ro.token_versions for v in row]

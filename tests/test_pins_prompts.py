@@ -15,9 +15,10 @@ from posttrain.data.vlm import VisionSpec
 from posttrain.models.tiny_vlm import BOI, EOI, IMAGE, VLM_SPECIAL_TOKENS, build_vlm_tokenizer
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.dispatcher import Dispatcher
-from posttrain.rl.setup import GroupAdvantages
+from posttrain.rl.batch import GroupAdvantages
+from posttrain.rollout.collect import generate_rollouts
+from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import PromptSet, PromptStyle, encode_prompts
-from posttrain.rollout.rollouts import generate_rollouts
 from posttrain.sampling import Completion, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,8 +106,8 @@ def test_rl_batch_images_belong_to_its_records():
     lease = Dispatcher(n, seed=3, shuffle=True, batch_groups=groups).lease("local", groups)
     assert lease.records != lease.uids  # the shuffle: record indices are not the stream positions
     with RewardRunner([], num_workers=0) as runner:
-        ro = generate_rollouts(_ImageEcho(), prompts.select(lease.records), SamplingParams(n=group_size, max_new_tokens=4),
-                               runner, uids=lease.uids)
+        ro = generate_rollouts(Policy(None, None, sampler=_ImageEcho()), prompts.select(lease.records),
+                               SamplingParams(n=group_size, max_new_tokens=4), runner, uids=lease.uids)
     batch, _ = GroupAdvantages(ADVANTAGES["grpo"], False, prompts, 0)(ro)
     assert len(batch) == groups * group_size and batch.pixel_values.shape[1] == 2
     for b in (batch, batch.rows(np.random.default_rng(0).permutation(len(batch)))):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import shutil
-from argparse import Namespace
 
 import pytest
 
@@ -119,18 +118,19 @@ def test_generate_prompts_as_the_export_says_unless_told(tiny, tmp_path, capsys)
 def test_chat_prompts_a_raw_model_with_each_line_alone_and_says_reset(tiny, tmp_path, monkeypatch, capsys):
     """A model trained on raw prompts: each chat line is its raw prompt, answered on its own (a greedy reply equals
     the sampler's on the line's tokens, on the second line too); `/reset` says that it reset."""
-    from posttrain.cli.chat import Chat
-    from posttrain.cli.model_arg import load_model
+    from posttrain.rollout.chat import Conversation
+    from posttrain.rollout.policy import Policy
     from posttrain.sampling import SamplingParams
 
     raw = _with_style(tiny, tmp_path / "raw", PromptStyle(chat=False))
-    folder, tok, model = load_model(str(raw))
-    args = Namespace(system_prompt=None, image=[], max_new_tokens=6, temperature=0.0, top_p=1.0, seed=0)
-    chat = Chat(folder, tok, model, args, style=prompt_style(folder, default_chat=True))
+    policy = Policy.open(str(raw), max_slots=1, default_chat=True)
+    tok = policy.tokenizer
+    assert policy.style == prompt_style(raw, default_chat=True)
+    chat = Conversation(policy, SamplingParams(max_new_tokens=6, temperature=0.0), style=policy.style)
     assert chat.raw
     chat.reply("1+1=")
     second = chat.reply("2+2=")[0]["content"]
-    alone = chat.sampler.generate([tok.encode("2+2=")], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+    alone = policy.sampler.generate([tok.encode("2+2=")], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
     assert second == alone.text
 
     # a line longer than the model's context (2048) is that turn's one-line error; the next line is answered

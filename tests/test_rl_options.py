@@ -16,6 +16,7 @@ from test_rl import toy  # noqa: F401 - the toy task fixture (reward: letters 'a
 
 from posttrain.eval.evaluate import evaluate, pass_at_k
 from posttrain.rl.loop import load_rl_config, run_rl
+from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import PromptSet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,8 +130,8 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
     records = [{"prompt": f"q{i}", "answer": str(i + 1)} for i in range(3)]
     sampler = ScriptedSampler()
     with RewardRunner([RewardSpec("math_answer")], num_workers=0) as runner:
-        e = evaluate(sampler, PromptSet.of(records, [[5, 6]] * 3), runner, correctness="math_answer",
-                     max_new_tokens=8, k=2, n_samples=4, temperature=0.7, seed=5)
+        e = evaluate(Policy(None, None, sampler=sampler), PromptSet.of(records, [[5, 6]] * 3), runner,
+                     correctness="math_answer", max_new_tokens=8, k=2, n_samples=4, temperature=0.7, seed=5)
     greedy, sampled = sampler.calls
     assert greedy.temperature == 0 and (sampled.n, sampled.temperature, sampled.seed) == (4, 0.7, 5)
     assert e["eval/accuracy"] == pytest.approx(1 / 3) and e["eval/num_prompts"] == 3
@@ -138,8 +139,8 @@ def test_evaluate_greedy_accuracy_and_pass_at_k():
     assert e["eval/pass@2"] == pytest.approx(0.5) and e["eval/pass@1_sampled"] == pytest.approx(1 / 3)
     # k > n_samples: k samples are drawn
     with RewardRunner([RewardSpec("math_answer")], num_workers=0) as runner:
-        e = evaluate(sampler, PromptSet.of(records, [[5, 6]] * 3), runner, correctness="math_answer",
-                     max_new_tokens=8, k=3)
+        e = evaluate(Policy(None, None, sampler=sampler), PromptSet.of(records, [[5, 6]] * 3), runner,
+                     correctness="math_answer", max_new_tokens=8, k=3)
     assert sampler.calls[-1].n == 3
     assert e["eval/pass@3"] == pytest.approx(np.mean([enumerated_pass_at_k(3, c, 3) for c in (1, 0, 2)]))
 

@@ -19,7 +19,7 @@ from posttrain.rl.config import LearnerConfig
 from posttrain.rl.loss import packed_logprobs, rl_loss
 from posttrain.rl.packing import bucket_rows, pack_rl_batch
 from posttrain.rollout.rollouts import Rollouts
-from posttrain.rl.setup import policy_loss_kwargs
+from posttrain.rl.learner import policy_loss_kwargs
 
 pytestmark = pytest.mark.full_optimization  # numbers against a reference: compiled as users' runs are (tests/conftest.py)
 

@@ -52,7 +52,7 @@ def test_algorithm_section_errors_name_the_key_and_what_it_accepts(override, mes
 
 
 def test_policy_loss_kwargs_come_from_the_typed_preset():
-    from posttrain.rl.setup import policy_loss_kwargs
+    from posttrain.rl.learner import policy_loss_kwargs
 
     kw = policy_loss_kwargs(registry.get_preset("gspo", beta=0.02), 64)
     assert (kw["ratio_level"], kw["epsilon_high"], kw["beta"], kw["kl_estimator"]) == ("sequence", 4e-4, 0.02, "k3")
@@ -80,15 +80,17 @@ def test_agent_limits_are_one_section_with_one_set_of_defaults():
 
 
 def test_eval_and_generate_options_fill_the_same_limits():
-    from posttrain.cli.agent_args import (
-        LIMIT_OPTIONS,
-        add_agent_arguments,
-        rollout_section,
-    )
+    from posttrain.cli.agent_args import LIMIT_OPTIONS, add_agent_arguments, options
+    from posttrain.rollout.config import LIMIT_KEYS, AgentOptions
+
+    def rollout_section(args):
+        return options(AgentOptions, args).rollout_section()
 
     p = argparse.ArgumentParser()
     add_agent_arguments(p)
-    assert {key for _, key, _, _ in LIMIT_OPTIONS} <= {f.name for f in dataclasses.fields(AgentLimits)}
+    assert {key for _, key, _, _ in LIMIT_OPTIONS} == set(LIMIT_KEYS)
+    assert set(LIMIT_KEYS) <= {f.name for f in dataclasses.fields(AgentLimits)}
+    assert set(LIMIT_KEYS) <= {f.name for f in dataclasses.fields(AgentOptions)}
     section = rollout_section(p.parse_args(["--tools", "calculator"]))
     assert section.limits(1) == AgentLimits().limits(1)  # unset options: the section's defaults
     section = rollout_section(p.parse_args(["--tools", "calculator", "--max-turns", "2", "--tool-timeout", "1.5"]))
@@ -133,12 +135,14 @@ def test_build_rl_releases_the_run_after_a_config_error(tmp_path):
 
     from posttrain.rl.setup import build_rl
 
-    write_toy_task(tmp_path, "def reward(completion, **kw):\n    return 0.0\n")
+    write_toy_task(tmp_path, "def reward(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     args = ["model.path=tiny:llama", f"output_dir={tmp_path / 'out'}", f"data.train={tmp_path / 'prompts.jsonl'}",
             f"rewards.functions=[{{name: {tmp_path / 'reward.py'}:reward}}]", "rewards.correctness=null"]
-    cfg = load_config(RLConfig, None, [*args, "algorithm.preset=rloo", "rollout.group_size=1"])
+    with pytest.raises(ConfigError, match="group_size must be >= 2 for RLOO"):  # sections that disagree: at load
+        load_config(RLConfig, None, [*args, "algorithm.preset=rloo", "rollout.group_size=1"])
+    cfg = load_config(RLConfig, None, [*args, "learner.routing_replay=true"])  # an error once the trainer is built
     for _ in range(2):  # the second time, the same error: the first released the output folder's run lock
-        with pytest.raises(ValueError, match="group_size must be >= 2 for RLOO"):
+        with pytest.raises(ConfigError, match="learner.routing_replay: needs a mixture-of-experts model"):
             build_rl(cfg)
 
 
@@ -168,3 +172,66 @@ def test_no_class_on_the_rl_path_holds_more_than_15_instance_attributes():
     from posttrain.rl.setup import RLParts
 
     assert len(dataclasses.fields(RLParts)) <= 15  # the parts record: frozen, and no larger than that either
+
+
+# ---------------------------------------------------------------------- each concept once
+def test_rl_builders_take_their_sections_and_the_steps_leave_the_parts_alone():
+    """Only the run's entry points (`run_rl`, `build_rl`) take the whole `RLConfig`, the builders take their
+    sections; the loop's steps assign nothing on the parts (what changes as the run goes is the loop's `RLState`),
+    and the trainer is reached one way (`parts.run.trainer`)."""
+    from posttrain.rl.setup import RLParts
+
+    whole = [f"{f.name}:{fn.name}" for f in sorted((PACKAGE / "rl").glob("*.py"))
+             for fn in ast.walk(ast.parse(f.read_text())) if isinstance(fn, ast.FunctionDef)
+             and any(a.annotation is not None and "RLConfig" in ast.unparse(a.annotation) for a in fn.args.args)]
+    assert whole == ["loop.py:run_rl", "setup.py:build_rl"], whole  # the run's entry points; every builder a section
+    assert "trainer" not in {f.name for f in dataclasses.fields(RLParts)} and RLParts.__dataclass_params__.frozen
+    for name in ("steps.py", "loop.py", "sources.py"):
+        tree = ast.parse((PACKAGE / "rl" / name).read_text())
+        written = [ast.unparse(t) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
+                   for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                   if ast.unparse(t).startswith("parts.")]
+        assert written == [], (name, written)
+
+
+def test_rollouts_per_sample_fields_are_declared_once_and_the_record_is_plain(tmp_path):
+    """Selecting groups, joining them and saving them carry every per-sample field (`per_sample_fields`, read from
+    the declarations); the record's module loads neither JAX nor the sampler, so the dispatcher imports it at the
+    top."""
+    import json
+    import subprocess
+    import sys
+
+    from posttrain.rollout.rollouts import per_sample_fields
+
+    lists = [f.name for f in dataclasses.fields(Rollouts) if str(f.type).startswith("list")]
+    assert list(per_sample_fields()) == lists and len(lists) == 14
+    n = 4
+    values = {k: [[i] if k not in ("finish_reasons", "texts", "prompts_text", "trajectories") else
+                  {"trajectories": {"turns": i}}.get(k, str(i)) for i in range(n)] for k in lists}
+    values["routed_experts"] = [np.full((2, 1, 2), i, np.int8) for i in range(n)]
+    ro = Rollouts(group_size=2, rewards=np.arange(n, dtype=np.float32), per_reward={}, reward_stats={}, **values)
+    again = Rollouts.concat(ro.groups())
+    back = Rollouts.from_json(json.loads(json.dumps(again.to_json())))
+    for k in lists:
+        assert [np.asarray(x).tolist() for x in getattr(back, k)] == [np.asarray(x).tolist() for x in values[k]], k
+    code = ("import sys, posttrain.rollout.rollouts, posttrain.rl.dispatcher; "
+            "print(sorted(m for m in ('jax', 'posttrain.sampling') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert "lazy" not in (PACKAGE / "rl" / "dispatcher.py").read_text()
+
+
+def test_the_python_tools_limits_are_one_record():
+    """The sandbox section extends `PythonLimits` (its keys and defaults), which every backend takes as it is."""
+    from posttrain.tools.limits import PythonLimits
+    from posttrain.tools.python_sandbox import SandboxConfig
+
+    assert issubclass(SandboxConfig, PythonLimits)
+    cfg = load_config(RLConfig, None, ["rollout.sandbox.memory_mb=512", "rollout.sandbox.max_output_bytes=100"])
+    assert (cfg.rollout.sandbox.memory_bytes, cfg.rollout.sandbox.max_output_bytes) == (512 << 20, 100)
+    with pytest.raises(ConfigError, match="rollout.sandbox.work_mb must be > 0"):
+        load_config(RLConfig, None, ["rollout.sandbox.work_mb=0"])
+    records = [node.name for f in (PACKAGE / "tools").rglob("*.py") for node in ast.walk(ast.parse(f.read_text()))
+               if isinstance(node, ast.ClassDef) and node.name.endswith("Limits")]
+    assert records == ["PythonLimits"]

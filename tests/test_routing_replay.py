@@ -217,19 +217,22 @@ class _RecordingSampler:
 
 def test_generate_rollouts_asks_for_and_checks_the_records():
     from posttrain.rewards.runner import RewardRunner, RewardSpec
+    from posttrain.rollout.collect import generate_rollouts
+    from posttrain.rollout.policy import Policy
     from posttrain.rollout.prompts import PromptSet
-    from posttrain.rollout.rollouts import generate_rollouts
     from posttrain.sampling import SamplingParams
 
     prompts = PromptSet.of([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}], [[1, 2], [3, 4, 5]])
     with RewardRunner([RewardSpec("math_answer")], num_workers=0) as runner:
         sampler = _RecordingSampler()
-        plain = generate_rollouts(sampler, prompts, SamplingParams(n=1), runner)
+        plain = generate_rollouts(Policy(None, None, sampler=sampler), prompts, SamplingParams(n=1), runner)
         assert plain.routed_experts == [] and "record_experts" not in sampler.calls[-1]
-        ro = generate_rollouts(sampler, prompts, SamplingParams(n=1), runner, record_experts=True)
+        ro = generate_rollouts(Policy(None, None, sampler=sampler), prompts, SamplingParams(n=1), runner,
+                               record_experts=True)
         assert [e.shape for e in ro.routed_experts] == [(4, 2, 2), (5, 2, 2)]
         with pytest.raises(RuntimeError, match="routing replay"):
-            generate_rollouts(_RecordingSampler(off=1), prompts, SamplingParams(n=1), runner, record_experts=True)
+            generate_rollouts(Policy(None, None, sampler=_RecordingSampler(off=1)), prompts, SamplingParams(n=1),
+                              runner, record_experts=True)
 
 
 # ---------------------------------------------------------------------- runs: the CLI, replay off, the fleet

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-__all__ = ["EnvErrorWatch", "EnvironmentFailedError"]
+__all__ = ["EnvErrorWatch", "EnvironmentFailedError", "env_watch"]
 
 
 class EnvironmentFailedError(RuntimeError):
@@ -48,3 +48,11 @@ def _error(trajectory: dict) -> str:
     """A failed trajectory's error text, with its record when known."""
     where = trajectory.get("env_error_record")
     return trajectory.get("env_error", "") + (f" ({where})" if where else "")
+
+
+def env_watch(agent, max_fraction: float, say: Callable[[str], None]) -> EnvErrorWatch | None:
+    """The watch over an `agent`'s environment failures, stopping past `max_fraction` of a step's trajectories (None
+    without an environment); its warnings go to `say`."""
+    if agent is None or agent.environment is None:
+        return None
+    return EnvErrorWatch(agent.environment.name, max_fraction, warn=lambda line: say(f"warning: {line}"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from posttrain.cli.model_arg import add_model_argument, model_folder
+from posttrain.cli.model_arg import add_model_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,9 +18,10 @@ def run(args) -> int:
     from rich.table import Table
 
     from posttrain.models import gguf_io, hf_io
+    from posttrain.models.spec import resolve_checkpoint
 
     console = Console()
-    path = model_folder(args.model)  # bad files raise errors that posttrain.cli.main prints in one line
+    path = resolve_checkpoint(args.model)  # bad files raise errors that posttrain.cli.main prints in one line
     if gguf_io.is_gguf_path(path):
         rows = _gguf_rows(gguf_io.GGUFCheckpoint(path))
     else:

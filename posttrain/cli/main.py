@@ -64,13 +64,9 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from posttrain.training.errors import CheckpointSaveError, ResumeError, TrainingDivergedError
     from posttrain.training.runlock import RunLockError
 
-    out = [ConfigError, DataError, UnsupportedModelError, CheckpointError, TokenizerError, RewardDataError,
-           RewardFailedError, CheckpointSaveError, ResumeError, TrainingDivergedError, RunLockError, FleetError,
-           DistributedError, GGUFError, EnvironmentFailedError]
-    generate = sys.modules.get("posttrain.cli.generate")
-    if generate is not None:
-        out.append(generate.InputError)
-    return tuple(out)
+    return (ConfigError, DataError, UnsupportedModelError, CheckpointError, TokenizerError, RewardDataError,
+            RewardFailedError, CheckpointSaveError, ResumeError, TrainingDivergedError, RunLockError, FleetError,
+            DistributedError, GGUFError, EnvironmentFailedError)
 
 
 def describe(e: BaseException) -> str | None:
@@ -207,21 +203,33 @@ def _main(argv: list[str] | None, supervise: bool = False) -> int:
         parser.print_help()
         return 2
     debug = os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    module = importlib.import_module(args._module)
+    _prepare(args, debug, supervise)
+    return _run(module, args, debug)
+
+
+def _prepare(args, debug: bool, supervise: bool) -> None:
+    """Quiet library logs (the error line says what failed), the compilation cache, the supervisor of a run of
+    several processes."""
     if not debug:  # libraries (Orbax through absl) log failures with tracebacks; the error line below says it
         logging.getLogger("absl").setLevel(logging.CRITICAL)
-    from posttrain.training.errors import RunInterrupted
-
-    module = importlib.import_module(args._module)
     if not args.no_compile_cache:
         from posttrain import compile_cache
 
         compile_cache.enable()  # a second run of the same job compiles nothing
-    from posttrain import distributed
-
     if supervise:  # a run of several processes is run by a child of this one (posttrain.cli.supervisor)
+        from posttrain import distributed
         from posttrain.cli import supervisor
 
         distributed.set_supervisor(supervisor.supervise)
+
+
+def _run(module, args, debug: bool) -> int:
+    """The command's `run`; a known error is one `error:` line (exit 2 for a config error, else 1)."""
+    from posttrain import distributed
+    from posttrain.config import ConfigError
+    from posttrain.training.errors import RunInterrupted
+
     try:
         if not getattr(module, "DISTRIBUTED_FROM_CONFIG", False):  # sft/rl read their config's section first
             distributed.initialize()  # multi-host from the environment / cluster; a no-op on one process
@@ -239,8 +247,6 @@ def _main(argv: list[str] | None, supervise: bool = False) -> int:
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
-        from posttrain.config import ConfigError
-
         return 2 if isinstance(e, ConfigError) else 1
 
 

@@ -21,15 +21,14 @@ from rich.table import Table
 from posttrain.data import read_prompts
 from posttrain.demo.task import make_splits, write_jsonl
 from posttrain.eval.evaluate import evaluate
-from posttrain.models import tokenizer as tok_lib
 from posttrain.models.config import llama_like
-from posttrain.models.hf_io import from_pretrained, save_pretrained
+from posttrain.models.hf_io import save_pretrained
 from posttrain.models.tokenizer import build_tokenizer
 from posttrain.models.transformer import init_model
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rl.loop import load_rl_config, run_rl
-from posttrain.rollout.prompts import PromptStyle, encode_prompts
-from posttrain.sampling import ProgramCache, Sampler
+from posttrain.rollout.policy import Policy
+from posttrain.sampling import ProgramCache
 from posttrain.training.sft import load_sft_config, run_sft
 
 
@@ -122,13 +121,10 @@ def evaluate_checkpoint(path: Path, heldout: Path, max_new_tokens: int,
                         program_cache: ProgramCache | None = None) -> dict:
     """Greedy held-out accuracy and mean reward of a HF checkpoint (the RL evaluator, `math_answer`); checkpoints of
     one architecture evaluated with one `program_cache` compile the sampler's programs once."""
-    model = from_pretrained(path)
-    tok = tok_lib.load(path)
-    records = read_prompts(str(heldout))
-    prompts = encode_prompts(records, tok, PromptStyle(chat=False))
+    policy = Policy.open(path, mesh=None, max_slots=128, program_cache=program_cache)
+    prompts = policy.encode(read_prompts(str(heldout)))  # text as it is (the policy's default style)
     with RewardRunner([RewardSpec("math_answer")], num_workers=1) as runner:
-        e = evaluate(Sampler(model, tok, max_slots=128, program_cache=program_cache), prompts, runner,
-                     correctness="math_answer", max_new_tokens=max_new_tokens)
+        e = evaluate(policy, prompts, runner, correctness="math_answer", max_new_tokens=max_new_tokens)
     greedy = e.pop("_greedy")
     e.pop("_sampled")
     return {"accuracy": e["eval/accuracy"], "mean_reward": e["eval/reward_mean"], "texts": greedy.texts}

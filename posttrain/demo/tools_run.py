@@ -23,13 +23,11 @@ from posttrain.data import read_prompts
 from posttrain.demo.run import build_base_model, sft_config
 from posttrain.demo.tools_task import build_tools_tokenizer, make_splits, prompt_records, sft_records, write_jsonl
 from posttrain.eval.evaluate import evaluate
-from posttrain.models import tokenizer as tok_lib
-from posttrain.models.hf_io import from_pretrained
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rl.config import RolloutConfig
 from posttrain.rl.loop import load_rl_config, run_rl
-from posttrain.rollout.prompts import encode_prompts
-from posttrain.sampling import ProgramCache, Sampler
+from posttrain.rollout.policy import Policy
+from posttrain.sampling import ProgramCache
 from posttrain.training.sft import load_sft_config, run_sft
 
 
@@ -87,14 +85,13 @@ def rl_config(out: Path, model: Path, s: ToolsDemoSettings, seed: int) -> dict:
 def evaluate_checkpoint(path: Path, heldout: Path, s: ToolsDemoSettings,
                         program_cache: ProgramCache | None = None) -> dict:
     """Greedy multi-turn held-out accuracy, tool calls per trajectory and mean reward of a HF checkpoint."""
-    model, tok = from_pretrained(path), tok_lib.load(path)
+    policy = Policy.open(path, mesh=None, max_slots=128, program_cache=program_cache)
     records = read_prompts(str(heldout))
-    agent = build_agent(RolloutConfig(**ROLLOUT, max_new_tokens=s.turn_tokens, max_turns=s.max_turns), tok)
+    agent = build_agent(RolloutConfig(**ROLLOUT, max_new_tokens=s.turn_tokens, max_turns=s.max_turns), policy.tokenizer)
     try:
-        prompts = encode_prompts(records, tok, agent=agent)
+        prompts = policy.encode(records, agent=agent)
         with RewardRunner([RewardSpec("math_answer")], num_workers=1) as runner:
-            e = evaluate(Sampler(model, tok, max_slots=128, program_cache=program_cache), prompts, runner,
-                         correctness="math_answer", max_new_tokens=s.turn_tokens, agent=agent)
+            e = evaluate(policy, prompts, runner, correctness="math_answer", max_new_tokens=s.turn_tokens, agent=agent)
     finally:
         agent.close()
     greedy = e.pop("_greedy")

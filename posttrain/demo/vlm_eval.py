@@ -20,9 +20,8 @@ import numpy as np
 
 from posttrain.data.sources import read_prompts
 from posttrain.data.vlm import VisionSpec, encode_image_prompt
-from posttrain.models import tokenizer as tok_lib
-from posttrain.models.hf_io import from_pretrained
 from posttrain.rewards.exact import exact_answer
+from posttrain.rollout.policy import Policy
 
 __all__ = ["greedy_answers", "vlm_accuracy"]
 
@@ -54,11 +53,10 @@ def greedy_answers(model, tok, spec: VisionSpec, prompts: Sequence, *, max_new_t
 
 def vlm_accuracy(checkpoint: str, source: str, *, max_new_tokens: int = 8) -> dict:
     """{"accuracy", "n", "samples"}: exact-answer accuracy of `checkpoint` on the prompts of `source`."""
-    tok = tok_lib.load(checkpoint)
-    spec = VisionSpec.from_checkpoint(checkpoint, tok)
-    model = from_pretrained(checkpoint)
+    policy = Policy.open(checkpoint, mesh=None, max_slots=1)  # its model, tokenizer and vision spec
     recs = read_prompts(source, required_fields=("answer",))
-    answers = greedy_answers(model, tok, spec, [r["prompt"] for r in recs], max_new_tokens=max_new_tokens)
+    answers = greedy_answers(policy.model, policy.tokenizer, policy.encoder.vision, [r["prompt"] for r in recs],
+                             max_new_tokens=max_new_tokens)
     scores = exact_answer(None, answers, [r["answer"] for r in recs])
     return {"accuracy": float(np.mean(scores)), "n": len(recs),
             "samples": [{"answer": a, "gold": r["answer"]} for a, r in zip(answers[:8], recs[:8])]}

@@ -15,7 +15,7 @@ from typing import Literal
 
 from posttrain.algorithms.registry import GRPOFamily
 from posttrain.config import at_least
-from posttrain.rl.config import EvalConfig, PromptData, RewardsSection, RLConfig, RolloutConfig
+from posttrain.rl.config import EvalSection, PromptData, RewardsSection, RLConfig, RolloutConfig
 from posttrain.training.config import DataSection, Dtype, RunConfig
 
 __all__ = ["TeacherSection", "DistillLossConfig", "OnPolicySection", "DistillConfig"]
@@ -92,7 +92,7 @@ class OnPolicySection:
     rollout: RolloutConfig = dataclasses.field(
         default_factory=lambda: RolloutConfig(batch_prompts=8, group_size=1, max_new_tokens=128, temperature=1.0))
     rewards: RewardsSection = dataclasses.field(default_factory=lambda: RewardsSection(functions=[], correctness=None))
-    eval: EvalConfig = dataclasses.field(default_factory=lambda: EvalConfig(at_start=False))
+    eval: EvalSection = dataclasses.field(default_factory=lambda: EvalSection(at_start=False))
 
 
 @dataclasses.dataclass

@@ -49,7 +49,7 @@ class TeacherAdvantages:
 
     teacher: FrozenScorer
     pad_id: int
-    columns: tuple[int, int] = (0, 0)  # (P, C) at least (`posttrain.rl.setup.batch_columns`)
+    columns: tuple[int, int] = (0, 0)  # (P, C) at least (`posttrain.rl.prompts.batch_columns`)
 
     def __call__(self, ro: Rollouts) -> tuple[RLBatch, dict[str, float]]:
         batch = build_rl_batch(ro, np.zeros(len(ro), np.float32), pad_id=self.pad_id, at_least=self.columns)
@@ -74,8 +74,9 @@ def build_on_policy(dcfg) -> RLParts:
     try:
         if distributed.is_primary():  # the distillation config, not the RL one (multi-host: written once)
             save_config(dcfg, parts.run.out / "config.yaml")
-        teacher = load_teacher(dcfg.teacher, dcfg.model, parts.tok, parts.trainer.cfg.vocab_size, parts.run.mesh)
-        scorer = FrozenScorer(teacher, parts.trainer, parts.cfg.trainer.loss_chunk_size or None)
+        trainer = parts.run.trainer
+        teacher = load_teacher(dcfg.teacher, dcfg.model, parts.tok, trainer.cfg.vocab_size, parts.run.mesh)
+        scorer = FrozenScorer(teacher, trainer, parts.cfg.trainer.loss_chunk_size or None)
         return dataclasses.replace(parts, prepare=TeacherAdvantages(scorer, parts.tok.pad_token_id or 0,
                                                                            parts.prepare.columns))
     except BaseException:

@@ -26,8 +26,10 @@ import numpy as np
 
 from posttrain.rewards.math_answer import extract_answer, to_number
 from posttrain.rewards.reasoning_gym import extract
+from posttrain.rollout.collect import generate_rollouts
+from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import PromptSet
-from posttrain.rollout.rollouts import correct, generate_rollouts
+from posttrain.rollout.rollouts import correct
 from posttrain.sampling import SamplingParams
 
 __all__ = ["pass_at_k", "maj_at_k", "answer_key", "evaluate", "per_problem"]
@@ -105,12 +107,12 @@ def _ks(k: int | Sequence[int]) -> list[int]:
     return ks
 
 
-def evaluate(sampler, prompts: PromptSet, reward_runner, *, correctness: str | None, max_new_tokens: int,
+def evaluate(policy: Policy, prompts: PromptSet, reward_runner, *, correctness: str | None, max_new_tokens: int,
              k: int | Sequence[int] = 0, n_samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              seed: int = 0, greedy: bool = True, progress: bool = False, agent=None) -> dict[str, Any]:
     """Greedy pass@1 (`eval/accuracy`), mean reward and length of `prompts` (a `PromptSet`: each problem's ids,
-    images and record); with k > 0 (an int or a list) also, from n = max(n_samples, k) draws per problem at
-    `temperature`: `eval/pass@1_sampled`, `eval/pass@k` and `eval/maj@k` for every k > 1.
+    images and record) sampled from `policy`; with k > 0 (an int or a list) also, from n = max(n_samples, k) draws
+    per problem at `temperature`: `eval/pass@1_sampled`, `eval/pass@k` and `eval/maj@k` for every k > 1.
 
     `correctness` names the reward whose value 1.0 means a correct answer (e.g. "math_answer"); without
     one, a completion is correct when its total reward is positive. Besides the metrics, the dict holds
@@ -120,7 +122,7 @@ def evaluate(sampler, prompts: PromptSet, reward_runner, *, correctness: str | N
     out: dict[str, Any] = {"eval/num_prompts": len(prompts)}
     g = None
     if greedy:
-        g = generate_rollouts(sampler, prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
+        g = generate_rollouts(policy, prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
                               reward_runner, progress=progress, agent=agent)
         out.update({
             "eval/accuracy": float(correct(g, correctness).mean()),
@@ -135,7 +137,7 @@ def evaluate(sampler, prompts: PromptSet, reward_runner, *, correctness: str | N
     if ks:
         n = max(n_samples, *ks)
         sampled = generate_rollouts(
-            sampler, prompts,
+            policy, prompts,
             SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed),
             reward_runner, progress=progress, agent=agent)
         ok = correct(sampled, correctness).reshape(len(prompts), n)

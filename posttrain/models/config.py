@@ -1,6 +1,7 @@
 """`ModelConfig`: the typed description of one decoder-only Transformer, read from and written to HF config.json.
 
-One config covers every supported family; the family only decides defaults and which switches are on:
+One config covers every supported family; the family only decides defaults and which switches are on (its row of
+`FAMILIES`, the one table `ModelConfig.from_hf` reads):
 
 | family        | qkv bias | q/k norm | norm (1+w) | post norms | act       | soft-caps | sliding window        |
 |---------------|----------|----------|------------|------------|-----------|-----------|-----------------------|
@@ -90,6 +91,95 @@ class RopeConfig:
                 original_max_position_embeddings=self.original_max_position_embeddings,
             )
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one family reads its config.json (`ModelConfig.from_hf`): its defaults and the switches it turns on.
+
+    gemma: Gemma's norms (1 + w), post norms, embedding scale, soft-caps, tanh GELU and tied embeddings by default.
+    qk_norm: RMS norms on queries and keys.
+    qkv_bias: the q/k/v biases: on or off, or the config.json key that says and its default; o_bias: `o_proj`'s
+      bias follows them.
+    windows: how the sliding window and each layer's attention kind are read (`_attention_kinds`).
+    rope_theta: the RoPE base when config.json gives none. rope_local: a second RoPE for the sliding layers.
+    """
+
+    gemma: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool | tuple[str, bool] = ("attention_bias", False)
+    o_bias: bool = False
+    windows: str = "none"
+    rope_theta: float = 10000.0
+    rope_local: bool = False
+
+
+#: every supported family's row (the module docstring's table, as `from_hf` reads it)
+FAMILIES = {
+    "llama": Family(o_bias=True),
+    "qwen2": Family(qkv_bias=True, windows="qwen"),
+    "qwen3": Family(qk_norm=True, windows="qwen"),
+    "mistral": Family(qkv_bias=False, windows="every"),
+    "gemma2": Family(gemma=True, o_bias=True, windows="alternating"),
+    "gemma3_text": Family(gemma=True, qk_norm=True, o_bias=True, windows="gemma3", rope_theta=1_000_000.0,
+                          rope_local=True),
+    "qwen3_moe": Family(qk_norm=True, windows="every_if_used"),
+    "mixtral": Family(qkv_bias=False, windows="every"),
+    "qwen2_moe": Family(qkv_bias=("qkv_bias", True), windows="qwen2_moe"),
+}
+
+
+def _attention_kinds(hf: dict[str, Any], windows: str, layers: int) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` as a family's `windows` rule reads them: `none` (full attention), `every`
+    (the window, when set, on every layer), `every_if_used` (so, when `use_sliding_window`), `qwen` (the layers
+    from `max_window_layers` on, when `use_sliding_window`), `qwen2_moe` (every other layer below it),
+    `alternating` (Gemma 2: even layers) or `gemma3` (5 local : 1 global); config.json's `layer_types` wins."""
+    given, window = hf.get("layer_types"), hf.get("sliding_window")
+    used = hf.get("use_sliding_window", False)
+    max_window = int(hf.get("max_window_layers", layers))
+    if windows == "none":
+        given = window = None
+    elif windows == "every" or windows == "every_if_used":
+        window = window if windows == "every" or used else None
+        given = ["sliding_attention" if window else "full_attention"] * layers
+    elif windows == "qwen" and not used:
+        window = None
+    elif windows == "qwen":
+        given = given or ["sliding_attention" if i >= max_window else "full_attention" for i in range(layers)]
+    elif windows == "qwen2_moe":
+        window = window if used else None
+        given = given or ["sliding_attention" if (i + 1) % 2 and i < max_window and window else "full_attention"
+                          for i in range(layers)]
+    elif windows == "alternating":
+        given = given or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    else:  # gemma3
+        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+        given = given or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    return {"sliding_window": int(window) if window else None, "layer_types": tuple(given or ())}
+
+
+def _rope_fields(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """RoPE: transformers 5 writes `rope_parameters` (per layer type for Gemma 3); 4 wrote rope_theta/rope_scaling."""
+    theta = float(hf.get("rope_theta", fam.rope_theta))
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict) and "full_attention" in rp:
+        out = {"rope": RopeConfig.from_hf(rp["full_attention"], theta)}
+        if "sliding_attention" in rp:
+            out["rope_local"] = RopeConfig.from_hf(rp["sliding_attention"], 10000.0)
+    else:
+        out = {"rope": RopeConfig.from_hf(rp if isinstance(rp, dict) else hf.get("rope_scaling"), theta)}
+    if fam.rope_local and "rope_local" not in out:
+        out["rope_local"] = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0)))
+    return out
+
+
+def _activation(hf: dict[str, Any], fam: Family, source: str) -> str:
+    act = (hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh") if fam.gemma else \
+        hf.get("hidden_act", "silu")
+    acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+    if act not in acts:
+        raise UnsupportedModelError(f"{source}: hidden activation {act!r} is not supported; supported: {sorted(acts)}")
+    return acts[act]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,115 +344,45 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF I/O
     @staticmethod
     def from_hf(hf: dict[str, Any], *, source: str = "config.json", **overrides) -> "ModelConfig":
-        """Builds the config from a Hugging Face config.json dict (transformers 4 and 5 layouts)."""
-        model_type = hf.get("model_type")
-        if model_type == "gemma3":  # multimodal wrapper: its text part, plus the vision tower when there is one
+        """Builds the config from a Hugging Face config.json dict (transformers 4 and 5 layouts); each family's
+        defaults and switches are its row of `FAMILIES`."""
+        if hf.get("model_type") == "gemma3":  # multimodal wrapper: its text part, and the vision tower when it has one
             if hf.get("vision_config") is not None and "vision" not in overrides:
                 overrides["vision"] = VisionConfig.from_hf(hf, source=source)
             hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
-            model_type = "gemma3_text"
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        model_type = hf.get("model_type")
+        if model_type not in FAMILIES:
             raise UnsupportedModelError(
                 f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        fam = FAMILIES[model_type]
         try:
             hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
             layers = int(hf["num_hidden_layers"])
             fields: dict[str, Any] = dict(
-                model_type=model_type,
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=layers,
-                num_heads=heads,
+                model_type=model_type, vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-            )
+                head_dim=int(hf.get("head_dim") or hidden // heads))
         except KeyError as e:
             raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None
-        gemma = model_type in ("gemma2", "gemma3_text")
+        bias = fam.qkv_bias if isinstance(fam.qkv_bias, bool) else bool(hf.get(*fam.qkv_bias))
         fields.update(
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", fam.gemma)), bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-        )
-        # RoPE: transformers 5 writes `rope_parameters` (per layer type for Gemma 3); 4 wrote rope_theta/rope_scaling.
-        default_theta = 1_000_000.0 if model_type == "gemma3_text" else 10000.0
-        theta = float(hf.get("rope_theta", default_theta))
-        rp = hf.get("rope_parameters")
-        if isinstance(rp, dict) and "full_attention" in rp:
-            fields["rope"] = RopeConfig.from_hf(rp["full_attention"], theta)
-            if "sliding_attention" in rp:
-                fields["rope_local"] = RopeConfig.from_hf(rp["sliding_attention"], 10000.0)
-        else:
-            fields["rope"] = RopeConfig.from_hf(rp if isinstance(rp, dict) else hf.get("rope_scaling"), theta)
-        if model_type == "gemma3_text" and "rope_local" not in fields:
-            fields["rope_local"] = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0)))
-
-        layer_types = hf.get("layer_types")
-        window = hf.get("sliding_window")
-        if model_type in ("mistral", "mixtral"):
-            layer_types = ["sliding_attention" if window else "full_attention"] * layers
-        elif model_type == "qwen3_moe":  # a window, when used, on every layer
-            fields["qkv_bias"] = bool(hf.get("attention_bias", False))
-            window = window if hf.get("use_sliding_window", False) else None
-            layer_types = ["sliding_attention" if window else "full_attention"] * layers
-        elif model_type == "qwen2_moe":
-            fields["qkv_bias"] = bool(hf.get("qkv_bias", True))
-            window = window if hf.get("use_sliding_window", False) else None
-            max_window = int(hf.get("max_window_layers", layers))
-            layer_types = layer_types or ["sliding_attention" if (i + 1) % 2 and i < max_window and window
-                                          else "full_attention" for i in range(layers)]
-        elif model_type in ("qwen2", "qwen3"):
-            fields["qkv_bias"] = model_type == "qwen2" or bool(hf.get("attention_bias", False))
-            if not hf.get("use_sliding_window", False):
-                window = None
-            elif not layer_types:
-                max_window = int(hf.get("max_window_layers", layers))
-                layer_types = ["sliding_attention" if i >= max_window else "full_attention" for i in range(layers)]
-        elif model_type == "gemma2":
-            layer_types = layer_types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        elif model_type == "gemma3_text":
-            pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
-            layer_types = layer_types or [
-                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
-            ]
-        else:  # llama
-            fields["qkv_bias"] = bool(hf.get("attention_bias", False))
-            fields["o_bias"] = bool(hf.get("attention_bias", False))
-            layer_types = None
-            window = None
-        if model_type in ("qwen3", "gemma3_text", "qwen3_moe"):
-            fields["qk_norm"] = True
+            qkv_bias=bias, o_bias=bias and fam.o_bias, qk_norm=fam.qk_norm, **_rope_fields(hf, fam),
+            hidden_act=_activation(hf, fam, source), **_attention_kinds(hf, fam.windows, layers), hf_config=dict(hf))
+        if fam.gemma:
+            fields.update(norm_offset=True, post_norms=True, embed_scale=True,
+                          attn_logit_softcap=hf.get("attn_logit_softcapping"),
+                          final_logit_softcap=hf.get("final_logit_softcapping"),
+                          query_pre_attn_scalar=hf.get("query_pre_attn_scalar"))
         if model_type in MOE_MODEL_TYPES:
             fields.update(_experts_from_hf(hf, model_type, layers))
-        if gemma:
-            act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-            fields.update(
-                qkv_bias=bool(hf.get("attention_bias", False)),
-                o_bias=bool(hf.get("attention_bias", False)),
-                norm_offset=True,
-                post_norms=True,
-                embed_scale=True,
-                attn_logit_softcap=hf.get("attn_logit_softcapping"),
-                final_logit_softcap=hf.get("final_logit_softcapping"),
-                query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
-            )
-        else:
-            act = hf.get("hidden_act", "silu")
-        acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-        if act not in acts:
-            raise UnsupportedModelError(f"{source}: hidden activation {act!r} is not supported; supported: {sorted(acts)}")
-        fields["hidden_act"] = acts[act]
-        fields["sliding_window"] = int(window) if window else None
-        fields["layer_types"] = tuple(layer_types or ())
-        fields["hf_config"] = dict(hf)
-        fields.update(overrides)
-        return ModelConfig(**fields)
+        return ModelConfig(**(fields | overrides))
 
     def _experts_to_hf(self, out: dict[str, Any]) -> None:
         """The mixture-of-experts and attention fields of the MoE families' config.json (in place)."""

@@ -75,7 +75,8 @@ def _stored(cfg: ModelConfig, path: tuple, layer: int | None) -> bool:
     return cfg.moe_layers[layer] == (str(path[1]) == "moe")
 
 
-def _to_ours(hf: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
+def to_ours(hf: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
+    """An HF tensor in our layout of `shape` (layout code `n_in`: see `_hf_name`)."""
     if n_in == vision_names.CONV:  # conv weight [out, *in] -> [*in, out]
         return np.ascontiguousarray(np.moveaxis(hf, 0, -1)).reshape(shape)
     if n_in > 0:  # linear kernel: [out, in] -> [*in, *out]
@@ -107,6 +108,22 @@ def _param_entries(state: nnx.State):
         if isinstance(var, nnx.LoRAParam):
             continue
         yield tuple(path), var
+
+
+def linear_weights(model) -> dict[str, tuple[nnx.Variable, int | None, int]]:
+    """Every linear kernel of `model` that its checkpoint stores, by HF tensor name (`model.layers.3.mlp.up_proj.weight`
+    and the like): (its variable, the layer's index in a stacked one or None, the layout code for `to_ours`). A PEFT
+    adapter's change of a weight lands there (`posttrain.models.adapters.merge_adapter`)."""
+    out = {}
+    for path_, var in _param_entries(nnx.state(model)):
+        if str(path_[-1]) != "kernel":
+            continue
+        for i in (range(var.get_value().shape[0]) if vision_names.is_stacked(path_) else [None]):
+            if _stored(model.cfg, path_, i):
+                name, n_in = _hf_name(path_, i)
+                if n_in in (1, 2):
+                    out[name] = (var, i, n_in)
+    return out
 
 
 # ---------------------------------------------------------------------- reading
@@ -352,7 +369,7 @@ def _read_layer_block(index, name: str, n_in: int, per_shape: tuple[int, ...], i
     if name not in whole:  # not one block of the HF tensor: cut from the whole one
         t = index.get(name)
         _check_shape(index, name, t.shape, per_shape, n_in)
-        whole[name] = _to_ours(t, per_shape, n_in)
+        whole[name] = to_ours(t, per_shape, n_in)
     return whole[name][idx]
 
 

@@ -1,10 +1,11 @@
 """The RL training batch (`RLBatch`, a typed pytree) and the one function that builds it from scored rollouts.
 
-Layout: prompts are left-padded into the first P columns and completions right-padded into the last
-C columns, so every completion starts at column P. The loss then projects onto the vocabulary only at
-the C completion positions (the prompt's logits are never computed). Entry j of the per-token arrays
-[N, C] (`loss_mask`, the log-probs) is about completion token j, predicted from column P-1+j.
-P and C are rounded up to multiples of `multiple` so the jitted step compiles once per (P, C) bucket.
+Layout: the teacher-forced layout of `posttrain.rollout.layout` (the one `Policy.score` uses too): prompts
+left-padded into the first P columns and completions right-padded into the last C columns, so every completion
+starts at column P. The loss then projects onto the vocabulary only at the C completion positions (the prompt's
+logits are never computed). Entry j of the per-token arrays [N, C] (`loss_mask`, the log-probs) is about
+completion token j, predicted from column P-1+j. P and C are rounded up to multiples of `multiple` so the jitted
+step compiles once per (P, C) bucket.
 
 `RLBatch` is registered with `jax.tree_util.register_dataclass` (a plain frozen dataclass whose array
 fields are pytree leaves): the trainer moves, splits and jits it like a dict of arrays, the loss reads it
@@ -17,13 +18,19 @@ is fixed for a run, so the jitted step sees one structure (the learner always fi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
+from posttrain.algorithms import dapo
+from posttrain.rollout.layout import bucket_length, stack_images, teacher_forced
+from posttrain.rollout.prompts import PromptSet
 from posttrain.rollout.rollouts import Rollouts
 
-__all__ = ["RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs", "place_experts", "stack_images"]
+__all__ = ["GroupAdvantages", "RLBatch", "bucket_length", "build_rl_batch", "completion_logprobs", "place_experts",
+           "stack_images"]
 
 
 @jax.tree_util.register_dataclass
@@ -101,11 +108,6 @@ class RLBatch:
         return jax.tree.map(lambda v: v[index], self)
 
 
-def bucket_length(n: int, multiple: int = 16) -> int:
-    """n rounded up to a multiple of `multiple` (at least one multiple)."""
-    return max(multiple, -(-n // multiple) * multiple)
-
-
 def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: np.ndarray | None = None,
                    pad_id: int = 0, multiple: int = 16, images=None, at_least: tuple[int, int] = (0, 0)) -> RLBatch:
     """The `RLBatch` of scored rollouts: model inputs [N, P+C]; per-token [N, C]; `advantages` [N] or [N, C].
@@ -119,24 +121,19 @@ def build_rl_batch(rollouts: Rollouts, advantages: np.ndarray, *, seq_weights: n
     step's batch has one shape).
     """
     n = len(rollouts)
-    p = max(bucket_length(max(len(x) for x in rollouts.prompt_ids), multiple), at_least[0])
-    c = max(bucket_length(max(len(x) for x in rollouts.completion_ids), multiple), at_least[1])
-    input_ids = np.full((n, p + c), pad_id, np.int32)
-    attention_mask = np.zeros((n, p + c), np.int32)
+    layout = teacher_forced(rollouts.prompt_ids, rollouts.completion_ids, pad_id=pad_id, multiple=multiple,
+                            at_least=at_least)
+    p, c = layout.input_ids.shape[1] - layout.completion_len, layout.completion_len
     loss_mask = np.zeros((n, c), np.float32)
     behaviour_logp = np.zeros((n, c), np.float32)
     masks = rollouts.completion_mask or [None] * n  # multi-turn: 0 on appended tokens (tool results, headers)
-    for i, (prompt, comp, lp) in enumerate(zip(rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs)):
-        input_ids[i, p - len(prompt): p] = prompt
-        input_ids[i, p: p + len(comp)] = comp
-        attention_mask[i, p - len(prompt): p + len(comp)] = 1
+    for i, (comp, lp) in enumerate(zip(rollouts.completion_ids, rollouts.logprobs)):
         loss_mask[i, : len(comp)] = 1.0 if masks[i] is None else masks[i]
         behaviour_logp[i, : len(comp)] = lp
     if seq_weights is not None:
         loss_mask *= np.asarray(seq_weights, np.float32)[:, None]
-    positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
-    return RLBatch(input_ids=input_ids, attention_mask=attention_mask, positions=positions, loss_mask=loss_mask,
-                   advantages=np.asarray(advantages, np.float32), behaviour_logp=behaviour_logp,
+    return RLBatch(input_ids=layout.input_ids, attention_mask=layout.attention_mask, positions=layout.positions,
+                   loss_mask=loss_mask, advantages=np.asarray(advantages, np.float32), behaviour_logp=behaviour_logp,
                    pixel_values=None if images is None else stack_images(images),
                    image_counts=None if images is None else np.asarray([len(r) for r in images], np.int32),
                    routed_experts=place_experts(rollouts, p, p + c) if rollouts.routed_experts else None)
@@ -154,20 +151,26 @@ def place_experts(rollouts: Rollouts, p: int, t: int) -> np.ndarray:
     return out
 
 
-def stack_images(rows) -> np.ndarray:
-    """Rows of pixel arrays [3, H, W] (row r's images in prompt order) -> float32 [N, M, 3, H, W], M the most
-    images of a row (at least 1), blank images after each row's own."""
-    shape = next((np.shape(x) for r in rows for x in r), None)
-    if shape is None:
-        raise ValueError("an image batch without any image")
-    m = max(1, max(len(r) for r in rows))
-    out = np.zeros((len(rows), m, *shape), np.float32)
-    for i, r in enumerate(rows):
-        for k, x in enumerate(r):
-            out[i, k] = x
-    return out
-
-
 def completion_logprobs(full: np.ndarray, batch: RLBatch) -> np.ndarray:
     """Slices [N, P+C-1] per-token log-probs (`Trainer.token_logprobs`) to the completion columns [N, C]."""
     return np.asarray(full)[:, -batch.completion_len:]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupAdvantages:
+    """The GRPO family's batch builder: a step's rollouts -> (the training batch, extra metrics: none). Group
+    advantages (the preset's estimator), loss masks (DAPO's overlong filtering), the prompts' images, and the
+    sampler's log-probs as behaviour log-probs (the learner adds the proximal and reference ones)."""
+
+    advantage: Callable[..., Any]
+    overlong_filtering: bool
+    prompts: PromptSet
+    pad_id: int
+    columns: tuple[int, int] = (0, 0)  # (P, C) at least: `posttrain.rl.prompts.batch_columns`
+
+    def __call__(self, ro: Rollouts) -> tuple[RLBatch, dict[str, float]]:
+        adv = np.asarray(self.advantage(ro.rewards, ro.group_size))
+        weights = dapo.overlong_mask(ro.finish_reasons) if self.overlong_filtering else None
+        images = [p.images for p in self.prompts.select(ro.record_index)] if self.prompts.has_images else None
+        return build_rl_batch(ro, adv, seq_weights=weights, pad_id=self.pad_id, images=images,
+                              at_least=self.columns), {}

@@ -4,8 +4,9 @@ plus prompts, rollouts, the algorithm, the learner, rewards, evaluation, curatio
 The algorithm section is the typed preset itself (`posttrain.algorithms.registry.GRPOFamily`): `preset` names one
 (`grpo`, `dr_grpo`, `dapo`, `gspo`, `rloo`: classes which hold the defaults) and any other key set overrides that
 preset's value. How a rollout batch is trained on (epochs, minibatches, old log-probs, off-policy correction) is
-the learner's. The rollout section holds the agent's limits (`posttrain.agent.rollout.AgentLimits`, whose keys
-and defaults it takes as they are).
+the learner's. The rollout section (`RolloutConfig`, the rollout layer's: `posttrain.rollout.config`, which
+`posttrain eval` and `generate` fill too) holds the agent's limits (`posttrain.agent.rollout.AgentLimits`, whose
+keys and defaults it takes as they are).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import dataclasses
 import re
 from typing import Any, Literal
 
-from posttrain.agent.env_openenv import OpenEnvConfig
-from posttrain.agent.rollout import AgentLimits
 from posttrain.algorithms.correction import RolloutCorrection
 from posttrain.algorithms.registry import PRESETS, GRPOFamily
 from posttrain.config import at_least
-from posttrain.tools.python_sandbox import SandboxConfig
+from posttrain.rollout.config import RolloutConfig
 from posttrain.training.config import OptimConfig, RunConfig, TrainerConfig
 
 
@@ -55,83 +54,6 @@ class PromptData:
     seed: int = 0
     max_prompt_tokens: int = 512
     eval_limit: int = 0
-
-
-@dataclasses.dataclass
-class RolloutConfig(AgentLimits):
-    """Sampling of the G completions per prompt (G = group_size).
-
-    Multi-turn rollouts (`posttrain.agent`) are on when `tools` or `environment` is set. The limits per
-    trajectory (`max_turns`, `max_tool_calls`, `max_tool_output_tokens`, `tool_timeout_s`, `max_total_tokens`)
-    are `AgentLimits`' keys, with its defaults; `max_new_tokens` is then each turn's budget, and
-    `max_total_tokens` (0: max_turns x max_new_tokens) the trajectory's after the prompt: an append past it ends
-    the trajectory as `truncated`.
-
-    batch_prompts: prompts (groups) per trainer step (B): a step trains on B x group_size completions.
-    group_size: completions sampled per prompt (G); their rewards give the group-relative advantages (rloo
-      needs at least 2).
-    max_new_tokens: tokens sampled per completion at most (a multi-turn trajectory's: per assistant turn); the
-      held-out evaluation's budget too.
-    temperature: sampling temperature of the training rollouts (0 = greedy; the held-out pass@k draws have
-      `eval.temperature`).
-    top_p: nucleus sampling: keep the smallest set of most likely tokens whose mass reaches top_p (1 = off).
-    top_k: keep the k most likely tokens (0 = off).
-    max_slots: sequences the sampler decodes at once (its KV cache's batch; every decode step computes all of
-      them, and more sequences wait for a free slot); 0 = batch_prompts x group_size. On the fleet: per worker.
-    stop_token_ids: token ids that end a completion (kept in it); None = the model's end-of-sequence ids; []
-      = always sample max_new_tokens.
-    tools: tool references, like reward functions (`calculator`, `posttrain.tools:calculator`,
-      `my_tools.py:search`); the built-in `python` runs in `sandbox`.
-    environment: an environment class (`my_env.py:Wordle`) whose `reset` makes each conversation and whose
-      public typed methods are tools too, or an OpenEnv server (`openenv:http://HOST:PORT`: one WebSocket session
-      per trajectory, see `openenv`); None = none.
-    tool_format: how the model writes calls: hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`.
-    tool_workers: processes that run the tool calls (an environment's methods run in threads of the run).
-    max_env_error_fraction: an environment method that times out, raises or returns the wrong type ends its
-      trajectory (`agent/env_errors`); when more than this fraction of one step's trajectories end so, the run
-      stops with an error (1: never).
-    sandbox: where the built-in `python` tool runs model-written code (`posttrain.tools.python_sandbox.SandboxConfig`:
-      the kernel's namespaces by default, a SandboxFusion service, or an explicitly unsafe plain process).
-    openenv: how an OpenEnv environment's actions and observations map to text
-      (`posttrain.agent.env_openenv.OpenEnvConfig`: `action_field`, `observation_field`).
-    compute_dtype: the sampler's activation and matmul dtype, independent of the trainer's (the weights stay in
-      model.param_dtype, cast at each use), in-process, in the held-out evaluation and on the fleet's workers;
-      None = the model's (model.compute_dtype). The sampler's log-probs then differ from the trainer's: what the
-      learner's rollout correction (learner.is_level, learner.rejection) is for, and what `mismatch_kl` shows.
-    """
-
-    batch_prompts: int = 8
-    group_size: int = 8
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_slots: int = 0
-    stop_token_ids: list[int] | None = None
-    tools: list[str] = dataclasses.field(default_factory=list)
-    environment: str | None = None
-    tool_format: Literal["hermes", "llama3", "mistral"] = "hermes"
-    tool_workers: int = 4
-    max_env_error_fraction: float = 0.5
-    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
-    openenv: OpenEnvConfig = dataclasses.field(default_factory=OpenEnvConfig)
-    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-
-    @property
-    def multi_turn(self) -> bool:
-        return bool(self.tools) or bool(self.environment)
-
-    @property
-    def completion_budget(self) -> int:
-        """Tokens after the prompt at most: max_new_tokens, or a multi-turn trajectory's total."""
-        return self.budget(self.max_new_tokens) if self.multi_turn else self.max_new_tokens
-
-    def __post_init__(self):
-        super().__post_init__()
-        at_least("rollout.tool_workers", self.tool_workers, 1)
-        if not 0 <= self.max_env_error_fraction <= 1:
-            raise ValueError("rollout.max_env_error_fraction must be between 0 and 1 (1: never stop), found "
-                             f"{self.max_env_error_fraction}")
 
 
 @dataclasses.dataclass
@@ -221,7 +143,7 @@ class RewardsSection:
 
 
 @dataclasses.dataclass
-class EvalConfig:
+class EvalSection:
     """The held-out evaluation of `data.eval` with the trainer's current weights (`posttrain.eval`): greedy
     accuracy (`eval/accuracy`), mean reward and length, and optionally sampled pass@k and maj@k.
 
@@ -386,8 +308,12 @@ class RLConfig(RunConfig):
     algorithm: GRPOFamily = dataclasses.field(default=PRESETS["grpo"])
     learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
     rewards: RewardsSection = dataclasses.field(default_factory=RewardsSection)
-    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     curation: CurationConfig = dataclasses.field(default_factory=CurationConfig)
     fleet: FleetConfig = dataclasses.field(default_factory=FleetConfig)
+
+    def __post_init__(self):
+        if self.algorithm.advantage == "rloo" and self.rollout.group_size < 2:
+            raise ValueError("rollout.group_size must be >= 2 for RLOO")
 
 

@@ -40,11 +40,15 @@ import dataclasses
 import itertools
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from posttrain.rl.curation import Curation
+from posttrain.rollout.rollouts import Rollouts
+
+if TYPE_CHECKING:  # the config sections `of` reads (their module loads JAX; this one stays plain)
+    from posttrain.rl.config import CurationConfig, FleetConfig, PromptData, RolloutConfig
 
 __all__ = ["PromptStream", "Lease", "Dispatcher"]
 
@@ -89,6 +93,16 @@ class Dispatcher:
       clock: time source (tests pass a fake one).
       say: where the one-line notice that every record is curated goes (default: stderr).
     """
+
+    @classmethod
+    def of(cls, num_records: int, data: PromptData, rollout: RolloutConfig, fleet: FleetConfig,
+           curation: CurationConfig) -> Dispatcher:
+        """The dispatcher of an RL run's config sections: the data stream (`data`), B groups a step (`rollout`),
+        the staleness bound and leases (`fleet`; staleness 0 in-process) and curation (`curation`)."""
+        return cls(num_records, seed=data.seed, shuffle=data.shuffle, batch_groups=rollout.batch_prompts,
+                   max_staleness=fleet.max_staleness if fleet.enabled else 0, lease_timeout_s=fleet.lease_timeout_s,
+                   curation_window=curation.window, skip_always_solved=curation.skip_always_solved,
+                   skip_never_solved=curation.skip_never_solved)
 
     def __init__(self, num_records: int, *, seed: int = 0, shuffle: bool = True, batch_groups: int,
                  max_staleness: int = 0, lease_timeout_s: float = 600.0, curation_window: int = 0,
@@ -277,8 +291,6 @@ class Dispatcher:
     def state_dict(self) -> dict:
         """JSON-able state: a checkpoint holds it with the trainer's. Leased and taken groups are saved as
         queued and ready: a restored run has no live leases."""
-        from posttrain.rollout.rollouts import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
-
         ready = {**self.ready, **self.taken}
         return {
             "next_uid": self.next_uid,
@@ -290,8 +302,6 @@ class Dispatcher:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from posttrain.rollout.rollouts import Rollouts  # lazy: keeps the dispatcher free of JAX (module docstring)
-
         self.next_uid = int(state["next_uid"])
         self.queue = [int(u) for u in state["queue"]]
         self.leases, self.leased, self.taken = {}, {}, {}

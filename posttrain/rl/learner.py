@@ -22,6 +22,7 @@ log-prob recomputation routes every token to the sampler's recorded experts, as 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable
@@ -32,12 +33,19 @@ from flax import nnx
 
 from posttrain import distributed
 from posttrain.algorithms.correction import RolloutCorrection, rollout_correction
+from posttrain.algorithms.registry import GRPOFamily, loss_kwargs
 from posttrain.algorithms.sft import token_logprobs
+from posttrain.config import ConfigError
+from posttrain.models.moe_loss import RouterLoss
 from posttrain.rl.batch import RLBatch
-from posttrain.rl.loss import packed_logprobs, routed_experts
-from posttrain.rl.packing import PackedRLBatch, PackPlan
+from posttrain.rl.config import LearnerConfig
+from posttrain.rl.loss import make_rl_loss, packed_logprobs, routed_experts
+from posttrain.rl.packing import PackedRLBatch, PackPlan, attention_span
+from posttrain.rollout.prompts import PromptSet
+from posttrain.training.config import MoELossConfig, TrainerConfig
+from posttrain.training.run import Run
 
-__all__ = ["Learner", "FrozenScorer", "TrainerScorer"]
+__all__ = ["FrozenScorer", "Learner", "TrainerScorer", "build_learner", "check_routing_replay", "policy_loss_kwargs"]
 
 
 def _packed_fn(graphdef, chunk_size, replay: bool = False):
@@ -212,3 +220,48 @@ class Learner:
         old = run(self.policy) if self.recompute_old else batch.behaviour_logp
         ref = run(self.ref_fn) if self.ref_fn is not None else None
         return batch.replace(old_logp=old, ref_logp=ref)
+
+
+# ---------------------------------------------------------------------- built from the config's sections
+def policy_loss_kwargs(preset: GRPOFamily, max_new_tokens: int) -> dict:
+    """The policy loss's keyword arguments: the algorithm preset's and the length normaliser (default: the
+    generation budget). The learner's rollout correction travels with each batch (`RLBatch.is_weight`)."""
+    kw = loss_kwargs(preset)
+    kw["max_tokens"] = max_new_tokens if preset.max_tokens is None else preset.max_tokens
+    kw["beta"] = float(preset.beta)
+    if kw["beta"] == 0.0:
+        kw.pop("kl_estimator")
+    return kw
+
+
+def check_routing_replay(learner: LearnerConfig, model_cfg) -> None:
+    """`learner.routing_replay` needs a mixture of experts (a one-line config error on a dense model). With it on,
+    the sources record the experts the sampler routed to (`record_experts`), the batch carries them
+    (`RLBatch.routed_experts`) and the learner's policy passes replay them (`posttrain.rl.learner`)."""
+    if learner.routing_replay and not model_cfg.is_moe:
+        raise ConfigError(f"learner.routing_replay: needs a mixture-of-experts model; this {model_cfg.model_type} "
+                          "model has no experts (set learner.routing_replay=false)")
+
+
+def build_learner(lc: LearnerConfig, preset: GRPOFamily, run: Run, tc: TrainerConfig, moe: MoELossConfig, *,
+                  completion_budget: int, image_prompts: bool, prompts: PromptSet) -> Learner:
+    """The learner of `run.trainer`: the policy loss (the length normaliser defaults to `completion_budget`), its
+    epochs and minibatches, and the reference scorer when beta > 0 (which routes with its own router: a batch's
+    recorded experts, `learner.routing_replay`, are the policy's only); packed rows sized once by the shortest of
+    the train `prompts`."""
+    trainer = run.trainer
+    kw = policy_loss_kwargs(preset, completion_budget)
+    share = lc.share_prompts if lc.share_prompts is not None else not image_prompts
+    chunk = tc.loss_chunk_size or None
+    ref_fn = None
+    if kw["beta"] > 0:
+        if trainer.has_lora:  # the base model with adapters off: no second copy of the weights
+            ref_fn = TrainerScorer(trainer, adapters=False)
+        else:
+            ref_fn = FrozenScorer(run.frozen_model(), trainer, chunk)
+    router = RouterLoss(**dataclasses.asdict(moe))  # a mixture of experts' router terms (none when dense)
+    return Learner(trainer, make_rl_loss(kw, chunk_size=chunk, router=router), ppo_epochs=lc.ppo_epochs,
+                   minibatches=lc.minibatches, seed=tc.seed, recompute_old=lc.old_logprobs == "recompute",
+                   correction=lc.settings(), ref_fn=ref_fn, pack=lc.pack or share,
+                   attn_span=attention_span(trainer.model().cfg) if share else None,
+                   prompt_min=min((len(x) for x in prompts.ids), default=1))

@@ -35,12 +35,12 @@ from posttrain.rl.sources import (
 from posttrain.rl.steps import (
     RLState,
     after_step,
+    begin,
     check_environment,
     close,
     evaluate,
     finish,
-    local_sampler,
-    resume,
+    local_policy,
     save,
 )
 from posttrain.sampling import ProgramCache
@@ -69,9 +69,9 @@ def run_rl(cfg: RLConfig, *, stop_after: int | None = None, parts: RLParts | Non
     parts = parts if parts is not None else build_rl(cfg, program_cache)
     state, source, step, hf_dir = RLState(), None, 0, None
     try:
-        step = resume(parts, state)
+        step = begin(parts, state)
         source = make_source(parts, state)
-        source.publish(parts.trainer.params, step)
+        source.publish(parts.run.trainer.params, step)
         if cfg.eval.at_start and step == 0:
             evaluate(parts, state, 0)
         while step < cfg.trainer.max_steps and (stop_after is None or step < stop_after):
@@ -100,7 +100,7 @@ def train_step(parts: RLParts, state: RLState, source: RolloutSource, step: int)
         batch, batch_metrics = parts.prepare(rollouts)  # advantages, masks, behaviour log-probs
         m = parts.learner.update(batch, step)  # ppo_epochs x minibatches (pi_old recomputed: a correction on)
         trained = source.commit(rollouts)  # the groups are trained: acknowledged
-        source.publish(parts.trainer.params, step)  # the fleet's every publish_every steps
+        source.publish(parts.run.trainer.params, step)  # the fleet's every publish_every steps
     t2 = time.perf_counter()
     m |= metrics.rollout_metrics(rollouts, parts.cfg.rewards.correctness) | batch_metrics | source.metrics(
         step, rollouts) | {"time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
@@ -114,7 +114,7 @@ def make_source(parts: RLParts, state: RLState) -> RolloutSource:
     0 drives the fleet and the others follow it: `posttrain.rl.fleet.follower`)."""
     cfg = parts.cfg
     if not cfg.fleet.enabled:
-        return InProcessSource(group_intake(parts), local_sampler(parts, state), parts.prompts.train, parts.sampling,
+        return InProcessSource(group_intake(parts), local_policy(parts, state), parts.prompts.train, parts.sampling,
                                parts.runner, parts.agent, record_experts=cfg.learner.routing_replay)
     # lazy: posttrain.rl.fleet loads Ray (seconds): only fleet runs need it
     from posttrain.rl.fleet import FleetFollower, FleetSource, check_hosts

@@ -1,18 +1,22 @@
-"""What an RL run samples and scores with, built from its config sections: the reward runner and the
-rollout sampling parameters. One builder each, shared by the local run (`posttrain.rl.setup`) and the
-fleet's rollout workers (`posttrain.rl.fleet.worker`), so both score and sample the same way."""
+"""What an RL run samples and scores with, built from its config sections: the reward runner, the rollout sampling
+parameters and the agent's tools and environment (checked before any model loads). One builder each, shared by the
+local run (`posttrain.rl.setup`) and the fleet's rollout workers (`posttrain.rl.fleet.worker`), so both score and
+sample the same way."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from posttrain import distributed
+from posttrain.agent.setup import agent_enabled, load_agent_parts
 from posttrain.algorithms.registry import GRPOFamily
+from posttrain.config import ConfigError
 from posttrain.rewards.length import overlong_penalty
 from posttrain.rewards.runner import RewardRunner, RewardSpec
-from posttrain.rl.config import RewardsSection, RolloutConfig
+from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
 from posttrain.sampling.params import SamplingParams
 
-__all__ = ["reward_runner", "rollout_sampling_params"]
+__all__ = ["agent_parts", "reward_runner", "rollout_sampling_params"]
 
 
 def reward_runner(rewards: RewardsSection, rollout: RolloutConfig, preset: GRPOFamily) -> RewardRunner:
@@ -34,3 +38,14 @@ def rollout_sampling_params(rollout: RolloutConfig, seed: int) -> SamplingParams
     return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
                           top_k=rollout.top_k, n=rollout.group_size, stop_token_ids=rollout.stop_token_ids,
                           seed=seed % 2**32)
+
+
+def agent_parts(rollout: RolloutConfig, fleet: FleetConfig, data: PromptData):
+    """The tools and environment of multi-turn rollouts (None: single-turn), checked before the model loads."""
+    if not agent_enabled(rollout):
+        return None
+    if distributed.is_multiprocess() and not (fleet.enabled and not data.eval):
+        raise ConfigError("rollout.tools: a multi-process trainer runs multi-turn rollouts only on the fleet "
+                          "(fleet.workers) and without data.eval (sampling in-process, every process would run "
+                          "the tools and could read different results)")
+    return load_agent_parts(rollout)

@@ -27,9 +27,11 @@ from posttrain.agent.rollout import Agent
 from posttrain.algorithms import dapo
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rl.dispatcher import Dispatcher
+from posttrain.rollout.collect import generate_rollouts
+from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import PromptSet
-from posttrain.rollout.rollouts import Rollouts, generate_rollouts
-from posttrain.sampling import Sampler, SamplingParams
+from posttrain.rollout.rollouts import Rollouts
+from posttrain.sampling import SamplingParams
 
 __all__ = ["DynamicSampling", "GroupIntake", "InProcessSource", "RolloutSource"]
 
@@ -111,19 +113,19 @@ class GroupIntake:
 
 
 class InProcessSource:
-    """Synchronous RL: the trainer's devices sample the B groups of each step with the latest weights
-    (`record_experts`: with the experts the sampler routed to, for routing replay)."""
+    """Synchronous RL: the trainer's devices sample the B groups of each step with the latest weights, through the
+    run's local `policy` (`record_experts`: with the experts the sampler routed to, for routing replay)."""
 
-    def __init__(self, intake: GroupIntake, sampler: Sampler, prompts: PromptSet, params: SamplingParams,
+    def __init__(self, intake: GroupIntake, policy: Policy, prompts: PromptSet, params: SamplingParams,
                  runner: RewardRunner, agent: Agent | None = None, *, record_experts: bool = False):
-        self.intake, self.sampler, self.prompts = intake, sampler, prompts
+        self.intake, self.policy, self.prompts = intake, policy, prompts
         self.params, self.runner, self.agent = params, runner, agent
         self.record_experts = record_experts
         self.version: int | None = None  # the latest published version
         self._t_generate = 0.0
 
     def publish(self, params, version: int) -> None:
-        self.sampler.load_weights(params, version)
+        self.policy.swap_weights(params, version)
         self.version = version
 
     def next(self, step: int) -> Rollouts:
@@ -133,7 +135,7 @@ class InProcessSource:
         d = self.intake.dispatcher
         lease = d.lease("local", max(1, d.admissible(step - 1, self.version)))
         t0 = time.perf_counter()
-        ro = generate_rollouts(self.sampler, self.prompts.select(lease.records), self.params, self.runner,
+        ro = generate_rollouts(self.policy, self.prompts.select(lease.records), self.params, self.runner,
                                uids=lease.uids, agent=self.agent, record_experts=self.record_experts)
         self._t_generate += time.perf_counter() - t0
         self.intake.complete(lease.id, ro)

@@ -1,10 +1,11 @@
 """The RL loop's named steps, as functions of the run's parts (`posttrain.rl.setup.RLParts`) and of its state
 (`RLState`: what the steps add to as the run goes: the ledger, the metrics history, the held-out evaluations, and
-the sampler on the trainer's devices).
+the policy on the trainer's devices).
 
-`resume` restores the latest checkpoint and opens the logs; `check_environment` stops the run when too many
-trajectories failed; `after_step` writes the ledger, metrics and samples and runs the periodic held-out evaluation
-and checkpoint; `finish` the final evaluation, checkpoint and HF export; `close` releases everything.
+`begin` opens the ledger and says what the run is about to do (the set-up restored the latest checkpoint and
+opened the logs: `RLParts.start_step`); `check_environment` stops the run when too many trajectories failed;
+`after_step` writes the ledger, metrics and samples and runs the periodic held-out evaluation and checkpoint;
+`finish` the final evaluation, checkpoint and HF export; `close` releases everything.
 
 Files in `output_dir`: `config.yaml`, `metrics.jsonl`, `tensorboard/`, `samples.jsonl` and `trained.jsonl`
 (`posttrain.rl.ledger`), `checkpoints/<step>/` (trainer state + the dispatcher's state with its buffered
@@ -26,21 +27,22 @@ from flax import nnx
 from posttrain import distributed
 from posttrain.agent.failures import EnvironmentFailedError
 from posttrain.eval.evaluate import evaluate as held_out
-from posttrain.models.numerics import with_compute_dtype
-from posttrain.rl.ledger import ROW_FILES, Ledger
-from posttrain.rl.setup import RLParts, trained_prompt_style
+from posttrain.rl import checkpoints
+from posttrain.rl.ledger import Ledger
+from posttrain.rl.prompts import trained_prompt_style
+from posttrain.rl.setup import RLParts
+from posttrain.rollout.policy import Policy
 from posttrain.rollout.rollouts import Rollouts
-from posttrain.sampling import Sampler
 
 __all__ = [
     "RLState",
     "after_step",
+    "begin",
     "check_environment",
     "close",
     "evaluate",
     "finish",
-    "local_sampler",
-    "resume",
+    "local_policy",
     "save",
 ]
 
@@ -52,7 +54,7 @@ class RLState:
     ledger: Ledger | None = None
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    sampler: Sampler | None = None
+    policy: Policy | None = None
 
 
 @jax.jit
@@ -61,36 +63,29 @@ def _copy_tree(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def local_sampler(parts: RLParts, state: RLState) -> Sampler:
-    """The sampler on the trainer's devices (in-process rollouts and held-out evaluation), built once over its own
-    copy of the trained weights (`Sampler.load_weights` refreshes them), computing in `rollout.compute_dtype`."""
-    if state.sampler is None:
-        t, ro = parts.trainer, parts.cfg.rollout
-        model = with_compute_dtype(nnx.merge(t.graphdef, _copy_tree(t.params), t.rest), ro.compute_dtype)
-        state.sampler = Sampler(model, parts.tok, max_slots=ro.max_slots or ro.batch_prompts * ro.group_size,
-                                program_cache=parts.programs)
-    return state.sampler
+def local_policy(parts: RLParts, state: RLState) -> Policy:
+    """The policy on the trainer's devices (in-process rollouts and held-out evaluation), built once over its own
+    copy of the trained weights (`Policy.swap_weights` refreshes them), computing in `rollout.compute_dtype`."""
+    if state.policy is None:
+        t, ro = parts.run.trainer, parts.cfg.rollout
+        model = nnx.merge(t.graphdef, _copy_tree(t.params), t.rest)
+        state.policy = Policy(model, parts.tok, folder=parts.run.model_folder(), compute_dtype=ro.compute_dtype,
+                              max_slots=ro.slots, program_cache=parts.programs)
+    return state.policy
 
 
-def resume(parts: RLParts, state: RLState) -> int:
-    """Restores the latest checkpoint (trainer, dispatcher) when resuming; opens the logs; returns the step."""
-    run, start = parts.run, 0
-    meta = run.restore()  # the newest checkpoint that restores (when trainer.resume)
-    if meta is not None:
-        parts.dispatcher.load_state_dict(meta["data_state"]["dispatcher"])
-        start = int(meta["metadata"]["rl_step"])
-    run.start_step = start
-    # rows of steps after the checkpoint are dropped: those steps run again
-    run.open_logger(start, description="rl", row_files=ROW_FILES)
-    state.ledger = Ledger(run.out, primary=distributed.is_primary())
-    run.say(start_line(parts, start))
-    return start
+def begin(parts: RLParts, state: RLState) -> int:
+    """Opens the ledger and says what the run is about to do; returns the step it starts from (the set-up's
+    restored checkpoint's, or 0)."""
+    state.ledger = Ledger(parts.run.out, primary=distributed.is_primary())
+    parts.run.say(start_line(parts, parts.start_step))
+    return parts.start_step
 
 
 def start_line(parts: RLParts, start: int) -> str:
     """What the run is about to do, in one line (as `posttrain sft` prints): model, trained parameters, algorithm,
     prompts and groups, rollout source, steps."""
-    cfg, t = parts.cfg, parts.trainer
+    cfg, t = parts.cfg, parts.run.trainer
     ro, fleet = cfg.rollout, cfg.fleet
     source = f"fleet of {fleet.workers} workers" if fleet.enabled else "in-process sampler"
     turns = " | multi-turn (tools)" if parts.agent is not None else ""
@@ -114,10 +109,9 @@ def check_environment(parts: RLParts, state: RLState, step: int, ro: Rollouts) -
 
 
 def save(parts: RLParts, step: int, *, wait: bool = False) -> None:
-    """A checkpoint of `step`: the trainer's state and the dispatcher's (`wait`: until it is on disk)."""
-    parts.run.save(data_state={"dispatcher": parts.dispatcher.state_dict()}, metadata={"rl_step": step})
-    if wait:
-        parts.run.ckpt.wait()
+    """A checkpoint of `step` (`posttrain.rl.checkpoints`: the trainer's state and the dispatcher's; `wait`: until it
+    is on disk)."""
+    checkpoints.save(parts.run, parts.dispatcher, step, wait=wait)
 
 
 def evaluate(parts: RLParts, state: RLState, step: int) -> None:
@@ -125,11 +119,11 @@ def evaluate(parts: RLParts, state: RLState, step: int) -> None:
     if parts.prompts.eval is None:
         return
     cfg, logger = parts.cfg, parts.run.logger
-    sampler = local_sampler(parts, state)
-    if sampler.version != step:
-        sampler.load_weights(parts.trainer.params, step)
+    policy = local_policy(parts, state)
+    if policy.version != step:
+        policy.swap_weights(parts.run.trainer.params, step)
     t0 = time.perf_counter()
-    e = held_out(sampler, parts.prompts.eval, parts.runner, correctness=cfg.rewards.correctness,
+    e = held_out(policy, parts.prompts.eval, parts.runner, correctness=cfg.rewards.correctness,
                  max_new_tokens=cfg.rollout.max_new_tokens, k=cfg.eval.k, n_samples=cfg.eval.n_samples,
                  temperature=cfg.eval.temperature, seed=cfg.trainer.seed + 7919 * step, agent=parts.agent)
     greedy = e.pop("_greedy")
@@ -168,10 +162,13 @@ def finish(parts: RLParts, state: RLState, step: int) -> Path | None:
 
 
 def close(parts: RLParts, state: RLState | None = None) -> None:
-    """Closes the ledger, the reward runner and the agent, then the run (logs; a pending save, bounded; the lock)."""
+    """Closes the ledger, the local policy, the reward runner and the agent, then the run (logs; a pending save,
+    bounded; the lock)."""
     try:
         if state is not None and state.ledger is not None:
             state.ledger.close()
+        if state is not None and state.policy is not None:
+            state.policy.close()
         parts.runner.close()
         if parts.agent is not None:
             parts.agent.close()

@@ -1,5 +1,5 @@
-"""The one prompt encoder of `posttrain rl`, `eval` and `generate`: records -> a `PromptSet` whose items carry their
-token ids, their images and their record.
+"""The one prompt encoder of `posttrain rl`, `eval`, `generate` and `chat` (`PromptEncoder`, a `Policy`'s
+`encode`): records -> a `PromptSet` whose items carry their token ids, their images and their record.
 
 A record's prompt (under `prompt`: text, or chat messages whose content may hold image parts) is encoded as
 - with an `agent` (tools or an environment): the first messages it makes (an environment's `reset`, or the
@@ -15,16 +15,20 @@ Every problem is one `PromptError` naming the record's place (`FILE, line N`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from posttrain.agent.environments import EnvCallError
 from posttrain.data.errors import DataError
-from posttrain.data.vlm import encode_image_prompt, has_images
-from posttrain.models.prompt_format import PromptStyle  # re-exported: how text prompts are rendered
+from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
+# PromptStyle re-exported: how text prompts are rendered
+from posttrain.models.prompt_format import PromptStyle
 
-__all__ = ["Prompt", "PromptError", "PromptSet", "PromptStyle", "encode_prompt", "encode_prompts"]
+__all__ = ["Prompt", "PromptEncoder", "PromptError", "PromptSet", "PromptStyle", "encode_prompt", "encode_prompts"]
 
 
 class PromptError(DataError):
@@ -141,6 +145,30 @@ def _encode_one(record: dict, index: int, where: str, tok, style: PromptStyle, a
 def encode_prompts(records: Sequence[dict], tok, style: PromptStyle = PromptStyle(), *, agent=None, vision=None,
                    where: Callable[[int], str] | None = None) -> PromptSet:
     """Every record's `Prompt` (see the module docstring), record i's with `index` i; `where(i)` names record i
-    (default `records.where`)."""
-    where = where or records.where
+    (default `records.where`, a data file's `FILE, line N`, else `record i`)."""
+    where = where or getattr(records, "where", None) or (lambda i: f"record {i}")
     return PromptSet(tuple(_encode_one(r, i, where(i), tok, style, agent, vision) for i, r in enumerate(records)))
+
+
+@dataclasses.dataclass
+class PromptEncoder:
+    """How one checkpoint's prompts are encoded: its `tokenizer`, the default `style` (chat template or raw text,
+    system prompt) and, for a vision-language checkpoint in `folder`, its `VisionSpec` (read at the first image
+    prompt; None for a text-only model or a checkpoint without a folder, e.g. a GGUF file)."""
+
+    tokenizer: Any
+    style: PromptStyle = PromptStyle(chat=False)
+    folder: Path | None = None
+
+    @functools.cached_property
+    def vision(self) -> VisionSpec | None:
+        folder = None if self.folder is None else Path(self.folder)
+        return VisionSpec.from_checkpoint(folder, self.tokenizer) if folder is not None and folder.is_dir() else None
+
+    def encode(self, records: Sequence[dict], *, agent=None, style: PromptStyle | None = None,
+               where: Callable[[int], str] | None = None) -> PromptSet:
+        """`encode_prompts` of `records` with this checkpoint's tokenizer, `style` (default: the encoder's) and
+        vision spec (loaded only when a record has images and no `agent` renders them)."""
+        images = agent is None and any(has_images(r, ("prompt",)) for r in records)
+        return encode_prompts(records, self.tokenizer, style or self.style, agent=agent,
+                              vision=self.vision if images else None, where=where)

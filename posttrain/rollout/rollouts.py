@@ -1,6 +1,7 @@
-"""Rollouts: prompts -> G sampled completions each (current weights, in place) -> scored rewards, as plain data.
+"""`Rollouts`: G sampled, scored completions per prompt as plain data (made by `posttrain.rollout.collect`).
 
-`Rollouts` holds only Python lists and numpy arrays, so the fleet ships it between processes unchanged
+`Rollouts` holds only Python lists and numpy arrays (this module imports neither JAX nor the sampler, so the
+dispatcher and the fleet's bookkeeping use it freely), so the fleet ships it between processes unchanged
 (and `to_json` puts it in a checkpoint): prompt and completion token ids, the sampler's per-token
 log-probs (the behaviour policy's), finish reasons, texts, the reward total and each reward's value, and
 per sample the group's uid (its position in the prompt stream), the policy version of the weights that
@@ -25,18 +26,21 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from posttrain import distributed
-from posttrain.agent.rollout import Agent, AgentRollout
-from posttrain.rollout.prompts import Prompt
-from posttrain.sampling import Sampler, SamplingParams
-
+__all__ = ["COUNT_SUFFIXES", "Rollouts", "correct", "per_sample_fields"]
 
 COUNT_SUFFIXES = ("failures", "timeouts", "skipped")  # reward statistics that are counts (summed); the others are means
+
+
+#: a `Rollouts` field with one entry per sample (`per_sample_fields`: what selecting, joining and saving carry)
+PER_SAMPLE = {"per_sample": True}
+
+
+def _samples(**kw):
+    """A per-sample field (one entry per sample; `[]` when the rollouts do not have it)."""
+    return dataclasses.field(metadata=PER_SAMPLE, **kw)
 
 
 @dataclasses.dataclass
@@ -44,28 +48,24 @@ class Rollouts:
     """N = B * G completions, group-contiguous (the G samples of one prompt in a row)."""
 
     group_size: int
-    record_index: list[int]  # [N] index of the prompt record in the data set
-    prompt_ids: list[list[int]]  # [N]
-    completion_ids: list[list[int]]  # [N]
-    logprobs: list[list[float]]  # [N] sampler log-probs (temperature-1 log-softmax of the raw logits)
-    finish_reasons: list[str]  # [N] "stop" | "length"
-    texts: list[str]  # [N] decoded completions
-    prompts_text: list[str]  # [N]
+    record_index: list[int] = _samples()  # [N] index of the prompt record in the data set
+    prompt_ids: list[list[int]] = _samples()  # [N]
+    completion_ids: list[list[int]] = _samples()  # [N]
+    logprobs: list[list[float]] = _samples()  # [N] sampler log-probs (temperature-1 log-softmax of the raw logits)
+    finish_reasons: list[str] = _samples()  # [N] "stop" | "length"
+    texts: list[str] = _samples()  # [N] decoded completions
+    prompts_text: list[str] = _samples()  # [N]
     rewards: np.ndarray  # [N] weighted total
     per_reward: dict[str, np.ndarray]  # name -> [N]
     reward_stats: dict[str, float]
-    uid: list[int] = dataclasses.field(default_factory=list)  # [N] the group's uid (prompt stream position)
-    version_first: list[int] = dataclasses.field(default_factory=list)  # [N] policy version at the first token
-    version_last: list[int] = dataclasses.field(default_factory=list)  # [N] ... and at the last token
-    token_versions: list[list[int]] = dataclasses.field(default_factory=list)  # [N] per completion token
-    completion_mask: list[list[int]] = dataclasses.field(default_factory=list)  # [N] multi-turn: 1 = sampled
-    trajectories: list[dict] = dataclasses.field(default_factory=list)  # [N] multi-turn: `Trajectory.summary()`
+    uid: list[int] = _samples(default_factory=list)  # [N] the group's uid (prompt stream position)
+    version_first: list[int] = _samples(default_factory=list)  # [N] policy version at the first token
+    version_last: list[int] = _samples(default_factory=list)  # [N] ... and at the last token
+    token_versions: list[list[int]] = _samples(default_factory=list)  # [N] per completion token
+    completion_mask: list[list[int]] = _samples(default_factory=list)  # [N] multi-turn: 1 = sampled
+    trajectories: list[dict] = _samples(default_factory=list)  # [N] multi-turn: `Trajectory.summary()`
     # [N] routing replay: [len(prompt) + len(completion) - 1, L_sparse, k] expert ids (module docstring)
-    routed_experts: list[np.ndarray] = dataclasses.field(default_factory=list)
-
-    _PER_SAMPLE = ("record_index", "prompt_ids", "completion_ids", "logprobs", "finish_reasons", "texts",
-                   "prompts_text", "uid", "version_first", "version_last", "token_versions", "completion_mask", "trajectories",
-                   "routed_experts")
+    routed_experts: list[np.ndarray] = _samples(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -91,7 +91,7 @@ class Rollouts:
         return np.asarray(out, np.int64)
 
     def _pick(self, idx: list[int], reward_stats: dict[str, float]) -> "Rollouts":
-        lists = {k: [getattr(self, k)[i] for i in idx] if getattr(self, k) else [] for k in self._PER_SAMPLE}
+        lists = {k: [getattr(self, k)[i] for i in idx] if getattr(self, k) else [] for k in per_sample_fields()}
         return Rollouts(group_size=self.group_size, rewards=self.rewards[idx],
                         per_reward={k: v[idx] for k, v in self.per_reward.items()}, reward_stats=reward_stats, **lists)
 
@@ -108,13 +108,13 @@ class Rollouts:
         """The parts one after the other, with their reward statistics merged (`merge_stats`)."""
         first = parts[0]
         stats = Rollouts.merge_stats(parts)
-        lists = {k: [x for p in parts for x in getattr(p, k)] for k in Rollouts._PER_SAMPLE}
+        lists = {k: [x for p in parts for x in getattr(p, k)] for k in per_sample_fields()}
         return Rollouts(group_size=first.group_size, rewards=np.concatenate([p.rewards for p in parts]),
                         per_reward={k: np.concatenate([p.per_reward[k] for p in parts]) for k in first.per_reward},
                         reward_stats=stats, **lists)
 
     def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in self._PER_SAMPLE}
+        out = {k: getattr(self, k) for k in per_sample_fields()}
         out["routed_experts"] = [_array_to_json(a) for a in self.routed_experts]
         out.update(group_size=self.group_size, rewards=self.rewards.tolist(),
                    per_reward={k: v.tolist() for k, v in self.per_reward.items()}, reward_stats=dict(self.reward_stats))
@@ -122,7 +122,7 @@ class Rollouts:
 
     @staticmethod
     def from_json(d: dict) -> "Rollouts":
-        lists = {k: list(d.get(k, [])) for k in Rollouts._PER_SAMPLE}
+        lists = {k: list(d.get(k, [])) for k in per_sample_fields()}
         lists["routed_experts"] = [_array_from_json(a) for a in lists["routed_experts"]]
         return Rollouts(group_size=int(d["group_size"]), rewards=np.asarray(d["rewards"], np.float32),
                         per_reward={k: np.asarray(v, np.float32) for k, v in d["per_reward"].items()},
@@ -143,6 +143,11 @@ class Rollouts:
         return out
 
 
+def per_sample_fields() -> tuple[str, ...]:
+    """The names of `Rollouts`' per-sample fields, in order (declared once, with `PER_SAMPLE`)."""
+    return tuple(f.name for f in dataclasses.fields(Rollouts) if f.metadata.get("per_sample"))
+
+
 def _array_to_json(a: np.ndarray) -> dict:
     """A small integer array as JSON: dtype, shape and its bytes in base64 (expert ids: 1-2 bytes each)."""
     a = np.ascontiguousarray(a)
@@ -151,193 +156,6 @@ def _array_to_json(a: np.ndarray) -> dict:
 
 def _array_from_json(d: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(d["b64"]), np.dtype(d["dtype"])).reshape(d["shape"]).copy()
-
-
-def prompt_text(prompt: str | list[dict]) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    return "\n".join(str(m.get("content", "")) for m in prompt)
-
-
-def _reward_input(record: dict, completion, traj=None) -> tuple[str, str, dict]:
-    """What the rewards see of one completion: its prompt as text (a record without a prompt, whose conversation
-    an environment's `reset` made: its first messages), its text (a trajectory's last assistant message), and its
-    fields (the record's other columns, `completion_lengths`, and a trajectory's `messages`)."""
-    prompt = prompt_text(record["prompt"] if "prompt" in record else traj.first)
-    text = traj.final_text if traj is not None else (completion.text if completion.text is not None else "")
-    fields = {key: value for key, value in record.items() if key != "prompt"}
-    fields["completion_lengths"] = len(completion.token_ids)
-    if traj is not None:
-        fields["messages"] = traj.messages
-    return prompt, text, fields
-
-
-def score_once(reward_runner, prompts: list[str], texts: list[str], fields: dict[str, list], early=None):
-    """`reward_runner.score(...)`; in a multi-host run process 0 scores (every process holds the same
-    completions: the sampler's results are read whole on every process) and broadcasts the rewards, so reward
-    code runs once per sample and every process trains on the same numbers (a user's reward that times out or
-    is random cannot make the processes disagree)."""
-    if not distributed.is_multiprocess():
-        return reward_runner.score(prompts, texts, fields, early) if early is not None else \
-            reward_runner.score(prompts, texts, fields)
-    result = None
-    if distributed.is_primary():
-        total, per_reward, stats = reward_runner.score(prompts, texts, fields)
-        result = [np.asarray(total, np.float64).tolist(),
-                  {k: np.asarray(v, np.float64).tolist() for k, v in per_reward.items()}, dict(stats)]
-    total, per_reward, stats = distributed.broadcast_json(result)
-    return (np.asarray(total, np.float32), {k: np.asarray(v, np.float32) for k, v in per_reward.items()},
-            {k: float(v) for k, v in stats.items()})
-
-
-def generate_rollouts(
-    sampler: Sampler,
-    prompts: Sequence[Prompt],
-    params: SamplingParams,
-    reward_runner,
-    *,
-    uids: list[int] | None = None,
-    agent: Agent | None = None,
-    progress: bool = False,
-    between_segments=None,
-    record_experts: bool = False,
-) -> Rollouts:
-    """Samples `params.n` completions per prompt and scores them with `reward_runner` (a `RewardRunner`).
-
-    `prompts`: `Prompt` items (a `PromptSet` or a selection of one): each gives its token ids, its images (image
-    prompts: handed to its prefill, `Sampler.generate(images=...)`), its record (the reward fields) and its
-    record index (`Rollouts.record_index`). With `uids` (one per prompt: the groups' stream positions), a group's
-    samples are drawn from keys of (seed, uid), so they do not depend on which other groups share the call, and
-    each sample is stamped with the sampler's weights version. `agent`: multi-turn rollouts (the sampler calls
-    its trajectories at every turn end; see the module docstring). `progress` shows the sampler's progress bar.
-    `between_segments`: newer weights between decode segments (`Sampler.generate`; partial rollouts): each
-    token is stamped with the version that produced it. `record_experts` (a mixture of experts, routing replay):
-    each sample's `routed_experts` (module docstring). Rewards that start early (the judge: `RewardRunner.early`)
-    get each completion as soon as it is sampled, so their calls overlap the decoding of the others."""
-    prompts = list(prompts)
-    rollout = AgentRollout(agent, [p.record for p in prompts], [p.ids for p in prompts],
-                           [getattr(p, "where", None) for p in prompts]) if agent is not None else None
-    try:
-        return _scored(sampler, prompts, params, reward_runner, uids, rollout, progress, between_segments,
-                       record_experts)
-    finally:
-        if rollout is not None:  # environment sessions still open (a failed call): closed
-            rollout.close()
-
-
-def _scored(sampler, prompts, params, reward_runner, uids, rollout, progress, between_segments,
-            record_experts) -> Rollouts:
-    """`generate_rollouts`' body: sample, score, gather."""
-    early = reward_runner.early() if hasattr(reward_runner, "early") and not distributed.is_multiprocess() else None
-    completions, trajs = _sample(sampler, prompts, params, uids, rollout, progress, between_segments, record_experts,
-                                 early)
-    n = len(completions)
-    records = [p.record for p in prompts]
-    prompt_ids = [p.ids for p in prompts]
-    inputs = [_reward_input(records[c.prompt_index], c, trajs[k] if trajs is not None else None)
-              for k, c in enumerate(completions)]
-    prompts_text, texts = [x[0] for x in inputs], [x[1] for x in inputs]
-    fields: dict[str, list] = {key: [x[2].get(key) for x in inputs] for key in (inputs[0][2] if inputs else {})}
-    total, per_reward, stats = score_once(reward_runner, prompts_text, texts, fields, early)
-    if trajs is not None:
-        total, per_reward = _add_env_rewards(trajs, total, per_reward)
-    version = int(getattr(sampler, "version", None) or 0)  # the weights' policy version (`Sampler.load_weights`)
-    versions = [_token_versions(c, version) for c in completions]
-    assert len(total) == n
-    return Rollouts(
-        group_size=params.n,
-        record_index=[prompts[c.prompt_index].index for c in completions],
-        prompt_ids=[list(prompt_ids[c.prompt_index]) for c in completions],
-        completion_ids=[list(c.token_ids) for c in completions],
-        logprobs=[list(c.logprobs) for c in completions],
-        finish_reasons=[c.finish_reason for c in completions] if trajs is None else [t.summary()["finish_reason"]
-                                                                                     for t in trajs],
-        texts=texts,
-        prompts_text=prompts_text,
-        rewards=np.asarray(total, np.float32),
-        per_reward={k: np.asarray(v, np.float32) for k, v in per_reward.items()},
-        reward_stats=dict(stats),
-        uid=[uids[c.prompt_index] for c in completions] if uids is not None else [],
-        version_first=[min(v, default=version) for v in versions],  # versions only grow within a call
-        version_last=[max(v, default=version) for v in versions],
-        token_versions=versions,
-        completion_mask=[] if trajs is None else [list(c.mask) for c in completions],
-        trajectories=[] if trajs is None else [t.summary() for t in trajs],
-        routed_experts=[_recorded_experts(c, prompt_ids[c.prompt_index]) for c in completions] if record_experts
-        else [],
-    )
-
-
-def _sample(sampler: Sampler, prompts: list[Prompt], params: SamplingParams, uids, rollout: AgentRollout | None,
-            progress: bool, between_segments, record_experts: bool = False, early=None):
-    """The sampler's completions of `prompts` (their ids, and their images when any has some; with
-    `record_experts`, the experts routed to), and with an agent's `rollout` each completion's finished
-    `Trajectory` (None without one). `early` (`posttrain.rewards.runner.EarlyScores`) gets each completion as it
-    finishes."""
-    prompt_ids = [p.ids for p in prompts]
-    kwargs: dict[str, Any] = {"progress": True} if progress else {}
-    if between_segments is not None:
-        kwargs["between_segments"] = between_segments
-    if record_experts:
-        kwargs["record_experts"] = True
-    if any(p.images for p in prompts):
-        kwargs["images"] = [p.images for p in prompts]
-    if rollout is not None:
-        kwargs.update(on_turn_end=rollout, max_len=_context_limit(sampler, prompt_ids, params, rollout.agent))
-    if early is not None:
-        kwargs["on_finish"] = _early_feed(early, prompts, params.n, rollout)
-    completions = sampler.generate(prompt_ids, params, key_ids=uids, **kwargs)
-    return completions, [rollout.finished(c) for c in completions] if rollout is not None else None
-
-
-def _early_feed(early, prompts: list[Prompt], n: int, rollout: AgentRollout | None):
-    """The sampler's `on_finish`: a finished completion's reward inputs to the early rewards (a problem here only
-    leaves the completion to be asked again when the batch is scored)."""
-    def on_finish(c) -> None:
-        try:
-            traj = rollout.trajectory(c.prompt_index, c.sample_index) if rollout is not None else None
-            early.add(c.prompt_index * n + c.sample_index, *_reward_input(prompts[c.prompt_index].record, c, traj))
-        except Exception:  # noqa: BLE001 - never the sampler's problem
-            pass
-
-    return on_finish
-
-
-def _recorded_experts(c, prompt_ids) -> np.ndarray:
-    """A completion's recorded experts [len(prompt) + len(completion) - 1, L_sparse, k], checked for that length."""
-    experts = getattr(c, "routed_experts", None)
-    want = len(prompt_ids) + len(c.token_ids) - 1
-    if experts is None or np.shape(experts)[0] != want:
-        got = None if experts is None else np.shape(experts)
-        raise RuntimeError(f"routing replay: the sampler recorded experts of shape {got} for a sequence of "
-                           f"{len(prompt_ids)} prompt and {len(c.token_ids)} completion tokens ({want} positions fed)")
-    return np.asarray(experts)
-
-
-def _token_versions(c, default: int) -> list[int]:
-    """Per token of a completion, the version that produced it (`default` where the sampler kept none)."""
-    if not c.versions:
-        return [default] * len(c.token_ids)
-    return [default if v is None else int(v) for v in c.versions]
-
-
-def _context_limit(sampler, prompt_ids, params: SamplingParams, agent: Agent) -> int | None:
-    """The call's context limit for multi-turn rollouts: the longest prompt plus the trajectory budget (capped
-    by the sampler's own limit); None without a budget (the sampler's limit)."""
-    budget = agent.limits.max_total_tokens
-    if not budget:
-        return None
-    limit = min(x for x in (getattr(sampler, "max_len", None), sampler.cfg.max_position_embeddings) if x)
-    return min(max(len(p) for p in prompt_ids) + max(budget, params.max_new_tokens), limit)
-
-
-def _add_env_rewards(trajs, total, per_reward):
-    """The environment's reward per trajectory (when it gives one) as the `environment` reward, added to the total."""
-    env = [t.env_reward() for t in trajs]
-    if all(r is None for r in env):
-        return total, per_reward
-    values = np.asarray([0.0 if r is None else r for r in env], np.float32)
-    return np.asarray(total, np.float32) + values, {**per_reward, "environment": values}
 
 
 def correct(ro: Rollouts, correctness: str | None) -> np.ndarray:

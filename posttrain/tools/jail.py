@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from posttrain.tools.cgroups import CallGroup
+from posttrain.tools.limits import PythonLimits
 from posttrain.tools.scratch import owned_tempdir
 from posttrain.tools.seccomp import SeccompUnavailable, filter_program
 
-__all__ = ["START_SLACK_S", "JailLimits", "JailResult", "jail_support", "run_jailed"]
+__all__ = ["START_SLACK_S", "JailResult", "jail_support", "run_jailed"]
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_launcher.py")
 #: The launcher's command line: it reads `SOURCE\0SPEC` from stdin (no host path on any command line inside).
@@ -58,20 +59,6 @@ WORK_NAMES = ("/work", "/sandbox", "/sandbox-work")
 START_TIMEOUT_S = 10.0  # for the launcher's first answer (an interpreter start; slow only on a loaded machine)
 CLEANUP_S = 2.0  # killing the tree, reading the output, removing the cgroup and the folder: well under this
 START_SLACK_S = START_TIMEOUT_S + CLEANUP_S  # a call's most time beyond its wall limit
-
-
-@dataclass(frozen=True)
-class JailLimits:
-    """What one snippet may use: wall and CPU seconds, memory (address space per process and, with cgroups,
-    all processes together), bytes per written file (stdout and stderr included), processes, /work's size, and
-    (with cgroups) the CPU cores its processes may keep busy at once."""
-    wall_s: float
-    cpu_s: int
-    memory_bytes: int
-    file_bytes: int
-    max_processes: int
-    work_bytes: int
-    cpus: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -159,7 +146,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _spec(code: str, limits: JailLimits, root: str, status_w: int, go_r: int) -> dict:
+def _spec(code: str, limits: PythonLimits, root: str, status_w: int, go_r: int) -> dict:
     work = _work_folder()
     try:
         program = filter_program()
@@ -182,7 +169,7 @@ def _send(proc: subprocess.Popen, spec: dict) -> None:
         raise JailError(f"the sandbox launcher did not take its spec: {e}") from None
 
 
-def _start(proc: subprocess.Popen, spec: dict, limits: JailLimits, status_r: int, go_w: int) -> CallGroup | None:
+def _start(proc: subprocess.Popen, spec: dict, limits: PythonLimits, status_r: int, go_w: int) -> CallGroup | None:
     """Hand the launcher its spec, wait for its namespaces, write its uid/gid maps, put it in the call's cgroup
     and say go; the call's `CallGroup` (None where cgroups cannot be written)."""
     _send(proc, spec)
@@ -197,7 +184,7 @@ def _start(proc: subprocess.Popen, spec: dict, limits: JailLimits, status_r: int
     return group
 
 
-def run_jailed(code: str, limits: JailLimits, max_output_bytes: int) -> JailResult:
+def run_jailed(code: str, limits: PythonLimits, max_output_bytes: int) -> JailResult:
     """Run `code` in the sandbox (see the module docstring); raises `JailError` if the sandbox fails to start."""
     root = owned_tempdir()
     group = None
@@ -244,8 +231,7 @@ def jail_support() -> str | None:
     """None when the kernel sandbox works on this machine, else why not (one line); checked once per process."""
     if sys.platform != "linux":
         return f"the kernel sandbox needs Linux, this is {sys.platform}"
-    limits = JailLimits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, file_bytes=1 << 20, max_processes=16,
-                        work_bytes=1 << 20)
+    limits = PythonLimits(wall_s=20.0, cpu_s=10, memory_mb=1024, file_mb=1, max_processes=16, work_mb=1)
     try:
         result = run_jailed("print('ok')", limits, 4096)
     except (JailError, OSError) as e:

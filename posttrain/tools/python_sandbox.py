@@ -33,7 +33,8 @@ import signal
 from typing import Literal
 
 from posttrain.tools.cgroups import cgroup_controllers, sweep_stale_groups
-from posttrain.tools.jail import START_SLACK_S, JailError, JailLimits, jail_support, run_jailed
+from posttrain.tools.jail import START_SLACK_S, JailError, jail_support, run_jailed
+from posttrain.tools.limits import PythonLimits
 from posttrain.tools.process_sandbox import run_in_process
 from posttrain.tools.remote_sandbox import RemoteSandbox, RemoteSandboxError
 from posttrain.tools.scratch import sweep_stale_folders
@@ -45,24 +46,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class PythonLimits:
-    """Limits of one `python` tool run: wall and CPU seconds, memory (address space per process; with cgroups
-    also all its processes together), bytes of any file it writes (stdout and stderr included), processes,
-    the size of its writable folder, the bytes of output returned, and (with cgroups) the CPU cores it may keep
-    busy at once."""
-    wall_s: float = 10.0
-    cpu_s: int = 5
-    memory_bytes: int = 1 << 30
-    file_bytes: int = 1 << 20
-    max_output_bytes: int = 16_384
-    max_processes: int = 32
-    work_bytes: int = 64 << 20
-    cpus: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxConfig:
-    """Where the built-in `python` tool runs model-written code (`rollout.sandbox`).
+class SandboxConfig(PythonLimits):
+    """Where the built-in `python` tool runs model-written code (`rollout.sandbox`), and its limits per call: the
+    keys of `PythonLimits` (`posttrain.tools.limits`), whose defaults they keep.
 
     backend: `namespaces` (the kernel's sandbox on this machine; needs Linux user namespaces), `remote` (an
       HTTP service speaking SandboxFusion's `/run_code` API at `url`) or `process` (rlimits and an audit hook
@@ -72,46 +58,25 @@ class SandboxConfig:
     retries: remote: retries after a connection error, time-out or 5xx answer (short back-off).
     max_concurrency: remote: requests in flight at once from one process, at most.
 
-    Limits per call (the remote service gets only `wall_s` and `memory_mb`; the process backend all but
-    `max_processes` and `work_mb`):
-
-    wall_s: seconds of wall-clock time; past it the code is stopped.
-    cpu_s: seconds of CPU time.
-    memory_mb: MiB of memory (address space per process, and for all of a call's processes where cgroups allow).
-    file_mb: MiB of any file it writes, stdout and stderr included.
-    max_processes: processes of one call at once.
-    work_mb: MiB of its private writable folder.
-    cpus: CPU cores a call's processes may keep busy at once (a cgroup CPU quota, where cgroups can be written).
+    The remote service gets only `wall_s` and `memory_mb`; the process backend all but `max_processes`, `work_mb`
+    and `cpus`.
     """
     backend: Literal["namespaces", "remote", "process"] = "namespaces"
     url: str | None = None
     request_timeout_s: float = 30.0
     retries: int = 2
     max_concurrency: int = 8
-    wall_s: float = 10.0
-    cpu_s: int = 5
-    memory_mb: int = 1024
-    file_mb: int = 1
-    max_processes: int = 32
-    work_mb: int = 64
-    cpus: float = 1.0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.backend == "remote" and not self.url:
             raise ValueError("rollout.sandbox.url is required with rollout.sandbox.backend: remote "
                              "(the SandboxFusion service's base address, e.g. http://127.0.0.1:8080)")
-        for key in ("request_timeout_s", "wall_s", "cpu_s", "memory_mb", "file_mb", "max_processes", "work_mb",
-                    "max_concurrency", "cpus"):
+        for key in ("request_timeout_s", "max_concurrency"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"rollout.sandbox.{key} must be > 0, found {getattr(self, key)}")
         if self.retries < 0:
             raise ValueError(f"rollout.sandbox.retries must be >= 0, found {self.retries}")
-
-    @property
-    def limits(self) -> PythonLimits:
-        return PythonLimits(wall_s=self.wall_s, cpu_s=self.cpu_s, memory_bytes=self.memory_mb << 20,
-                            file_bytes=self.file_mb << 20, max_processes=self.max_processes,
-                            work_bytes=self.work_mb << 20, cpus=self.cpus)
 
     @property
     def call_limit_s(self) -> float:
@@ -219,10 +184,7 @@ def _run(code: str, config: SandboxConfig, limits: PythonLimits) -> tuple[int, b
     why = jail_support()
     if why is not None:
         raise SandboxUnavailable(why)
-    jail = JailLimits(wall_s=limits.wall_s, cpu_s=limits.cpu_s, memory_bytes=limits.memory_bytes,
-                      file_bytes=limits.file_bytes, max_processes=limits.max_processes, work_bytes=limits.work_bytes,
-                      cpus=limits.cpus)
-    r = run_jailed(code, jail, limits.max_output_bytes)
+    r = run_jailed(code, limits, limits.max_output_bytes)
     return r.returncode, r.timed_out, r.stdout, r.stderr
 
 
@@ -231,7 +193,7 @@ def run_python(code: str, limits: PythonLimits | None = None, config: SandboxCon
     if not isinstance(code, str):
         return f"Error: code must be a string, got {type(code).__name__}"
     config = config or _CONFIG
-    limits = limits or config.limits
+    limits = limits or config  # the section is its own limits
     try:
         returncode, timed_out, out, err = _run(code, config, limits)
     except (SandboxUnavailable, JailError, RemoteSandboxError) as e:

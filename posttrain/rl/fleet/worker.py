@@ -1,14 +1,14 @@
-"""A rollout worker: a Ray actor with its own devices, model, `Sampler` and reward process pool.
+"""A rollout worker: a Ray actor with its own devices, model (a `Policy` over it) and reward process pool.
 
 Each `rollout` call is one lease, its prompts as `Prompt` items (token ids, images, record, record index: image
 prompts travel with their pixels): pull the newest weights from the parameter server if they are newer
 than the ones loaded (every trainer process's chunks, assembled for this worker's own model and loaded into
-the sampler's model), generate the leased groups (a group's samples depend only on (seed, uid, weights)),
+the policy's model), generate the leased groups (a group's samples depend only on (seed, uid, weights)),
 score them with the reward runner (time limits, failures counted), and return the scored groups stamped
 with the weights' versions and the sampler's per-token log-probs.
 
 Partial rollouts (`fleet.swap=segment`): between decode segments of a lease the worker also takes newer
-weights (`Sampler.generate(between_segments=...)`, the KV caches in flight kept), so a long completion is not
+weights (`Policy.sample(between_segments=...)`, the KV caches in flight kept), so a long completion is not
 generated with the weights its lease started with to its end: each token carries the version that produced
 it. The check costs no wait: one `latest()` call to the parameter server is in flight at a time, issued at
 most every `POLL_S`, and read only once it has answered; only a newer version is fetched (that fetch and
@@ -37,13 +37,12 @@ import ray
 from posttrain.agent.setup import agent_enabled, build_agent
 from posttrain.algorithms.registry import GRPOFamily
 from posttrain.models import tokenizer as tok_lib
-from posttrain.models.numerics import with_compute_dtype
 from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
 from posttrain.rl.fleet.shards import assemble
 from posttrain.rl.rewarding import reward_runner, rollout_sampling_params
+from posttrain.rollout.collect import generate_rollouts
+from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import Prompt
-from posttrain.rollout.rollouts import generate_rollouts
-from posttrain.sampling import Sampler
 from posttrain.training.config import LoraConfig, ModelSection
 from posttrain.training.run import build_model
 
@@ -69,11 +68,10 @@ class RolloutWorker:
                             "record_experts": record_experts}
         self._state, self._since, self.busy_s = "starting", time.time(), 0.0
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
-        net = with_compute_dtype(net, rollout.compute_dtype)  # the sampler's own compute dtype (its weights: as sent)
-        slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
         tok = tok_lib.load(folder)
-        self.sampler = Sampler(net, tok, max_slots=slots,
-                               **({"segment_steps": fleet.segment_steps} if fleet.segment_steps else {}))
+        # the sampler's own compute dtype (`rollout.compute_dtype`; its weights: as sent)
+        self.policy = Policy(net, tok, folder=folder, max_slots=rollout.slots,
+                             segment_steps=fleet.segment_steps or None, compute_dtype=rollout.compute_dtype)
         self.agent = None
         if agent_enabled(rollout):
             data = data or PromptData()
@@ -100,7 +98,7 @@ class RolloutWorker:
         self._set("pulling")
         version, refs = ray.get(self.ps.latest.remote())
         if version > self.version:
-            self.sampler.load_weights(assemble(ray.get(refs)), version)
+            self.policy.swap_weights(assemble(ray.get(refs)), version)
             self.version = version
             return time.perf_counter() - t0
         return 0.0
@@ -124,7 +122,7 @@ class RolloutWorker:
         self._set("generating")
         self.version = version
         self._swaps += 1
-        self._swap_s += time.perf_counter() - t0  # the fetch; the copy into the model follows in the sampler
+        self._swap_s += time.perf_counter() - t0  # the fetch; the copy into the model follows in the policy
         return weights, version
 
     def rollout(self, lease_id: int, uids: list[int], prompts: Sequence[Prompt]) -> dict:
@@ -134,7 +132,7 @@ class RolloutWorker:
         pull_s = self._pull()
         self._set("generating")
         self._swaps, self._swap_s = 0, 0.0
-        ro = generate_rollouts(self.sampler, prompts, self.params, self.runner, uids=uids, agent=self.agent,
+        ro = generate_rollouts(self.policy, prompts, self.params, self.runner, uids=uids, agent=self.agent,
                                **self.generate_kw)
         self._set("idle")
         seconds = time.perf_counter() - t0
