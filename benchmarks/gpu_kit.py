@@ -31,7 +31,9 @@ listed as skipped (`--only` picks steps and their order; `--budget 0` runs them 
   grpo      benchmarks/bench_grpo.py --no-trl (GRPO step seconds, rollout vs train);
   continuation  benchmarks/bench_agent_continuation.py (a 4-turn rollout vs one 4x-longer generation);
   rlupdate  benchmarks/bench_rl_pack.py --micro on the 0.45B shape: the RL update padded, packed and with shared
-            prompts (4 prompts x 8 completions, 256-token prompts, completions of 32..512 tokens).
+            prompts (4 prompts x 8 completions, 256-token prompts, completions of 32..512 tokens);
+  serve     benchmarks/bench_serve.py on the 0.1 B shape: `posttrain serve` against `transformers serve
+            --continuous-batching` (both on the GPU) at 1, 16 and 64 clients (output tokens/s, TTFT, ITL).
 Every step runs with JAX_PLATFORMS=--platform (cuda): the benchmarks default to cpu otherwise, and with the
 compilation cache off (first-run figures). gpu_figures.json starts with `goals`: issue 40's GPU figures against
 their targets (demo seconds, first RL step, RL compile seconds, decode step and roofline, SFT MFU of the chip's
@@ -60,6 +62,10 @@ KIT = [
     "math-verify==0.9.0", "latex2sympy2_extended==1.11.0", "antlr4-python3-runtime==4.13.2", "gguf==0.19.0",
     "pebble==5.2.3",
     "tensorboardX==2.6.5",
+    # `posttrain serve` and `transformers serve` (bench_serve.py): the server stack and transformers' serving extra
+    "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "h11==0.16.0", "click==8.5.1",
+    "prometheus_client==0.26.0", "pydantic==2.13.4", "pydantic_core==2.46.4", "annotated-types==0.7.0",
+    "typing-inspection==0.4.2", "openai==3.57.0", "jiter==0.19.0", "distro==1.9.0",
 ]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
@@ -130,7 +136,8 @@ print("RESULT " + json.dumps(out))
 
 
 #: the steps of `run`, most important first
-STEPS = ["env", "demo", "rl", "accel", "autotune", "checks", "cudnn", "generate", "grpo", "continuation", "rlupdate"]
+STEPS = ["env", "demo", "rl", "accel", "autotune", "checks", "cudnn", "generate", "grpo", "continuation", "rlupdate",
+         "serve"]
 #: what `--tiny` runs by default (the CPU-capable plumbing of the new steps)
 TINY_STEPS = ["env", "demo", "rl", "accel", "autotune"]
 #: dense bfloat16 peak FLOP/s of one chip by its `device_kind` (vendor data sheets; SXM parts)
@@ -252,6 +259,10 @@ def _steps(args, out: Path, py: str) -> dict[str, tuple[list[list[str]], int, di
         "rlupdate": ([[py, "benchmarks/bench_rl_pack.py", "--micro", "3", "--size", "0.5b", "--prompts", "4",
                        "--group", "8", "--prompt-len", "256", "--comp", "32", "512", "--json",
                        str(out / "rlupdate.json")]], 900, {}),
+        "serve": ([[py, "benchmarks/bench_serve.py", "--device", args.platform,
+                    "--json", str(out / "serve.json")]
+                   + (["--size", "small", "--clients", "1", "4", "--rounds", "1", "--new", "16", "--prompt", "16"]
+                      if tiny else ["--size", "0.1b", "--clients", "1", "16", "64"])], 900, {}),
     }
 
 

@@ -26,6 +26,7 @@ LAYERS = [
     {"training"},
     {"agent"},
     {"rollout"},
+    {"serve"},
     {"rl", "eval"},
     {"distill", "demo"},
     {"cli"},

@@ -5,6 +5,8 @@
 - One config page per training command (sft, rl, dpo, distill) lists every key of its typed config, found by
   walking the dataclass fields from the root config (`SFTConfig`, `RLConfig`, `DPOConfig`, `DistillConfig`):
   dotted key, type, default (that command's: RL's `optim.lr` is not SFT's) and meaning.
+- The server's request bodies (`posttrain serve`): every field of the pydantic models the server validates
+  requests with (`posttrain.serve.protocol`), with its type, default and meaning (the same `key: meaning` lines).
 
 Meanings come from the project's one convention: a `key: meaning` line in the docstring of the config class that
 declares the key (or of a class it inherits from), continued on more indented lines; `a, b: meaning` describes
@@ -222,9 +224,72 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
+#: The request bodies of `posttrain serve`, in the order the page shows them (`posttrain.serve.protocol`).
+SERVE_MODELS = ["CompletionRequest", "ChatRequest", "SamplingFields", "StreamOptions", "ChatMessage", "ContentPart",
+                "ImageURL", "ToolCall", "FunctionCall", "Tool", "FunctionDef", "TokenizeRequest", "DetokenizeRequest"]
+
+
+def _bounded(tp: Any) -> str:
+    """A type with `Annotated[T, bounds]` written as `T (>= a, <= b)`."""
+    if typing.get_origin(tp) is typing.Annotated:
+        inner, *meta = typing.get_args(tp)
+        bounds = [f"{op} {getattr(m, key)}" for m in meta for key, op in
+                  (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, key, None) is not None]
+        return _bounded(inner) + (f" ({', '.join(bounds)})" if bounds else "")
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union or type(tp).__name__ == "UnionType":
+        return " | ".join(_bounded(a) for a in args)
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_bounded(a) for a in args)}]"
+    return type_name(tp)
+
+
+def _field_type(info) -> str:
+    """A pydantic field's type, bounds written out (`int (>= 0)`); a bound on the field itself appended."""
+    own = [f"{op} {getattr(m, key)}" for m in info.metadata for key, op in
+           (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, key, None) is not None]
+    return _bounded(info.annotation) + (f" ({', '.join(own)})" if own else "")
+
+
+def serve_fields(name: str) -> list[tuple[str, str, str, str | None]]:
+    """(field, type, default, meaning) of a request model's own fields (inherited ones are shown on their class)."""
+    from pydantic_core import PydanticUndefined
+
+    from posttrain.serve import protocol
+
+    cls = getattr(protocol, name)
+    own = [k for k in cls.model_fields if k in inspect.get_annotations(cls)]
+    meaning = parse_descriptions(cls.__doc__, set(own))
+    out = []
+    for k in own:
+        info = cls.model_fields[k]
+        default = "required" if info.default is PydanticUndefined else shown(info.default)
+        out.append((k, _field_type(info), default, meaning.get(k)))
+    return out
+
+
+def serve_page() -> str:
+    from posttrain.serve import protocol
+
+    lines = ["# `posttrain serve` request bodies", "",
+             ("Generated from the pydantic models the server validates request bodies with "
+              "(`posttrain.serve.protocol`). Types are strict (a string is not a number); a field of the wrong type "
+              "or out of range is a 400 naming it (`error.param`); other fields are accepted and ignored."), ""]
+    for name in SERVE_MODELS:
+        cls = getattr(protocol, name)
+        bases = [b.__name__ for b in cls.__bases__ if b.__name__ in SERVE_MODELS]
+        lines += [f"## `{name}`", "", summary(cls) or "", ""]
+        if bases:
+            lines += [f"Also every field of `{bases[0]}`.", ""]
+        for k, tp, default, text in serve_fields(name):
+            lines.append(f"- **`{k}`** (`{tp}`, default `{default}`): {text or '(no description yet)'}")
+        lines.append("")
+    return "\n".join(_no_loose_html(lines)) + "\n"
+
+
 def write_pages(folder: Path = GENERATED) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
-    pages = {"cli.md": cli_page(), **{f"config-{c}.md": config_page(c) for c in ROOTS}}
+    pages = {"cli.md": cli_page(), **{f"config-{c}.md": config_page(c) for c in ROOTS}, "serve-requests.md": serve_page()}
     out = []
     for name, text in pages.items():
         path = folder / name

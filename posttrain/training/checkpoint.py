@@ -37,7 +37,8 @@ from posttrain import distributed
 from posttrain.training.errors import CheckpointSaveError, ResumeError
 from posttrain.models.weights import path_names
 
-__all__ = ["Checkpointer", "CheckpointSaveError", "ResumeError", "tree_to_nested", "nested_to_tree"]
+__all__ = ["Checkpointer", "CheckpointSaveError", "ResumeError", "read_trained_params", "tree_to_nested",
+           "nested_to_tree"]
 
 TMP_MARKER = ".orbax-checkpoint-tmp"
 
@@ -234,3 +235,30 @@ class Checkpointer:
             return
         if "error" in box and not failed_before:
             raise self._save_error(box["error"])
+
+
+def read_trained_params(directory: str | Path, step: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+    """(step, trained parameters) of checkpoint `step` (default: the newest) under `directory`, read without a
+    trainer: a flat {path: array} dict keyed as `posttrain.models.weights.flat_weights` keys a model's variables
+    (a LoRA run's adapters alone). FileNotFoundError when the folder holds no checkpoint."""
+    import orbax.checkpoint as ocp  # lazy: orbax (~0.2 s) loads only when checkpoints are read
+
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder {directory}")
+    manager = ocp.CheckpointManager(directory, item_names=("state", "meta"))
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {directory}")
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    flat: dict[str, np.ndarray] = {}
+
+    def walk(node, prefix: str):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}/")
+            else:
+                flat[prefix + k] = np.asarray(v)
+
+    walk(state["params"], "")
+    return int(step), flat
