@@ -172,3 +172,28 @@ def test_stop_drains_what_is_in_flight(engine, model, sampler):
     assert [len(o.ids) for o in outs] == [12] * 6 and all(o.done.reason == "length" for o in outs)
     with pytest.raises(EngineStopped):
         eng.submit("m", SequenceRequest([3], 2), Out())
+
+
+def test_lanes_added_and_removed_while_running(engine, model, sampler):
+    """A lane added at run time (the Tinker API's sampling sessions) samples its own weights with the programs its
+    structure compiled already; removing it cancels what it holds and refuses new work."""
+    other = init_model(llama_like(vocab_size=VOCAB, max_position_embeddings=512, num_layers=1), seed=3)
+    engine.add_lane("b", Sampler(other, program_cache=sampler.program_cache)).result(60)
+    with pytest.raises(ValueError, match="exists"):
+        engine.add_lane("b", Sampler(other, program_cache=sampler.program_cache)).result(60)
+    prompts = _prompts((5, 9))
+    with count_compiles() as compiles:
+        mine = run(engine, [SequenceRequest(p, 8, temperature=0.0, logprobs=True) for p in prompts], lane="b")
+        base = run(engine, [SequenceRequest(p, 8, temperature=0.0, logprobs=True) for p in prompts])
+    assert compiles.total == 0, compiles
+    assert [o.ids for o in mine] != [o.ids for o in base]  # the lane's own weights
+    ids = np.asarray([p + o.ids for p, o in zip(prompts[:1], mine)], np.int32)
+    ref = np.asarray(jax.jit(lambda i: token_logprobs(other, i))(ids))[0, len(prompts[0]) - 1:]
+    assert np.abs(np.asarray(mine[0].lps) - ref).max() <= 1e-5
+    longs = [Out() for _ in range(8)]  # twice the slots: some of them still wait when the lane goes
+    engine.submit_all("b", [SequenceRequest([3, 4], 250, temperature=0.0, ignore_stop=True)] * 8, longs)
+    engine.remove_lane("b")
+    assert all(o.event.wait(60) for o in longs) and any(o.done.reason == "cancelled" for o in longs)
+    with pytest.raises(KeyError):
+        engine.submit("b", SequenceRequest([3], 2), Out())
+    assert run(engine, [SequenceRequest([3, 4], 2)])[0].done.reason == "length"  # the base lane is untouched

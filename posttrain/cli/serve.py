@@ -1,5 +1,6 @@
 """`posttrain serve MODEL`: an OpenAI-compatible HTTP server (completions, chat with tools and images, streaming,
-token endpoints, Prometheus metrics) on posttrain's own sampler, every client's requests batched together.
+token endpoints, Prometheus metrics) on posttrain's own sampler, every client's requests batched together; with
+`--tinker`, the Tinker training API under /api/v1 as well (the `tinker` SDK trains LoRA adapters over MODEL).
 SIGTERM (or Ctrl-C) finishes the requests in flight, then exits."""
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     add_prompt_style_arguments(p, default_chat=True)
     p.add_argument("--no-warmup", action="store_true", help="do not compile the common programs before listening")
+    p.add_argument("--tinker", action="store_true",
+                   help="serve the Tinker training API under /api/v1 too (the `tinker` SDK: pip install -e '.[tinker]'; "
+                        "its api_key must start with tml-)")
+    p.add_argument("--tinker-checkpoints", default="tinker-checkpoints", metavar="DIR",
+                   help="folder of the Tinker API's tinker:// checkpoints (save_state, save_weights_for_sampler)")
 
 
 def run(args) -> int:
@@ -49,7 +55,8 @@ def run(args) -> int:
                              port=args.port, api_key=args.api_key or None, loras=tuple(loras),
                              max_model_len=args.max_model_len, max_slots=args.max_slots, max_queue=args.max_queue,
                              segment_steps=args.segment_steps, dtype=args.dtype, tool_format=args.tool_format,
-                             warmup=not args.no_warmup, chat=args.chat, system_prompt=args.system_prompt)
+                             warmup=not args.no_warmup, chat=args.chat, system_prompt=args.system_prompt,
+                             tinker=args.tinker, tinker_checkpoints=args.tinker_checkpoints)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return serve(config)

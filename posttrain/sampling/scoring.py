@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -70,21 +71,34 @@ def _score(graphdef, state, ids, lens, *, n_top: int):
     return unpad(lp), unpad(top_ids), unpad(top_lp)
 
 
+#: (graphdef, jitted `_score`) of the model structures met, newest last: scorers of models of one structure (a
+#: server's lanes over adapters of one shape) share their compiled programs
+_PROGRAMS: list[tuple] = []
+_LOCK = threading.Lock()  # engines of several servers in one process
+KEEP = 8
+
+
+def _program(graphdef):
+    with _LOCK:
+        for i, (g, fn) in enumerate(_PROGRAMS):
+            if g == graphdef:  # equality, not hashing: a config holding lists makes a graphdef unhashable
+                _PROGRAMS.append(_PROGRAMS.pop(i))
+                return fn
+        fn = jax.jit(functools.partial(_score, graphdef), static_argnames=("n_top",))
+        _PROGRAMS.append((graphdef, fn))
+        del _PROGRAMS[:-KEEP]
+        return fn
+
+
 class Scorer:
     """Scores sequences with one model's current weights (read at every call, as the sampler reads them)."""
 
     def __init__(self, model):
         self.model = model
-        self._jitted = {}  # graphdef -> jitted `_score`
 
     def _fn(self):
         graphdef, state = nnx.split(self.model)
-        for g, fn in self._jitted.items():
-            if g == graphdef:
-                return fn, state
-        fn = jax.jit(functools.partial(_score, graphdef), static_argnames=("n_top",))
-        self._jitted = {graphdef: fn}
-        return fn, state
+        return _program(graphdef), state
 
     def score(self, sequences: Sequence[Sequence[int]], n_top: int = 0) -> list[Scored]:
         """Every sequence's `Scored` (each of at least two tokens), in order."""

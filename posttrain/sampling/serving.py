@@ -24,7 +24,9 @@ in a loop of its own, on one thread:
 - Scoring (`score`): teacher-forced log-probs of whole sequences (`posttrain.sampling.scoring`), run between
   segments on the same thread.
 - Lanes: one per model variant (a base model and LoRA adapters over it, each its own `Sampler`); each lane has its
-  own slots and cache, and the loop runs a segment for every lane with work.
+  own slots and cache, and the loop runs a segment for every lane with work. Lanes may come and go while the engine
+  runs (`add_lane`, `remove_lane`: the Tinker API's sampling sessions over a training client's adapters); a lane
+  added so keeps no cache while it is idle.
 
 Shapes, so that each program compiles once and few are met: a lane has a fixed slot count; its cache grows
 through capacities that double from 256 positions up to `max_len` (and returns to the smallest when the lane is
@@ -169,8 +171,10 @@ class _Live:
 class _Lane:
     """One model variant's slots, cache, waiting queue and per-slot sampling parameters (engine thread only)."""
 
-    def __init__(self, name: str, sampler: Sampler, slots: int, max_len: int, n_top: int, segment_steps: int):
+    def __init__(self, name: str, sampler: Sampler, slots: int, max_len: int, n_top: int, segment_steps: int,
+                 transient: bool = False):
         self.name, self.sampler, self.slots, self.max_len = name, sampler, slots, max_len
+        self.transient = transient  # an added lane: no cache kept while idle
         self.n_top, self.segment_steps = n_top, segment_steps
         self.caps = capacities(max_len)
         self.stop = sampler.stop_ids()
@@ -207,7 +211,7 @@ class _Lane:
                 self.ds = grow_jit(self.ds, self.cache_len, mesh, _resolved(kernels))
 
     def _shrink_if_idle(self):
-        if not self.busy() and self.cache_len > self.caps[0]:
+        if not self.busy() and (self.cache_len > self.caps[0] or (self.transient and self.ds is not None)):
             self.ds, self.cache_len = None, self.caps[0]
 
     # ------------------------------------------------------------------ one iteration
@@ -431,7 +435,8 @@ class ServingEngine:
         self.vocab_size = first.cfg.vocab_size
         self.slots, self.n_top, self.max_waiting = int(slots), int(n_top), int(max_waiting)
         self.slots = first.round_slots(self.slots)  # a multiple of the mesh's batch ways
-        self._lanes = {name: _Lane(name, s, self.slots, self.max_len, self.n_top, int(segment_steps))
+        self.segment_steps = int(segment_steps)
+        self._lanes = {name: _Lane(name, s, self.slots, self.max_len, self.n_top, self.segment_steps)
                        for name, s in samplers.items()}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -531,6 +536,24 @@ class ServingEngine:
         self._inbox.put(("score", lane, [list(s) for s in sequences], min(int(n_top), self.n_top), fut))
         return fut
 
+    def add_lane(self, name: str, sampler: Sampler) -> concurrent.futures.Future:
+        """Adds a lane over `sampler` (a model of the base's shape: the same context and vocabulary) between
+        segments; a future of None once requests may name it. Its cache is made when it has work and dropped when
+        it is idle again. A name in use is a ValueError."""
+        if sampler.cfg.vocab_size != self.vocab_size:
+            raise ValueError(f"lane {name!r}: vocabulary {sampler.cfg.vocab_size}, the engine's is {self.vocab_size}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+        self._inbox.put(("add", name, sampler, fut))
+        return fut
+
+    def remove_lane(self, name: str) -> None:
+        """Removes a lane between segments: its sequences end as cancelled, its scoring requests fail (KeyError);
+        nothing if there is no such lane."""
+        self._inbox.put(("remove", name))
+
     def swap_weights(self, lane: str, weights, version: int | None = None) -> concurrent.futures.Future:
         """Loads `weights` into a lane's model between segments (`Sampler.load_weights`); sequences in flight keep
         their caches. A future of None once loaded."""
@@ -581,7 +604,7 @@ class ServingEngine:
             if cmd[0] == "submit":
                 for x in cmd[2]:
                     _deliver(x, Finished("error", "the server is shutting down"))
-            elif cmd[0] in ("score", "swap"):
+            elif cmd[0] in ("score", "swap", "add"):
                 cmd[-1].set_exception(EngineStopped("the server is shutting down"))
 
     def _take(self, block: bool) -> list:
@@ -594,7 +617,17 @@ class ServingEngine:
 
     def _apply(self, cmd, drain: bool) -> bool:
         kind = cmd[0]
-        if kind == "submit":
+        if kind in ("submit", "score", "swap") and cmd[1] not in self._lanes:  # removed since it was checked
+            if kind == "submit":
+                for x in cmd[2]:
+                    _deliver(x, Finished("error", f"model {cmd[1]!r} is no longer served"))
+            else:
+                cmd[-1].set_exception(KeyError(cmd[1]))
+        elif kind == "add":
+            self._add(*cmd[1:])
+        elif kind == "remove":
+            self._remove(cmd[1])
+        elif kind == "submit":
             self._lanes[cmd[1]].waiting.extend(cmd[2])
         elif kind == "cancel":
             any(lane.cancel(cmd[1]) for lane in self._lanes.values())
@@ -611,3 +644,26 @@ class ServingEngine:
         elif kind == "stop":
             return bool(cmd[1])
         return drain
+
+    def _add(self, name: str, sampler: Sampler, fut: concurrent.futures.Future) -> None:
+        if name in self._lanes:
+            fut.set_exception(ValueError(f"lane {name!r} exists already"))
+            return
+        try:
+            self._lanes[name] = _Lane(name, sampler, self.slots, self.max_len, self.n_top, self.segment_steps,
+                                      transient=True)
+            fut.set_result(None)
+        except Exception as e:  # noqa: BLE001 - the caller's future carries it
+            fut.set_exception(e)
+
+    def _remove(self, name: str) -> None:
+        lane = self._lanes.pop(name, None)
+        if lane is None:
+            return
+        for s, x in enumerate(lane.live):
+            if x is not None:
+                lane._finish(s, "cancelled")
+        while lane.waiting:
+            _deliver(lane.waiting.popleft(), Finished("cancelled"))
+        for *_, fut in lane.scores:
+            fut.set_exception(KeyError(name))

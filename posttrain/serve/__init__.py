@@ -2,6 +2,8 @@
 
 One engine thread owns the device and batches every client's sequences together (`posttrain.sampling.serving`);
 the ASGI app (FastAPI on uvicorn) parses requests, renders chats, streams answers and never touches a JAX array.
+With `--tinker` (`ServeConfig.tinker`) the same app serves the Tinker training API under /api/v1 too
+(`posttrain.serve.tinker`: LoRA training clients over the base, their sampling sessions on the same engine).
 """
 
 from posttrain.serve.config import ServeConfig

@@ -5,7 +5,8 @@ POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /tokenizer_info
 but /health and /metrics needs `Authorization: Bearer KEY` (401 otherwise). Bodies are read by hand: over
 `max_body_bytes` -> 413, not JSON -> 400, a field of the wrong type or range -> 400 naming it (`param`). Any
 other failure is a 500 with a one-line message; the traceback goes to the server's log, never to the client.
-While the server drains (SIGTERM) new requests get 503.
+While the server drains (SIGTERM) new requests get 503. With the Tinker API (`state.tinker`) its routes are mounted
+under /api/v1 (`posttrain.serve.tinker.routes`; the key may come as `X-API-Key`, as the `tinker` SDK sends it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from posttrain.serve.context import ServerState
 from posttrain.serve.errors import APIError, validation_error
 from posttrain.serve.metrics import CONTENT_TYPE_LATEST
 from posttrain.serve.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from posttrain.serve.tinker import PREFIX as TINKER_PREFIX
+from posttrain.serve.tinker import build_router
 from posttrain.serve.tokens import detokenize, tokenize, tokenizer_info
 
 __all__ = ["build_app"]
@@ -70,14 +73,15 @@ class Gateway:
     when its answer ends (streams included) with the request counter by endpoint and status. (A plain ASGI
     wrapper: Starlette's `BaseHTTPMiddleware` would buffer streams and hide client disconnects.)"""
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
+    def __init__(self, app, state: ServerState, routes: tuple[str, ...] = ROUTES):
+        self.app, self.state, self.routes = app, state, set(routes)
 
     def _refusal(self, scope) -> APIError | None:
         path, headers = scope.get("path", ""), dict(scope.get("headers") or [])
         key = self.state.config.api_key
         if key and path not in OPEN_PATHS and not _authorized(headers, key):
-            return APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            return APIError(401, "invalid or missing API key (Authorization: Bearer KEY, or X-API-Key: KEY)",
+                            code="invalid_api_key")
         if self.state.draining and path not in OPEN_PATHS:
             return APIError(503, "the server is shutting down", type="server_error", code="unavailable")
         return None
@@ -94,7 +98,8 @@ class Gateway:
             usage = scope.get("posttrain.usage") or ""
             client = (scope.get("client") or ("-",))[0]
             log.info('%s "%s %s" %d %.3fs%s', client, scope.get("method", ""), path, status[0], seconds, usage)
-            endpoint = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+            endpoint = path if path in self.routes else "/v1/models/{id}" if path.startswith("/v1/models/") else \
+                "/api/v1/other" if path.startswith(TINKER_PREFIX) else "other"
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
             self.state.metrics.duration.labels(endpoint).observe(seconds)
 
@@ -175,7 +180,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenizer_info_route():
         return tokenizer_info(state)
 
-    return Gateway(app, state)
+    routes = ROUTES
+    if state.tinker is not None:
+        router = build_router(state.tinker)
+        app.include_router(router, prefix=TINKER_PREFIX)
+        routes += tuple(TINKER_PREFIX + r.path for r in router.routes if "{" not in r.path)
+    return Gateway(app, state, routes)
 
 
 def _authorized(headers: dict[bytes, bytes], key: str) -> bool:

@@ -17,7 +17,8 @@ class ServeConfig:
     model. max_queue: sequences waiting for a slot before requests get 429. segment_steps: decode steps between
     looks at the queue and streamed tokens. tool_format: how the model writes tool calls (`hermes`, `llama3`,
     `mistral`). warmup: compile the common programs before taking requests. chat, system_prompt: how conversations
-    are rendered (None: as the model was trained, recorded in its export; else the chat template)."""
+    are rendered (None: as the model was trained, recorded in its export; else the chat template). tinker: serve the
+    Tinker training API under /api/v1 too, its `tinker://` checkpoints under `tinker_checkpoints`."""
 
     model: str
     served_model_name: str | None = None
@@ -35,6 +36,8 @@ class ServeConfig:
     warmup: bool = True
     chat: bool | None = None
     system_prompt: str | None = None
+    tinker: bool = False
+    tinker_checkpoints: str = "tinker-checkpoints"
 
     def __post_init__(self):
         def bad(name, why):

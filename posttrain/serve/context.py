@@ -9,6 +9,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.responses import StreamingResponse
 
@@ -31,6 +32,7 @@ class ServerState:
     models: dict[str, ServedModel]
     engine: AsyncEngine
     metrics: Metrics
+    tinker: Any = None  # the Tinker API's `TinkerService` (`--tinker`), else None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     draining: bool = False
 

@@ -1,7 +1,9 @@
 """Putting a server together and running it: the models, the engine thread, the app, uvicorn.
 
 `Server(config)` opens the base model (and its LoRA adapters), starts the serving engine (one lane per served
-name), compiles the common programs with one short request (`warmup`) and builds the app. `run()` serves in the
+name), compiles the common programs with one short request (`warmup`) and builds the app (with `--tinker`, the Tinker
+API's service over the base too: its training clients adapt the base's arrays, its sampling sessions sample on the
+same engine). `run()` serves in the
 foreground: uvicorn handles SIGTERM and SIGINT by closing the listening socket, letting every request in flight
 finish (streams included), then returning; the engine then drains and stops, and the process exits 0. `start()`
 serves from a background thread instead (tests, notebooks, an RL run's in-process endpoint) and `stop()` ends it
@@ -10,6 +12,7 @@ the same way. Port 0 binds a free port; `url` says which.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import signal
 import socket
@@ -19,6 +22,7 @@ import time
 
 import uvicorn
 
+from posttrain.config import ConfigError
 from posttrain.sampling.serving import ServingEngine
 from posttrain.serve.app import build_app
 from posttrain.serve.config import ServeConfig
@@ -27,6 +31,7 @@ from posttrain.serve.engine import AsyncEngine
 from posttrain.serve.lora import open_adapter
 from posttrain.serve.metrics import Metrics
 from posttrain.serve.models import ServedModel
+from posttrain.serve.tinker import TinkerService
 
 __all__ = ["Server", "serve"]
 
@@ -56,7 +61,9 @@ class Server:
             for name in self.models:
                 self.engine.warmup(name)
         metrics = Metrics(self.engine.stats)
-        self.state = ServerState(config, self.models, AsyncEngine(self.engine, metrics), metrics)
+        engine = AsyncEngine(self.engine, metrics)
+        tinker = _tinker_service(config, self.models, engine) if config.tinker else None
+        self.state = ServerState(config, self.models, engine, metrics, tinker=tinker)
         self.app = build_app(self.state)
         self.sock = _bind(config.host, config.port)
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
@@ -104,7 +111,18 @@ class Server:
 
     def _drain(self):
         self.state.draining = True
+        if self.state.tinker is not None:
+            self.state.tinker.close()
         self.engine.stop(drain=True)
+
+
+def _tinker_service(config: ServeConfig, models: dict[str, ServedModel], engine: AsyncEngine) -> TinkerService:
+    """The Tinker API over the base (the first model), asked for as `base_model` by its served name or its spec."""
+    if importlib.util.find_spec("tinker") is None:
+        raise ConfigError("--tinker needs the tinker SDK (its protobuf and request types): pip install -e '.[tinker]'")
+    lane, base = next(iter(models.items()))
+    names = tuple(dict.fromkeys((config.name, config.model)))
+    return TinkerService.open(engine, lane, base.policy, names=names, checkpoints=config.tinker_checkpoints)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -137,6 +155,9 @@ def serve(config: ServeConfig) -> int:
     names = ", ".join(server.models)
     print(f"posttrain serve: {names} on {server.url} (slots {config.max_slots}, context {server.engine.max_len}"
           f"{', API key required' if config.api_key else ''})", file=sys.stderr, flush=True)
+    if config.tinker:
+        print(f"posttrain serve: the Tinker API on {server.url}/api/v1 (checkpoints in {config.tinker_checkpoints})",
+              file=sys.stderr, flush=True)
     server.run()
     print("posttrain serve: stopped", file=sys.stderr, flush=True)
     return 0
