@@ -7,7 +7,7 @@ default (`posttrain.agent.rollout.AgentLimits`: the one place the defaults are).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from posttrain.agent.env_openenv import OpenEnvConfig
 from posttrain.agent.rollout import Agent, AgentLimits
@@ -45,7 +45,10 @@ class RolloutConfig(AgentLimits):
       `my_tools.py:search`); the built-in `python` runs in `sandbox`.
     environment: an environment class (`my_env.py:Wordle`) whose `reset` makes each conversation and whose
       public typed methods are tools too, or an OpenEnv server (`openenv:http://HOST:PORT`: one WebSocket session
-      per trajectory, see `openenv`); None = none.
+      per trajectory, see `openenv`), or a verifiers environment (`verifiers:NAME_OR_FILE`: an installed
+      environment package or a .py file exporting `load_environment`; its dataset, rollouts and rubric are used,
+      `posttrain.rollout.verifiers_env`); None = none.
+    environment_args: keyword arguments of a verifiers environment's `load_environment`.
     tool_format: how the model writes calls: hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`.
     tool_workers: processes that run the tool calls (an environment's methods run in threads of the run).
     max_env_error_fraction: an environment method that times out, raises or returns the wrong type ends its
@@ -71,6 +74,7 @@ class RolloutConfig(AgentLimits):
     stop_token_ids: list[int] | None = None
     tools: list[str] = dataclasses.field(default_factory=list)
     environment: str | None = None
+    environment_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     tool_format: Literal["hermes", "llama3", "mistral"] = "hermes"
     tool_workers: int = 4
     max_env_error_fraction: float = 0.5
