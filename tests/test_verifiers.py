@@ -16,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from posttrain.config import ConfigError
 from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
-from posttrain.rl.verifiers_source import SERVED_NAME, local_server, open_verifiers
+from posttrain.rl.verifiers_source import open_verifiers
 from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import PromptEncoder, PromptStyle
 from posttrain.rollout.verifiers_env import VerifiersEnvironment, sampling_args
 from posttrain.sampling import SamplingParams
+from posttrain.serve.local import SERVED_NAME, serve_policy
 
 REPO = Path(__file__).resolve().parents[1]
 ENVS = REPO / "tests" / "verifiers_envs.py"
@@ -35,7 +37,7 @@ STOPS = [2] + list(range(74, 100))
 def served():
     """The tiny model served in-process, the engine's sampled ids recorded per sequence (`sampled`)."""
     policy = Policy.open("tiny:llama")
-    server = local_server(policy, slots=8)
+    server = serve_policy(policy, slots=8)
     sampled: list[list[int]] = []
     submit_all = server.engine.submit_all
 
@@ -131,11 +133,14 @@ def _env() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["single", "tool"])
 def test_rl_trains_two_steps_on_the_rubrics_reward(tmp_path, kind):
-    cmd = [sys.executable, "-m", "posttrain.cli.main", "rl", str(REPO / "configs/rl_smoke.yaml"),
+    config = yaml.safe_load((REPO / "configs/rl_smoke.yaml").read_text())
+    config["data"] = {"chat": True}  # the environment's dataset gives the prompts
+    config["rewards"] = {"functions": []}  # its rubric the rewards
+    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "posttrain.cli.main", "rl", "rl.yaml",
            f"output_dir={tmp_path / 'out'}", "trainer.max_steps=2", "trainer.save_every=0", "eval.at_start=false",
-           "data.train=null", "data.eval=null", f"rollout.environment=verifiers:{ENVS}",
-           f"rollout.environment_args={{kind: {kind}}}", "rewards.functions=[]", "eval.log_samples=64",
-           "rollout.max_new_tokens=6", f"rollout.stop_token_ids={STOPS}"]
+           f"rollout.environment=verifiers:{ENVS}", f"rollout.environment_args={{kind: {kind}}}",
+           "eval.log_samples=64", "rollout.max_new_tokens=6", f"rollout.stop_token_ids={STOPS}"]
     out = subprocess.run(cmd, cwd=tmp_path, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          timeout=900, check=False)
     assert out.returncode == 0, out.stdout[-3000:]
@@ -151,3 +156,38 @@ def test_rl_trains_two_steps_on_the_rubrics_reward(tmp_path, kind):
         step_rows = [r["reward"] for r in rows if r["step"] == step]
         assert m["reward/mean"] == pytest.approx(float(np.mean(step_rows)), abs=1e-5)
         assert m["verifiers/env_errors"] == 0 and "verifiers/refused_turns" in m
+
+
+@pytest.mark.slow
+def test_eval_reports_the_rubrics_metrics(tmp_path):
+    """`posttrain eval --environment verifiers:FILE`: the environment's eval split (3 rows), a greedy and 2 sampled
+    rollouts of each, the summary the rubric's reward and metrics, each row's reward the rubric's."""
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "eval", "--model", "tiny:llama",
+                          "--environment", f"verifiers:{ENVS}", "--environment-args", '{"kind": "tool"}',
+                          "--n", "2", "--max-new-tokens", "6", "--output", "ev.jsonl", "--no-progress"],
+                         cwd=tmp_path, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         timeout=900, check=False)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "rubric/length_reward" in out.stdout and "Traceback" not in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "ev.summary.json").read_text())
+    assert len(rows) == 3 and summary["eval/num_prompts"] == 3 and summary["reward"] == "rubric"
+    greedy = [r["greedy"] for r in rows]
+    for g in greedy:
+        assert g["reward"] == pytest.approx(min(1.0, 0.1 * len(g["text"])))
+        assert set(g["metrics"]) >= {"length_reward", "has_vowel", "total_tool_calls"}
+    assert summary["eval/reward_mean"] == pytest.approx(np.mean([g["reward"] for g in greedy]), abs=1e-6)
+    assert summary["eval/rubric/has_vowel"] == pytest.approx(np.mean([g["metrics"]["has_vowel"] for g in greedy]))
+    assert all(len(r["samples"]) == 2 for r in rows) and "eval/rubric/length_reward_sampled" in summary
+    assert "eval/pass@2" in summary and summary["eval/env_errors"] == 0
+
+
+def test_eval_options_read_the_environment_arguments():
+    from posttrain.eval.run import EvalConfig
+
+    cfg = EvalConfig(model="tiny:llama", environment=f"verifiers:{ENVS}", environment_args='{"kind": "multi"}')
+    assert cfg.environment_args == {"kind": "multi"}
+    with pytest.raises(ConfigError, match="--environment-args: not a JSON object"):
+        EvalConfig(model="m", environment_args="{kind")
+    with pytest.raises(ConfigError, match="--environment-args: expected a JSON object"):
+        EvalConfig(model="m", environment_args="[1]")

@@ -22,10 +22,12 @@ from posttrain import distributed
 from posttrain.config import ConfigError
 from posttrain.data.sources import PROMPT_FIELDS, DataError, read_prompts
 from posttrain.eval.evaluate import evaluate, per_problem
+from posttrain.eval.verifiers_eval import evaluate_verifiers
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rollout.config import AgentOptions
 from posttrain.rollout.generate import fitted_budget
 from posttrain.rollout.policy import Policy
+from posttrain.rollout.verifiers_env import is_verifiers
 
 __all__ = ["EvalConfig", "EvalResult", "default_ks", "run_eval"]
 
@@ -45,7 +47,8 @@ class EvalConfig(AgentOptions):
     `AgentOptions`').
 
     model: a model spec (`Policy.open`: checkpoint folder, run folder, .gguf, pypi:, tiny:, hub id, adapter folder).
-    data: the problems (JSONL/JSON/Parquet, or `reasoning_gym:TASK?size=N`).
+    data: the problems (JSONL/JSON/Parquet, or `reasoning_gym:TASK?size=N`); none with a verifiers environment
+    (`environment=verifiers:...`), whose eval split, rollouts and rubric are used.
 
     reward: the correctness reward: a built-in name, `module:function` or `file.py:function` (1.0 = correct), or
     `environment` (with an environment: its reward).
@@ -85,6 +88,7 @@ class EvalConfig(AgentOptions):
     no_progress: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         if self.n < 0 or self.limit < 0:
             raise ConfigError("--n and --limit must be >= 0")
         self.model, self.data, self.output = str(self.model), str(self.data), str(self.output)
@@ -123,7 +127,12 @@ class EvalResult:
 
 
 def run_eval(cfg: EvalConfig) -> EvalResult:
-    """Evaluates `cfg.model` on `cfg.data` (module docstring) and returns what it wrote."""
+    """Evaluates `cfg.model` on `cfg.data` (module docstring), or on a verifiers environment
+    (`--environment verifiers:...`: `posttrain.eval.verifiers_eval`), and returns what it wrote."""
+    if is_verifiers(cfg.environment):
+        return _verifiers_eval(cfg)
+    if not cfg.data:
+        raise ConfigError("--data: no problems given (a file, or --environment verifiers:NAME with its own)")
     records = _records(cfg)
     checked = cfg.check_agent()  # a bad tool or environment reference fails before the model loads
     by_env = checked is not None and cfg.reward == "environment"
@@ -153,6 +162,18 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     out = Path(cfg.output)
     if primary:
         _write(out, per_problem(e, records, correctness=correctness, k=cfg.k), summary)
+    return EvalResult(output=out, summary_path=out.with_suffix(".summary.json"), metrics=summary, k=cfg.k)
+
+
+def _verifiers_eval(cfg: EvalConfig) -> EvalResult:
+    """A verifiers environment's own evaluation: its rows, rollouts and rubric (`posttrain.eval.verifiers_eval`)."""
+    if cfg.data:
+        raise ConfigError("--data: a verifiers environment's dataset gives the problems; leave --data out")
+    summary, rows = evaluate_verifiers(cfg)
+    summary.update({"model": cfg.model, "environment": cfg.environment, "reward": "rubric", "n": cfg.n,
+                    "temperature": cfg.temperature})
+    out = Path(cfg.output)
+    _write(out, rows, summary)
     return EvalResult(output=out, summary_path=out.with_suffix(".summary.json"), metrics=summary, k=cfg.k)
 
 

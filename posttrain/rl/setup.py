@@ -117,7 +117,8 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
                                   tok.pad_token_id or 0, batch_columns(train, rollout.completion_budget))
         parts = RLParts(cfg=cfg, run=run, preset=cfg.algorithm, runner=runner, tok=tok,
                         prompts=RLPrompts(train, held_out, found), learner=learner, dispatcher=dispatcher, agent=agent,
-                        env_watch=env_watch(agent, rollout.max_env_error_fraction, run.say),
+                        env_watch=env_watch(agent, rollout.max_env_error_fraction, run.say) if venv is None else
+                        EnvErrorWatch(venv.name, rollout.max_env_error_fraction, lambda x: run.say(f"warning: {x}")),
                         sampling=rollout_sampling_params(rollout, cfg.trainer.seed), prepare=prepare,
                         programs=program_cache, start_step=start, verifiers=venv)
         undo.pop_all()

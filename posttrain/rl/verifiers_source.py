@@ -1,8 +1,8 @@
 """RL on a verifiers environment (`rollout.environment=verifiers:NAME_OR_FILE`): the in-process rollout source whose
 rollouts the environment runs.
 
-`VerifiersSource` serves the run's policy on 127.0.0.1 (`posttrain.serve.Server` over the local `Policy`, on a free
-port, from a background thread: the same OpenAI-compatible server `posttrain serve` runs) and hands each lease's
+`VerifiersSource` serves the run's policy on 127.0.0.1 (`posttrain.serve.local.serve_policy`: the same
+OpenAI-compatible server `posttrain serve` runs, over the local `Policy`, from a background thread) and hands each lease's
 rows to the environment (`posttrain.rollout.verifiers_env.VerifiersEnvironment`, in its worker process), whose OpenAI
 client talks to that server: every turn the environment asks for is sampled by our sampler with the latest weights
 (`publish` swaps them into the server's engine between steps), and comes back with the ids it sampled, which are
@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 from posttrain.config import ConfigError
-from posttrain.models.prompt_format import PromptStyle
 from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
 from posttrain.rl.sources import GroupIntake
 from posttrain.rollout.policy import Policy
@@ -22,14 +21,9 @@ from posttrain.rollout.prompts import PromptSet
 from posttrain.rollout.rollouts import Rollouts
 from posttrain.rollout.verifiers_env import VerifiersEnvironment
 from posttrain.sampling import SamplingParams
-from posttrain.serve.config import ServeConfig
-from posttrain.serve.models import ServedModel
-from posttrain.serve.server import Server
+from posttrain.serve.local import SERVED_NAME, serve_policy
 
-__all__ = ["VerifiersSource", "local_server", "open_verifiers"]
-
-SERVED_NAME = "policy"  # the model name the environment's client asks for
-
+__all__ = ["VerifiersSource", "open_verifiers"]
 
 def open_verifiers(rollout: RolloutConfig, rewards: RewardsSection, data: PromptData,
                    fleet: FleetConfig) -> VerifiersEnvironment:
@@ -51,22 +45,13 @@ def open_verifiers(rollout: RolloutConfig, rewards: RewardsSection, data: Prompt
         raise ConfigError(str(e)) from None
 
 
-def local_server(policy: Policy, *, slots: int, system_prompt: str | None = None) -> Server:
-    """`policy` served on 127.0.0.1 (a free port) from a background thread, conversations through its chat
-    template (sharing its model and sampler), under the name `policy`."""
-    chat = Policy(policy.model, policy.tokenizer, style=PromptStyle(chat=True, system_prompt=system_prompt),
-                  sampler=policy.sampler)
-    config = ServeConfig(model=SERVED_NAME, port=0, max_slots=max(1, slots), warmup=False)
-    return Server(config, models={SERVED_NAME: ServedModel(chat)}).start()
-
-
 class VerifiersSource:
     """Synchronous RL through a verifiers environment (module docstring); staleness 0."""
 
     def __init__(self, intake: GroupIntake, policy: Policy, env: VerifiersEnvironment, prompts: PromptSet,
                  params: SamplingParams, *, slots: int, system_prompt: str | None = None):
         self.intake, self.env, self.prompts, self.params = intake, env, prompts, params
-        self.server = local_server(policy, slots=slots, system_prompt=system_prompt)
+        self.server = serve_policy(policy, slots=slots, system_prompt=system_prompt)
         self.version: int | None = None
         self._t_generate = 0.0
         self._counts: dict[str, float] = {}

@@ -7,6 +7,7 @@ default (`posttrain.agent.rollout.AgentLimits`: the one place the defaults are).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 from posttrain.agent.env_openenv import OpenEnvConfig
@@ -124,6 +125,8 @@ class AgentOptions:
 
     openenv_action_field, openenv_observation_field: an OpenEnv environment's action field that holds the model's
     turn and observation field that is the next user turn (`rollout.openenv.*`; None: its defaults).
+
+    environment_args: a verifiers environment's `load_environment` keyword arguments (a dict, or JSON text).
     """
 
     tools: list[str] | str | None = None
@@ -137,6 +140,18 @@ class AgentOptions:
     sandbox_url: str | None = None
     openenv_action_field: str | None = None
     openenv_observation_field: str | None = None
+    environment_args: dict[str, Any] | str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.environment_args, str):
+            try:
+                self.environment_args = json.loads(self.environment_args or "{}")
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--environment-args: not a JSON object ({e.msg}): {self.environment_args!r}") \
+                    from None
+        if not isinstance(self.environment_args or {}, dict):
+            raise ConfigError(f"--environment-args: expected a JSON object, found {self.environment_args!r}")
+        self.environment_args = dict(self.environment_args or {})
 
     def rollout_section(self) -> RolloutConfig:
         """The rollout section these options fill (validated as `posttrain rl` validates it; errors name the option)."""
