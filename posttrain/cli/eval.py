@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reward", default="math_answer",
                    help="correctness reward: a built-in name (math_answer, reasoning_gym), module:function or "
                         "file.py:function; 1.0 = correct (default: math_answer)")
+    p.add_argument("--reward-kwargs", default=None,
+                   help='the reward\'s settings, a JSON object (e.g. --reward judge --reward-kwargs '
+                        '\'{"model": "tiny:llama"}\' for a judge on a local checkpoint)')
     p.add_argument("--n", type=int, default=8, help="samples per problem for pass@k / maj@k (0 = greedy only)")
     p.add_argument("--k", default=None,
                    help="comma-separated k for pass@k and maj@k (default: 1, 2, 4, ... up to n, and n)")

@@ -24,10 +24,11 @@ from posttrain.data.sources import PROMPT_FIELDS, DataError, read_prompts
 from posttrain.eval.evaluate import evaluate, per_problem
 from posttrain.eval.verifiers_eval import evaluate_verifiers
 from posttrain.rewards.runner import RewardRunner, RewardSpec
-from posttrain.rollout.config import AgentOptions
+from posttrain.rollout.config import AgentOptions, json_object
 from posttrain.rollout.generate import fitted_budget
 from posttrain.rollout.policy import Policy
 from posttrain.rollout.verifiers_env import is_verifiers
+from posttrain.serve.local import serve_judges
 
 __all__ = ["EvalConfig", "EvalResult", "default_ks", "run_eval"]
 
@@ -51,7 +52,8 @@ class EvalConfig(AgentOptions):
     (`environment=verifiers:...`), whose eval split, rollouts and rubric are used.
 
     reward: the correctness reward: a built-in name, `module:function` or `file.py:function` (1.0 = correct), or
-    `environment` (with an environment: its reward).
+    `environment` (with an environment: its reward). reward_kwargs: its settings (a dict, or JSON text; e.g. the
+    `judge`'s: `{"model": "tiny:llama"}` for a local judge, or `{"url": ".../v1"}`).
 
     n: samples per problem for pass@k / maj@k (0 = greedy only). k: the k of pass@k and maj@k (a list, or
     comma-separated text; None = 1, 2, 4, ... up to n, and n).
@@ -71,6 +73,7 @@ class EvalConfig(AgentOptions):
     model: str = ""
     data: str = ""
     reward: str = "math_answer"
+    reward_kwargs: dict[str, Any] | str | None = None
     n: int = 8
     k: list[int] | str | None = None
     temperature: float = 0.6
@@ -89,6 +92,7 @@ class EvalConfig(AgentOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        self.reward_kwargs = json_object(self.reward_kwargs, "--reward-kwargs")
         if self.n < 0 or self.limit < 0:
             raise ConfigError("--n and --limit must be >= 0")
         self.model, self.data, self.output = str(self.model), str(self.data), str(self.output)
@@ -136,11 +140,13 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     records = _records(cfg)
     checked = cfg.check_agent()  # a bad tool or environment reference fails before the model loads
     by_env = checked is not None and cfg.reward == "environment"
-    spec = None if by_env else RewardSpec.coerce(cfg.reward)
+    spec = None if by_env else RewardSpec(name=RewardSpec.coerce(cfg.reward).name, fn=cfg.reward,
+                                          kwargs=dict(cfg.reward_kwargs))
     correctness = "environment" if by_env else spec.name
     primary = distributed.is_primary()  # multi-host: process 0 scores (`score_once`) and writes
     with RewardRunner([spec] if spec else [], num_workers=cfg.reward_workers if primary else 0) as runner:
         runner.check_records(records)  # a missing field fails before the model loads
+        serve_judges(runner)  # a judge given as a local checkpoint: opened as a Policy, served in-process
         policy = Policy.open(cfg.model, dtype=cfg.dtype, max_slots=cfg.max_slots,
                              sequences=len(records) * max(cfg.n, 1), chat=cfg.chat, system_prompt=cfg.system_prompt)
         style = policy.style  # the flags, else the export's

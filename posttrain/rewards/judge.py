@@ -155,7 +155,7 @@ class JudgeConfig:
         if not self.url and not self.model:
             raise ValueError("judge: kwargs.url or kwargs.model is required: an OpenAI-compatible base URL ending in "
                              "/v1 (e.g. http://127.0.0.1:8000/v1 of `posttrain serve`), or a local model spec")
-        if self.url is not None and not re.match(r"^https?://", self.url) or not self.url.rstrip("/").endswith("/v1"):
+        if self.url and (not re.match(r"^https?://", self.url) or not self.url.rstrip("/").endswith("/v1")):
             raise ValueError(f"judge: kwargs.url must be an http(s) base URL ending in /v1, found {self.url!r}")
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
             raise ValueError(f"judge: kwargs.api_key_env names {self.api_key_env!r}, which is not set")

@@ -16,7 +16,7 @@ from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
 from posttrain.config import ConfigError, at_least
 from posttrain.tools.python_sandbox import SandboxConfig
 
-__all__ = ["AgentOptions", "LIMIT_KEYS", "RolloutConfig"]
+__all__ = ["LIMIT_KEYS", "AgentOptions", "RolloutConfig", "json_object"]
 
 
 @dataclasses.dataclass
@@ -143,15 +143,7 @@ class AgentOptions:
     environment_args: dict[str, Any] | str | None = None
 
     def __post_init__(self):
-        if isinstance(self.environment_args, str):
-            try:
-                self.environment_args = json.loads(self.environment_args or "{}")
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--environment-args: not a JSON object ({e.msg}): {self.environment_args!r}") \
-                    from None
-        if not isinstance(self.environment_args or {}, dict):
-            raise ConfigError(f"--environment-args: expected a JSON object, found {self.environment_args!r}")
-        self.environment_args = dict(self.environment_args or {})
+        self.environment_args = json_object(self.environment_args, "--environment-args")
 
     def rollout_section(self) -> RolloutConfig:
         """The rollout section these options fill (validated as `posttrain rl` validates it; errors name the option)."""
@@ -186,6 +178,19 @@ class AgentOptions:
             return None
         section, parts = checked
         return build_agent(section, tokenizer, system_prompt=system_prompt, prompt_field=prompt_field, parts=parts)
+
+
+def json_object(value, flag: str) -> dict:
+    """An option holding a JSON object (a dict, JSON text, or None: `{}`); anything else is a `ConfigError`
+    naming `flag`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value or "{}")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: not a JSON object ({e.msg}): {value!r}") from None
+    if not isinstance(value or {}, dict):
+        raise ConfigError(f"{flag}: expected a JSON object, found {value!r}")
+    return dict(value or {})
 
 
 def _option_names(message: str) -> str:
