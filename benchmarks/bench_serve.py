@@ -15,8 +15,16 @@ usage). Figures per server and C: output tokens/s = all completion tokens / wall
 first chunk with text after the request was sent (p50, p99 over requests); ITL = (last chunk - first chunk) /
 (tokens - 1) per request (p50, p99). Our server streams a decode segment's tokens together (`--segment-steps`).
 
+Memory: `transformers serve --continuous-batching` sizes its paged KV cache from the device's free memory (on CPU
+90% of the machine's RAM, touched as it fills: ~14 GB resident on a 24 GiB machine). So its cache is given here
+(`--cb-block-size 32`, `--cb-num-blocks` for every client's prompt and answer at the largest level plus a margin,
+`--cb-max-batch-tokens`), and a watchdog samples both servers' resident memory (every process of the server's
+session) twice a second: a server over `--max-rss-gb` is stopped, its remaining levels are skipped, and the report
+says so (`stopped`). Each server's peak resident memory is reported (`peak_rss_gb`).
+
     python benchmarks/bench_serve.py [--size small] [--clients 1 4 16 64] [--rounds 2] [--new 128] [--json F]
     python benchmarks/bench_serve.py --clients 1 4 --rounds 1 --new 16 --prompt 16   # a quick check
+    python benchmarks/bench_serve.py --max-rss-gb 3   # stop a server that grows past 3 GB resident
 
 The last line printed is `RESULT {json}` (benchmarks/gpu_kit.py reads it).
 """
@@ -33,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +82,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def session_rss(sid: int) -> int:
+    """Resident bytes of every process in session `sid` (a server started with `start_new_session`: its workers
+    and compiler processes too), from /proc."""
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[3]) == sid:
+            total += int(fields[21]) * page
+    return total
+
+
+class MemoryWatch(threading.Thread):
+    """Samples each server's resident memory every `every` seconds, keeps the peak, and stops a server that goes
+    over `limit` bytes (`stopped[name]` says why)."""
+
+    def __init__(self, servers: dict, limit: float, every: float = 0.5):
+        super().__init__(daemon=True)
+        self.servers, self.limit, self.every = servers, limit, every
+        self.peak = dict.fromkeys(servers, 0)
+        self.stopped: dict[str, str] = {}
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.wait(self.every):
+            for name, s in list(self.servers.items()):
+                if name in self.stopped or s.proc.poll() is not None:
+                    continue
+                rss = session_rss(s.proc.pid)
+                self.peak[name] = max(self.peak[name], rss)
+                if rss > self.limit:
+                    self.stopped[name] = f"{rss / 2**30:.2f} GB resident > the {self.limit / 2**30:.2f} GB limit"
+                    print(f"{name:>12} stopped: {self.stopped[name]}", flush=True)
+                    s.stop()
+
+
 class ServerProcess:
     """A server in a process of its own; `url` once it answers."""
 
@@ -104,12 +153,17 @@ class ServerProcess:
 
     def stop(self):
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-        self.file.close()
+                self.proc.wait()
+        if not self.file.closed:
+            self.file.close()
 
 
 async def one_request(client, url: str, model: str, prompt: str, new: int, extra: dict) -> dict:
@@ -177,9 +231,14 @@ def start_servers(folder: Path, args, work: Path) -> dict[str, ServerProcess]:
                                        str(ours_port), "--served-model-name", "m", "--max-slots",
                                        str(args.max_slots), "--segment-steps", str(args.segment_steps)],
                          ours_port, work / "posttrain.log", env)
+    block = 32  # every client's prompt and answer at the largest level in the paged cache, and a quarter more
+    blocks = max(args.clients) * -(-(args.prompt + args.new + 8) // block) * 5 // 4
     theirs = ServerProcess("transformers", ["transformers", "serve", "--continuous-batching", str(folder), "--port",
                                             str(theirs_port), "--device", args.device, "--dtype", "float32",
-                                            "--host", "127.0.0.1"], theirs_port, work / "transformers.log", env)
+                                            "--host", "127.0.0.1", "--cb-block-size", str(block),
+                                            "--cb-num-blocks", str(blocks),
+                                            "--cb-max-batch-tokens", str(args.peer_batch_tokens)],
+                           theirs_port, work / "transformers.log", env)
     return {"posttrain": ours, "transformers": theirs}
 
 
@@ -193,9 +252,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-slots", type=int, default=16, help="our server's slots")
     p.add_argument("--segment-steps", type=int, default=16, help="our server's decode steps between looks")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--max-rss-gb", type=float, default=None,
+                   help="stop a server whose processes hold more resident memory (GB) and skip its other levels "
+                        "(default 6 on cpu, where the KV cache is in RAM too; 32 on an accelerator)")
+    p.add_argument("--peer-batch-tokens", type=int, default=2048,
+                   help="transformers' --cb-max-batch-tokens (its attention masks grow with it)")
     p.add_argument("--only", choices=["posttrain", "transformers"], default=None, help="measure one server only")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
+    if args.max_rss_gb is None:
+        args.max_rss_gb = 6.0 if args.device == "cpu" else 32.0
     import numpy as np
 
     work = Path(tempfile.mkdtemp(prefix="bench_serve_"))
@@ -207,38 +273,65 @@ def main(argv=None) -> int:
     if args.only:
         servers.pop("transformers" if args.only == "posttrain" else "posttrain").stop()
     out = {"size": args.size, "prompt": args.prompt, "new": args.new, "rounds": args.rounds,
-           "max_slots": args.max_slots, "segment_steps": args.segment_steps, "device": args.device, "levels": {}}
+           "max_slots": args.max_slots, "segment_steps": args.segment_steps, "device": args.device,
+           "max_rss_gb": args.max_rss_gb, "peer_batch_tokens": args.peer_batch_tokens, "levels": {}}
+    watch = MemoryWatch(servers, args.max_rss_gb * 2**30)
+    watch.start()
     try:
-        for name, s in servers.items():
-            out[f"{name}_start_s"] = round(s.wait_ready(), 1)
-        model = {"posttrain": "m", "transformers": str(folder)}
-        extra = {"posttrain": {"ignore_eos": True}, "transformers": {}}
-        for name, s in servers.items():  # warm-up at every level: our prefill shapes compile, their first batches
-            for c in args.clients:
-                asyncio.run(level(s.url, model[name], prompts, c, 1, 4, extra[name]))
-        idle = {name: s.cpu_seconds() for name, s in servers.items()}
-        time.sleep(5)
-        out["idle_cpu_s_per_5s"] = {name: round(s.cpu_seconds() - idle[name], 2) for name, s in servers.items()}
-        for i, c in enumerate(args.clients):
-            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
-            for name in order:
-                r = asyncio.run(level(servers[name].url, model[name], prompts, c, args.rounds, args.new, extra[name]))
-                out["levels"].setdefault(str(c), {})[name] = r
-                print(f"{name:>12} clients {c:>3}: {r['tokens_per_s']:>8.1f} tok/s  TTFT p50 {r['ttft_p50']:.3f} s "
-                      f"p99 {r['ttft_p99']:.3f} s  ITL p50 {r['itl_p50']} s  ({r['tokens']} tokens, {r['seconds']} s"
-                      f"{', %d failed: %s' % (r['errors'], r['first_error'][0]) if r['errors'] else ''})", flush=True)
-            pair = out["levels"][str(c)]
-            if len(pair) == 2:
-                pair["ratio"] = round(pair["posttrain"]["tokens_per_s"] / max(pair["transformers"]["tokens_per_s"],
-                                                                                1e-9), 2)
-                print(f"{'':>12} clients {c:>3}: posttrain / transformers = {pair['ratio']}x", flush=True)
+        measure(servers, watch, args, prompts, str(folder), out)
     finally:
+        watch.done.set()
+        watch.join()
         for s in servers.values():
             s.stop()
+    out["peak_rss_gb"] = {name: round(b / 2**30, 2) for name, b in watch.peak.items()}
+    out["stopped"] = watch.stopped
+    print("peak resident memory: " + ", ".join(f"{k} {v} GB" for k, v in out["peak_rss_gb"].items()), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print("RESULT " + json.dumps(out), flush=True)
     return 0
+
+
+def measure(servers: dict[str, ServerProcess], watch: MemoryWatch, args, prompts: list[str], folder: str, out: dict):
+    """Warm-up at every level, the idle check, then each level on each server still running (alternating which goes
+    first); fills `out`."""
+    for name, s in servers.items():
+        try:
+            out[f"{name}_start_s"] = round(s.wait_ready(), 1)
+        except RuntimeError:
+            if name not in watch.stopped:
+                raise
+    model = {"posttrain": "m", "transformers": folder}
+    extra = {"posttrain": {"ignore_eos": True}, "transformers": {}}
+    for name, s in servers.items():  # warm-up at every level: our prefill shapes compile, their first batches
+        for c in args.clients:
+            if name not in watch.stopped:
+                asyncio.run(level(s.url, model[name], prompts, c, 1, 4, extra[name]))
+    running = {name: s for name, s in servers.items() if name not in watch.stopped}
+    idle = {name: s.cpu_seconds() for name, s in running.items()}
+    time.sleep(5)
+    out["idle_cpu_s_per_5s"] = {name: round(s.cpu_seconds() - idle[name], 2) for name, s in running.items()}
+    for i, c in enumerate(args.clients):
+        order = list(servers) if i % 2 == 0 else list(servers)[::-1]
+        for name in order:
+            if name in watch.stopped:
+                continue
+            r = asyncio.run(level(servers[name].url, model[name], prompts, c, args.rounds, args.new, extra[name]))
+            if name in watch.stopped:  # stopped during this level: its figures are not the server's
+                r["stopped"] = watch.stopped[name]
+            out["levels"].setdefault(str(c), {})[name] = r
+            print(f"{name:>12} clients {c:>3}: {r['tokens_per_s']:>8.1f} tok/s  TTFT p50 {r['ttft_p50']} s "
+                  f"p99 {r['ttft_p99']} s  ITL p50 {r['itl_p50']} s  ({r['tokens']} tokens, {r['seconds']} s"
+                  + (f", {r['errors']} failed: {r['first_error'][0]}" if r["errors"] else "") + ")", flush=True)
+        pair = out["levels"].get(str(c), {})
+        if "posttrain" in pair and "transformers" in pair and "stopped" not in pair["transformers"]:
+            pair["ratio"] = round(pair["posttrain"]["tokens_per_s"] / max(pair["transformers"]["tokens_per_s"], 1e-9), 2)
+            print(f"{'':>12} clients {c:>3}: posttrain / transformers = {pair['ratio']}x", flush=True)
+    ours = {c: out["levels"].get(str(c), {}).get("posttrain") for c in (1, 16)}
+    if all(ours.values()):  # 16 clients at once against the same requests one after another (1 client)
+        out["posttrain_16_vs_1"] = round(ours[16]["tokens_per_s"] / max(ours[1]["tokens_per_s"], 1e-9), 2)
+        print(f"   posttrain 16 clients / 1 client: {out['posttrain_16_vs_1']}x aggregate tokens/s", flush=True)
 
 
 if __name__ == "__main__":

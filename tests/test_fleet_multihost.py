@@ -207,7 +207,9 @@ def test_two_trainer_processes_drive_the_fleet_through_kills_and_match_one(tmp_p
     assert max(r["staleness_max"] for r in rows) == 0
     ref, got = _losses(tmp_path / "one"), _losses(two)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    assert max(abs(got[s] - ref[s]) for s in ref) < 1e-5, (ref, got)
+    # the same losses up to float32 reduction order (2 processes x 4 devices against 1 x 8), which Adam's
+    # normalisation grows over the steps: 4.8e-5 on losses of ~0.02 by step 6 seen on CI (2026-11-29)
+    assert all(abs(got[s] - ref[s]) <= 1e-5 + 5e-3 * abs(ref[s]) for s in ref), (ref, got)
     m = [json.loads(x) for x in open(two / "metrics.jsonl")]
     assert any(r.get("fleet/requeued/worker_died", 0) >= 1 for r in m), "the worker kill hit a lease"
     # both processes published their blocks: the version holds the whole model (0.427 MB, float32)

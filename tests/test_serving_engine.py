@@ -17,7 +17,7 @@ from posttrain.models import init_model
 from posttrain.models.config import llama_like
 from posttrain.sampling import Sampler, SamplingParams
 from posttrain.sampling.filters import filter_logits, filter_rows
-from posttrain.sampling.serving import (ContextLengthError, EngineStopped, Finished, QueueFull, SequenceRequest,
+from posttrain.sampling.serving import (ContextLengthError, EngineStopped, QueueFull, SequenceRequest,
                                         ServingEngine, Tokens)
 
 VOCAB = 96

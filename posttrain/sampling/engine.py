@@ -569,6 +569,16 @@ release_jit = jax.jit(_release_slots, static_argnums=(2, 3), donate_argnums=(0,)
 grow_jit = _grow_jit
 
 
+def _check_key_ids(key_ids: Sequence[int] | None, n_prompts: int) -> list[int] | None:
+    """`key_ids` as ints, one in [0, 2**31) per prompt (None stays None)."""
+    if key_ids is None:
+        return None
+    key_ids = [int(k) for k in key_ids]
+    if len(key_ids) != n_prompts or any(not 0 <= k < 2**31 for k in key_ids):
+        raise ValueError(f"key_ids must hold one integer in [0, 2**31) per prompt ({n_prompts})")
+    return key_ids
+
+
 def _fit_len(longest: int, max_new: int, limit: int) -> int:
     """A call's context length when the sampler has no `max_len`: what its longest prompt (and that prompt's
     prefill bucket) plus `max_new` new tokens need, rounded up to a power of two or to 64 positions, whichever
@@ -871,26 +881,34 @@ class Sampler:
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         limit, _ = self._validate(prompts, params, max_len)
         images = self._check_images(prompts, images)
-        if key_ids is not None:
-            key_ids = [int(k) for k in key_ids]
-            if len(key_ids) != len(prompts) or any(not 0 <= k < 2**31 for k in key_ids):
-                raise ValueError(f"key_ids must hold one integer in [0, 2**31) per prompt ({len(prompts)})")
+        key_ids = _check_key_ids(key_ids, len(prompts))
         if not prompts:
             return []
         total = len(prompts) * params.n
-        slots = self.slots_for(total)
-        longest = max(len(p) for p in prompts)
-        max_len = max_len or (limit if self.max_len is not None or on_turn_end is not None else
-                              min(_fit_len(longest, params.max_new_tokens, limit), limit))
+        max_len = max_len or self._call_max_len(prompts, params, limit, multi_turn=on_turn_end is not None)
         stop = self._default_stop_ids() if params.stop_token_ids is None else list(params.stop_token_ids)
-        caps = self.capacities(max_len)
-        cache_len = next((c for c in caps if c >= min(length_bucket(longest, max_len) + 1, max_len)), max_len)
-        ds = self._ensure_state(slots, cache_len)
-        self._state = None  # donated below; restored when the call completes
-        record = bool(record_experts) and self.cfg.is_moe
         request = Request(prompts, params, stop, key_ids=key_ids, on_turn_end=on_turn_end, on_finish=on_finish,
                           progress=_Progress(progress, total) if progress else None, images=images,
-                          record_experts=record)
+                          record_experts=bool(record_experts) and self.cfg.is_moe)
+        return self._run(request, self.slots_for(total), max_len, between_segments)
+
+    def _call_max_len(self, prompts: list[list[int]], params: SamplingParams, limit: int, multi_turn: bool) -> int:
+        """A call's context limit when it names none: `limit` (the sampler's max_len, or for multi-turn calls the
+        model's context), else the next power of two of the longest prompt plus max_new_tokens."""
+        if self.max_len is not None or multi_turn:
+            return limit
+        return min(_fit_len(max(len(p) for p in prompts), params.max_new_tokens, limit), limit)
+
+    def _run(self, request: Request, slots: int, max_len: int, between_segments: Callable | None
+             ) -> list[Completion]:
+        """Runs a checked call on the slot scheduler: the decode state with a cache for its longest prompt (donated
+        to the scheduler, the latest one kept again afterwards, also after an error), then `last_stats`."""
+        params, stop, record = request.params, request.stop, request.record_experts
+        caps = self.capacities(max_len)
+        first = min(length_bucket(max(len(p) for p in request.prompts), max_len) + 1, max_len)
+        cache_len = next((c for c in caps if c >= first), max_len)
+        ds = self._ensure_state(slots, cache_len)
+        self._state = None  # donated below; restored when the call completes
         setup = Setup(slots=slots, max_len=max_len, caps=tuple(caps), vocab_size=self.cfg.vocab_size,
                       quantum=max(1, math.ceil(self.refill_fraction * slots)), pad_ratio=self.choices.pad_ratio,
                       pad_positions=self.choices.pad_positions, profile=self.profile,

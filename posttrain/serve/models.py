@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from pathlib import Path
 
 from posttrain.data.errors import DataError
 from posttrain.models.prompt_format import PromptStyle
