@@ -191,3 +191,10 @@ def test_eval_options_read_the_environment_arguments():
         EvalConfig(model="m", environment_args="{kind")
     with pytest.raises(ConfigError, match="--environment-args: expected a JSON object"):
         EvalConfig(model="m", environment_args="[1]")
+
+
+def test_generate_and_chat_refuse_a_verifiers_environment():
+    from posttrain.rollout.generate import GenerateConfig
+
+    with pytest.raises(ConfigError, match="verifiers environments run in posttrain rl and posttrain eval"):
+        GenerateConfig(model="tiny:llama", environment=f"verifiers:{ENVS}").check_agent()

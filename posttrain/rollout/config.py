@@ -163,6 +163,9 @@ class AgentOptions:
         """`(rollout section, loaded tools and environment)`, or None without tools or an environment; run before
         any model loads, so a bad reference fails at once (a `ConfigError` naming the option)."""
         section = self.rollout_section()
+        if (section.environment or "").strip().startswith("verifiers:"):
+            raise ConfigError(f"--environment: {section.environment!r}: verifiers environments run in posttrain rl "
+                              "and posttrain eval (their own rollouts), not here")
         if not agent_enabled(section):
             return None
         try:

@@ -138,7 +138,8 @@ def _summary(result: dict, s: Stitched) -> dict:
     """The trajectory's plain-data summary (as an agent trajectory's: messages, turns, finish reason, failures),
     with the turns kept and refused."""
     error, messages = result.get("error"), result.get("messages") or []
-    calls = sum(len(m.get("tool_calls") or []) for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+    calls = sum(len(m.get("tool_calls") or []) for m in messages
+                if isinstance(m, dict) and m.get("role") == "assistant")
     out = {"messages": messages, "turns": s.turns, "refused_turns": s.refused, "num_tool_calls": calls,
            "tool_errors": 0, "tool_seconds": 0.0,
            "finish_reason": "env_error" if error else ("length" if result.get("truncated") else "stop"),
