@@ -110,15 +110,19 @@ def pytest_runtest_setup(item):
 def compile_cache(tmp_path_factory):
     """Identical programs compile once per session: JAX's persistent compilation cache (process-wide), on for
     every test from the first (each run of a job jits fresh functions, so its second run would compile again).
+    One folder for all of pytest-xdist's workers (their base folders' parent), so a program one worker compiled
+    is read by the other and by the processes either starts; a size bound turns on JAX's file lock around each
+    entry's read and write, which several processes writing one folder need.
     Returns the environment variables that give a process the tests start (a CLI run, a Ray worker) the same cache."""
     import jax
 
-    folder = tmp_path_factory.getbasetemp() / "jax-cache"
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache"
+    settings = {"jax_compilation_cache_dir": str(folder), "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_persistent_cache_min_entry_size_bytes": 0, "jax_compilation_cache_max_size": 16 << 30}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    return {name.upper(): str(value) for name, value in settings.items()}
 
 
 @pytest.fixture(scope="session")

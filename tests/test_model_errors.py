@@ -90,7 +90,8 @@ def test_config_json_is_read_through_one_family_table():
     # no family named in it (but Gemma 3's multimodal wrapper, whose text part it reads)
     named = {n.value for n in ast.walk(fn) if isinstance(n, ast.Constant) and n.value in SUPPORTED_MODEL_TYPES}
     assert named <= {"gemma3_text"}, named
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=6, num_attention_heads=2)
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 6,
+            "num_attention_heads": 2}
     llama = ModelConfig.from_hf(dict(base, model_type="llama", attention_bias=True))
     assert (llama.qkv_bias, llama.o_bias, llama.sliding_layers) == (True, True, (False,) * 6)
     qwen2 = ModelConfig.from_hf(dict(base, model_type="qwen2", sliding_window=4, use_sliding_window=True,

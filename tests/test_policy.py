@@ -14,8 +14,8 @@ import optax
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from posttrain.models.spec import resolve_model
 from posttrain.models.hf_io import CheckpointError, from_pretrained
+from posttrain.models.spec import resolve_model
 from posttrain.models.tiny import resolve_model_path
 from posttrain.rollout.policy import Policy
 from posttrain.rollout.prompts import PromptStyle

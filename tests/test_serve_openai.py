@@ -210,6 +210,7 @@ def test_models_health_and_metrics(client, served):
         assert name in metrics
 
 
+@pytest.mark.slow  # two adapter lanes compile and a PEFT folder is opened as a Policy (~35 s on 2 cores)
 def test_lora_adapter_served_over_the_base(client, served):
     prompt = _ids(served, "hello w3 w17 world")
     kw = dict(prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)

@@ -115,10 +115,8 @@ def make_source(parts: RLParts, state: RLState) -> RolloutSource:
     0 drives the fleet and the others follow it: `posttrain.rl.fleet.follower`)."""
     cfg = parts.cfg
     if parts.verifiers is not None:
-        ro = cfg.rollout
         return VerifiersSource(group_intake(parts), local_policy(parts, state), parts.verifiers, parts.prompts.train,
-                               parts.sampling, slots=ro.max_slots or ro.batch_prompts * ro.group_size,
-                               system_prompt=cfg.data.system_prompt)
+                               parts.sampling, slots=cfg.rollout.slots, system_prompt=cfg.data.system_prompt)
     if not cfg.fleet.enabled:
         return InProcessSource(group_intake(parts), local_policy(parts, state), parts.prompts.train, parts.sampling,
                                parts.runner, parts.agent, record_experts=cfg.learner.routing_replay)

@@ -70,7 +70,7 @@ def local_policy(parts: RLParts, state: RLState) -> Policy:
         t, ro = parts.run.trainer, parts.cfg.rollout
         model = nnx.merge(t.graphdef, _copy_tree(t.params), t.rest)
         state.policy = Policy(model, parts.tok, folder=parts.run.model_folder(), compute_dtype=ro.compute_dtype,
-                              max_slots=ro.max_slots or ro.batch_prompts * ro.group_size, program_cache=parts.programs)
+                              max_slots=ro.slots, program_cache=parts.programs)
     return state.policy
 
 

@@ -102,7 +102,7 @@ def _early_feed(early, prompts: list[Prompt], n: int):
     def on_finish(c, traj) -> None:
         try:
             early.add(c.prompt_index * n + c.sample_index, *_reward_input(prompts[c.prompt_index].record, c, traj))
-        except Exception:  # noqa: BLE001 - never the sampler's problem
+        except Exception:  # noqa: BLE001, S110 - never the sampler's problem
             pass
 
     return on_finish

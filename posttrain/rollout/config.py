@@ -92,6 +92,11 @@ class RolloutConfig(AgentLimits):
         """Tokens after the prompt at most: max_new_tokens, or a multi-turn trajectory's total."""
         return self.budget(self.max_new_tokens) if self.multi_turn else self.max_new_tokens
 
+    @property
+    def slots(self) -> int:
+        """The sampler's slots (a `Policy`'s `max_slots`): `max_slots`, else one per sample of a step's prompts."""
+        return self.max_slots or self.batch_prompts * self.group_size
+
     def __post_init__(self):
         super().__post_init__()
         at_least("rollout.tool_workers", self.tool_workers, 1)

@@ -34,9 +34,9 @@ sampler's `generate` may stand in for it (`sampler=`), as scripted samplers do i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,10 +47,10 @@ from posttrain.agent.rollout import Agent, AgentRollout, Trajectory
 from posttrain.algorithms.sft import token_logprobs
 from posttrain.models import tokenizer as tokenizer_lib
 from posttrain.models.adapters import merge_adapter
-from posttrain.models.spec import resolve_model
 from posttrain.models.hf_io import from_pretrained
 from posttrain.models.numerics import with_compute_dtype
 from posttrain.models.prompt_format import prompt_style
+from posttrain.models.spec import resolve_model
 from posttrain.rollout.layout import stack_images, teacher_forced
 from posttrain.rollout.prompts import Prompt, PromptEncoder, PromptSet, PromptStyle
 from posttrain.sampling import Completion, ProgramCache, Sampler, SamplingParams

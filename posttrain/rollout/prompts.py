@@ -25,7 +25,8 @@ import numpy as np
 from posttrain.agent.environments import EnvCallError
 from posttrain.data.errors import DataError
 from posttrain.data.vlm import VisionSpec, encode_image_prompt, has_images
-from posttrain.models.prompt_format import PromptStyle  # re-exported: how text prompts are rendered
+# PromptStyle re-exported: how text prompts are rendered
+from posttrain.models.prompt_format import PromptStyle
 
 __all__ = ["Prompt", "PromptEncoder", "PromptError", "PromptSet", "PromptStyle", "encode_prompt", "encode_prompts"]
 

@@ -5,6 +5,7 @@ the ASGI app (FastAPI on uvicorn) parses requests, renders chats, streams answer
 """
 
 from posttrain.serve.config import ServeConfig
+from posttrain.serve.models import ServedModel
 from posttrain.serve.server import Server, serve
 
-__all__ = ["ServeConfig", "Server", "serve"]
+__all__ = ["ServeConfig", "ServedModel", "Server", "serve"]

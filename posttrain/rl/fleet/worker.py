@@ -69,10 +69,9 @@ class RolloutWorker:
         self._state, self._since, self.busy_s = "starting", time.time(), 0.0
         net, folder = build_model(model, lora, seed)  # the trainer's structure (LoRA included), own devices
         tok = tok_lib.load(folder)
-        slots = rollout.max_slots or rollout.batch_prompts * rollout.group_size
         # the sampler's own compute dtype (`rollout.compute_dtype`; its weights: as sent)
-        self.policy = Policy(net, tok, folder=folder, max_slots=slots, segment_steps=fleet.segment_steps or None,
-                             compute_dtype=rollout.compute_dtype)
+        self.policy = Policy(net, tok, folder=folder, max_slots=rollout.slots,
+                             segment_steps=fleet.segment_steps or None, compute_dtype=rollout.compute_dtype)
         self.agent = None
         if agent_enabled(rollout):
             data = data or PromptData()
