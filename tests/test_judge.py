@@ -127,7 +127,7 @@ def test_slow_errors_and_garbage_are_failures_not_hangs(server):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({}, "kwargs.url is required"),
+    ({}, "kwargs.url or kwargs.model is required"),
     ({"url": "http://127.0.0.1:8000"}, "ending in /v1"),
     ({"url": "http://x/v1", "temprature": 0.5}, r"unknown kwargs \['temprature'\]; accepted: url, model"),
     ({"url": "http://x/v1", "template": "{answer} {refrence}"}, r"placeholder\(s\) \['refrence'\]"),

@@ -19,8 +19,10 @@ __all__ = ["agent_enabled", "build_agent", "load_agent_parts"]
 
 
 def agent_enabled(rollout) -> bool:
-    """Whether the rollout section asks for multi-turn rollouts (tools or an environment)."""
-    return bool(rollout.tools) or bool(rollout.environment)
+    """Whether the rollout section asks for our agent's multi-turn rollouts (tools or an environment; a verifiers
+    environment, `verifiers:...`, runs its own rollouts: `posttrain.rollout.verifiers_env`)."""
+    env = (rollout.environment or "").strip()
+    return bool(rollout.tools) or (bool(env) and not env.startswith("verifiers:"))
 
 
 def load_agent_parts(rollout) -> tuple[dict, EnvironmentSpec | None]:

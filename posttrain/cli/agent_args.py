@@ -20,7 +20,10 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tools", default=None,
                    help="comma-separated tools: calculator, python, module:function or file.py:function")
     g.add_argument("--environment", default=None,
-                   help="environment: a class (module:Class or file.py:Class) or an OpenEnv server (openenv:URL)")
+                   help="environment: a class (module:Class or file.py:Class), an OpenEnv server (openenv:URL) or a "
+                        "verifiers environment (verifiers:NAME_OR_FILE)")
+    g.add_argument("--environment-args", default=None,
+                   help="a verifiers environment's load_environment arguments, a JSON object")
     g.add_argument("--openenv-action-field", default=None,
                    help="an OpenEnv environment's action field that holds the model's turn (default: message)")
     g.add_argument("--openenv-observation-field", default=None,

@@ -19,10 +19,15 @@ from posttrain.cli.model_arg import add_model_argument, add_prompt_style_argumen
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p)
-    p.add_argument("--data", required=True, help="problems: JSONL/JSON/Parquet file (or reasoning_gym:TASK?size=N)")
+    p.add_argument("--data", default="",
+                   help="problems: JSONL/JSON/Parquet file (or reasoning_gym:TASK?size=N); none with --environment "
+                        "verifiers:NAME, whose own eval split is used")
     p.add_argument("--reward", default="math_answer",
                    help="correctness reward: a built-in name (math_answer, reasoning_gym), module:function or "
                         "file.py:function; 1.0 = correct (default: math_answer)")
+    p.add_argument("--reward-kwargs", default=None,
+                   help='the reward\'s settings, a JSON object (e.g. --reward judge --reward-kwargs '
+                        '\'{"model": "tiny:llama"}\' for a judge on a local checkpoint)')
     p.add_argument("--n", type=int, default=8, help="samples per problem for pass@k / maj@k (0 = greedy only)")
     p.add_argument("--k", default=None,
                    help="comma-separated k for pass@k and maj@k (default: 1, 2, 4, ... up to n, and n)")
@@ -68,9 +73,12 @@ def run(args) -> int:
     result = run_eval(options(EvalConfig, args))
     if distributed.is_primary():
         m, later = result.metrics, [k for k in result.k if k > 1]
-        title = f"{args.model} on {args.data} ({m['eval/num_prompts']} problems, n={args.n})"
+        title = f"{args.model} on {args.data or args.environment} ({m['eval/num_prompts']} problems, n={args.n})"
         Console(stderr=True).print(summary_table(m, title))
         print(f"eval: greedy pass@1 {m['eval/accuracy']:.4f}" + "".join(f", pass@{k} {m[f'eval/pass@{k}']:.4f}"
-              for k in later) + "".join(f", maj@{k} {m[f'eval/maj@{k}']:.4f}" for k in later)
+              for k in later if f"eval/pass@{k}" in m) + "".join(f", maj@{k} {m[f'eval/maj@{k}']:.4f}"
+                                                                  for k in later if f"eval/maj@{k}" in m)
+              + "".join(f", {k.removeprefix('eval/')} {v:.4f}" for k, v in m.items() if k.startswith("eval/rubric/")
+                        and not k.endswith("_sampled"))
               + f"; per-problem samples in {result.output}")
     return 0

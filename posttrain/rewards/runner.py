@@ -123,6 +123,7 @@ class RewardRunner:
         self.mp_context = mp_context
 
         self._fns: list = []  # the resolved rewards (those that start early run in this process)
+        self._closers: list = []  # `on_close`
         self._fields = [self._resolve(spec) for spec in self.specs]
         self._pool: RewardPool | None = None  # started on the first call that needs it
         self.last_errors: dict[str, list[str]] = {}
@@ -166,11 +167,23 @@ class RewardRunner:
                 )
 
     # ---------------------------------------------------------------- execution
+    @property
+    def functions(self) -> list:
+        """The resolved reward callables, in `specs` order (the judge's `Judge` among them)."""
+        return list(self._fns)
+
+    def on_close(self, fn) -> None:
+        """`fn()` runs when the runner closes (after its pool): what serves its rewards (a local judge's server)."""
+        self._closers.append(fn)
+
     def close(self) -> None:
-        """Shut the worker pool down (workers that do not exit within 5 s are killed)."""
+        """Shut the worker pool down (workers that do not exit within 5 s are killed), then what `on_close` named."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+        closers, self._closers = self._closers, []
+        for fn in reversed(closers):
+            fn()
 
     def __enter__(self) -> "RewardRunner":
         return self

@@ -43,6 +43,7 @@ from posttrain.rl.steps import (
     local_policy,
     save,
 )
+from posttrain.rl.verifiers_source import VerifiersSource
 from posttrain.sampling import ProgramCache
 
 __all__ = ["RLResult", "load_rl_config", "make_source", "run_rl", "train_step"]
@@ -113,6 +114,9 @@ def make_source(parts: RLParts, state: RLState) -> RolloutSource:
     """The in-process sampler, or the Ray fleet when `fleet.workers` is set (on a multi-process trainer, process
     0 drives the fleet and the others follow it: `posttrain.rl.fleet.follower`)."""
     cfg = parts.cfg
+    if parts.verifiers is not None:
+        return VerifiersSource(group_intake(parts), local_policy(parts, state), parts.verifiers, parts.prompts.train,
+                               parts.sampling, slots=cfg.rollout.slots, system_prompt=cfg.data.system_prompt)
     if not cfg.fleet.enabled:
         return InProcessSource(group_intake(parts), local_policy(parts, state), parts.prompts.train, parts.sampling,
                                parts.runner, parts.agent, record_experts=cfg.learner.routing_replay)

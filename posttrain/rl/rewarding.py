@@ -15,6 +15,7 @@ from posttrain.rewards.length import overlong_penalty
 from posttrain.rewards.runner import RewardRunner, RewardSpec
 from posttrain.rl.config import FleetConfig, PromptData, RewardsSection, RolloutConfig
 from posttrain.sampling.params import SamplingParams
+from posttrain.serve.local import serve_judges
 
 __all__ = ["agent_parts", "reward_runner", "rollout_sampling_params"]
 
@@ -29,8 +30,14 @@ def reward_runner(rewards: RewardsSection, rollout: RolloutConfig, preset: GRPOF
         budget = rollout.completion_budget
         cache = max(1, int(round(preset.overlong_cache_fraction * budget)))
         specs.append(RewardSpec(name="overlong_penalty", fn=overlong_penalty(budget, cache), weight=1.0))
-    return RewardRunner(specs, timeout_s=rewards.timeout_s, failure_value=rewards.failure_value,
-                        num_workers=rewards.num_workers, max_failed_calls=rewards.max_failed_steps)
+    runner = RewardRunner(specs, timeout_s=rewards.timeout_s, failure_value=rewards.failure_value,
+                          num_workers=rewards.num_workers, max_failed_calls=rewards.max_failed_steps)
+    try:  # a judge given as a local checkpoint (`kwargs.model`, no `url`): opened as a Policy and served in-process
+        serve_judges(runner)
+    except BaseException:
+        runner.close()
+        raise
+    return runner
 
 
 def rollout_sampling_params(rollout: RolloutConfig, seed: int) -> SamplingParams:

@@ -32,10 +32,18 @@ from posttrain.rl.config import RLConfig
 from posttrain.rl.dispatcher import Dispatcher
 from posttrain.rl.learner import Learner, build_learner, check_routing_replay
 from posttrain.rl.ledger import ROW_FILES
-from posttrain.rl.prompts import RLPrompts, batch_columns, check_image_prompts, encode_prompt_set, read_records
+from posttrain.rl.prompts import (
+    RLPrompts,
+    batch_columns,
+    check_image_prompts,
+    encode_prompt_set,
+    read_records,
+)
 from posttrain.rl.rewarding import agent_parts, reward_runner, rollout_sampling_params
+from posttrain.rl.verifiers_source import open_verifiers
 from posttrain.rollout.prompts import PromptEncoder, PromptStyle
 from posttrain.rollout.rollouts import Rollouts
+from posttrain.rollout.verifiers_env import VerifiersEnvironment, is_verifiers
 from posttrain.sampling import ProgramCache, SamplingParams
 from posttrain.training.run import Run
 
@@ -47,7 +55,9 @@ class RLParts:
     """The built pieces of one RL run (module docstring). `run`: the shared skeleton (output folder, the trainer
     `run.trainer`, checkpoints, logs, profiler); `prepare(rollouts) -> (batch, metrics)`: the step's batch builder
     (`GroupAdvantages`; on-policy distillation supplies its own); `programs`: compiled sampler programs shared with
-    the caller's policies (the demo's); `start_step`: the step the run starts from (the restored checkpoint's, or 0)."""
+    the caller's policies (the demo's); `start_step`: the step the run starts from (the restored checkpoint's, or 0); `verifiers`: the verifiers environment
+    (`rollout.environment=verifiers:...`) whose dataset gave the prompts and whose rollouts and rubric the source
+    runs (`posttrain.rl.verifiers_source`)."""
 
     cfg: RLConfig
     run: Run
@@ -63,20 +73,25 @@ class RLParts:
     prepare: Callable[[Rollouts], tuple[RLBatch, dict[str, float]]]
     programs: ProgramCache | None = None
     start_step: int = 0
+    verifiers: VerifiersEnvironment | None = None
 
 
 def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLParts:
     """Every piece of the RL run `cfg` (module docstring); on an error, what was built is closed."""
-    if not cfg.data.train:
-        raise ConfigError("data.train: no prompt set given (set data.train=FILE)")
     data, rollout, lc = cfg.data, cfg.rollout, cfg.learner
+    if not data.train and not is_verifiers(rollout.environment):
+        raise ConfigError("data.train: no prompt set given (set data.train=FILE)")
     with contextlib.ExitStack() as undo:
         run = Run(cfg, "rl")  # the run lock, the output folder + config.yaml, the mesh
         undo.callback(run.close)
-        runner = reward_runner(cfg.rewards, rollout, cfg.algorithm)
+        venv = open_verifiers(rollout, cfg.rewards, data, cfg.fleet) if is_verifiers(rollout.environment) else None
+        if venv is not None:  # its dataset gives the prompts, its rubric the rewards
+            undo.callback(venv.close)
+        runner = reward_runner(cfg.rewards, rollout, cfg.algorithm) if venv is None else RewardRunner([])
         undo.callback(runner.close)
         tools = agent_parts(rollout, cfg.fleet, data)  # tools and environment, then the prompts: before any model
-        records, eval_records, found = read_records(data, runner, environment=bool(rollout.environment))
+        records, eval_records, found = read_records(data, runner, environment=bool(rollout.environment)) \
+            if venv is None else (venv.records("train"), None, data)
         image_prompts = check_image_prompts(rollout, data, records, eval_records)
         if rollout.compute_dtype:  # the sampler's own (the trainer's is checked with its model)
             check_compute_dtype(rollout.compute_dtype, "rollout.compute_dtype", cfg.model.kernels)
@@ -89,7 +104,8 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
                                 parts=tools)
             undo.callback(agent.close)
         # a vision-language checkpoint's image settings are read from its folder
-        encoder = PromptEncoder(tok, PromptStyle(chat=data.chat, system_prompt=data.system_prompt), run.model_folder())
+        encoder = PromptEncoder(tok, PromptStyle(chat=data.chat or venv is not None, system_prompt=data.system_prompt),
+                                run.model_folder())
         train = encode_prompt_set(encoder, records, data, agent)
         held_out = encode_prompt_set(encoder, eval_records, data, agent) if eval_records else None
         learner = build_learner(lc, cfg.algorithm, run, cfg.trainer, cfg.moe, image_prompts=image_prompts,
@@ -101,8 +117,9 @@ def build_rl(cfg: RLConfig, program_cache: ProgramCache | None = None) -> RLPart
                                   tok.pad_token_id or 0, batch_columns(train, rollout.completion_budget))
         parts = RLParts(cfg=cfg, run=run, preset=cfg.algorithm, runner=runner, tok=tok,
                         prompts=RLPrompts(train, held_out, found), learner=learner, dispatcher=dispatcher, agent=agent,
-                        env_watch=env_watch(agent, rollout.max_env_error_fraction, run.say),
+                        env_watch=env_watch(agent, rollout.max_env_error_fraction, run.say) if venv is None else
+                        EnvErrorWatch(venv.name, rollout.max_env_error_fraction, lambda x: run.say(f"warning: {x}")),
                         sampling=rollout_sampling_params(rollout, cfg.trainer.seed), prepare=prepare,
-                        programs=program_cache, start_step=start)
+                        programs=program_cache, start_step=start, verifiers=venv)
         undo.pop_all()
     return parts

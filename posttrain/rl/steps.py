@@ -89,6 +89,8 @@ def start_line(parts: RLParts, start: int) -> str:
     ro, fleet = cfg.rollout, cfg.fleet
     source = f"fleet of {fleet.workers} workers" if fleet.enabled else "in-process sampler"
     turns = " | multi-turn (tools)" if parts.agent is not None else ""
+    if parts.verifiers is not None:
+        turns = f" | {parts.verifiers.name} ({parts.verifiers.ref})"
     return (f"rl: {parts.run.folder} | {t.num_trainable:,} trained parameters{' (LoRA)' if t.has_lora else ''} | "
             f"{cfg.algorithm.preset} | {len(parts.prompts.train)} prompts, {ro.batch_prompts} x {ro.group_size} "
             f"samples a step | {source}{turns} | steps {start}->{cfg.trainer.max_steps}"
@@ -172,5 +174,7 @@ def close(parts: RLParts, state: RLState | None = None) -> None:
         parts.runner.close()
         if parts.agent is not None:
             parts.agent.close()
+        if parts.verifiers is not None:
+            parts.verifiers.close()
     finally:
         parts.run.close()

@@ -7,7 +7,8 @@ default (`posttrain.agent.rollout.AgentLimits`: the one place the defaults are).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from posttrain.agent.env_openenv import OpenEnvConfig
 from posttrain.agent.rollout import Agent, AgentLimits
@@ -15,7 +16,7 @@ from posttrain.agent.setup import agent_enabled, build_agent, load_agent_parts
 from posttrain.config import ConfigError, at_least
 from posttrain.tools.python_sandbox import SandboxConfig
 
-__all__ = ["LIMIT_KEYS", "AgentOptions", "RolloutConfig"]
+__all__ = ["LIMIT_KEYS", "AgentOptions", "RolloutConfig", "json_object"]
 
 
 @dataclasses.dataclass
@@ -45,7 +46,10 @@ class RolloutConfig(AgentLimits):
       `my_tools.py:search`); the built-in `python` runs in `sandbox`.
     environment: an environment class (`my_env.py:Wordle`) whose `reset` makes each conversation and whose
       public typed methods are tools too, or an OpenEnv server (`openenv:http://HOST:PORT`: one WebSocket session
-      per trajectory, see `openenv`); None = none.
+      per trajectory, see `openenv`), or a verifiers environment (`verifiers:NAME_OR_FILE`: an installed
+      environment package or a .py file exporting `load_environment`; its dataset, rollouts and rubric are used,
+      `posttrain.rollout.verifiers_env`); None = none.
+    environment_args: keyword arguments of a verifiers environment's `load_environment`.
     tool_format: how the model writes calls: hermes `<tool_call>`, llama3 JSON, mistral `[TOOL_CALLS]`.
     tool_workers: processes that run the tool calls (an environment's methods run in threads of the run).
     max_env_error_fraction: an environment method that times out, raises or returns the wrong type ends its
@@ -71,6 +75,7 @@ class RolloutConfig(AgentLimits):
     stop_token_ids: list[int] | None = None
     tools: list[str] = dataclasses.field(default_factory=list)
     environment: str | None = None
+    environment_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     tool_format: Literal["hermes", "llama3", "mistral"] = "hermes"
     tool_workers: int = 4
     max_env_error_fraction: float = 0.5
@@ -125,6 +130,8 @@ class AgentOptions:
 
     openenv_action_field, openenv_observation_field: an OpenEnv environment's action field that holds the model's
     turn and observation field that is the next user turn (`rollout.openenv.*`; None: its defaults).
+
+    environment_args: a verifiers environment's `load_environment` keyword arguments (a dict, or JSON text).
     """
 
     tools: list[str] | str | None = None
@@ -138,6 +145,10 @@ class AgentOptions:
     sandbox_url: str | None = None
     openenv_action_field: str | None = None
     openenv_observation_field: str | None = None
+    environment_args: dict[str, Any] | str | None = None
+
+    def __post_init__(self):
+        self.environment_args = json_object(self.environment_args, "--environment-args")
 
     def rollout_section(self) -> RolloutConfig:
         """The rollout section these options fill (validated as `posttrain rl` validates it; errors name the option)."""
@@ -157,6 +168,9 @@ class AgentOptions:
         """`(rollout section, loaded tools and environment)`, or None without tools or an environment; run before
         any model loads, so a bad reference fails at once (a `ConfigError` naming the option)."""
         section = self.rollout_section()
+        if (section.environment or "").strip().startswith("verifiers:"):
+            raise ConfigError(f"--environment: {section.environment!r}: verifiers environments run in posttrain rl "
+                              "and posttrain eval (their own rollouts), not here")
         if not agent_enabled(section):
             return None
         try:
@@ -172,6 +186,19 @@ class AgentOptions:
             return None
         section, parts = checked
         return build_agent(section, tokenizer, system_prompt=system_prompt, prompt_field=prompt_field, parts=parts)
+
+
+def json_object(value, flag: str) -> dict:
+    """An option holding a JSON object (a dict, JSON text, or None: `{}`); anything else is a `ConfigError`
+    naming `flag`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value or "{}")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: not a JSON object ({e.msg}): {value!r}") from None
+    if not isinstance(value or {}, dict):
+        raise ConfigError(f"{flag}: expected a JSON object, found {value!r}")
+    return dict(value or {})
 
 
 def _option_names(message: str) -> str:

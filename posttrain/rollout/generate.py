@@ -71,6 +71,7 @@ class GenerateConfig(AgentOptions):
     no_progress: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         self.model, self.prompts, self.output = str(self.model), str(self.prompts), str(self.output)
 
     def sampling(self) -> SamplingParams:

@@ -26,6 +26,7 @@ import asyncio
 import importlib
 import importlib.util
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -45,6 +46,13 @@ def _verifiers():
     except ImportError:
         raise RuntimeError("verifiers environments need the verifiers package: pip install 'posttrain[verifiers]' "
                            "(verifiers 0.1.9)") from None
+    try:  # the environment's dataset mapping and the library's start-up messages are not the run's output
+        import datasets
+
+        datasets.disable_progress_bar()
+    except ImportError:
+        pass
+    logging.getLogger("verifiers").setLevel(logging.WARNING)
     return getattr(vf, "legacy", vf)
 
 
