@@ -201,7 +201,7 @@ SHIPPED = {"sft_smoke.yaml": "sft", "rl_moe_smoke.yaml": "rl", "sft_moe_smoke.ya
            "smollm2_rl_cpu.yaml": "rl", "dpo_smoke.yaml": "dpo", "dpo_qwen2.5_0.5b.yaml": "dpo",
            "distill_smoke.yaml": "distill", "distill_qwen2.5.yaml": "distill", "vlm_smoke.yaml": "sft",
            "vlm_gemma3_4b.yaml": "sft", "vlm_rl_smoke.yaml": "rl", "agent_gsm8k_python.yaml": "rl",
-           "agent_chain_sum_calculator.yaml": "rl"}
+           "agent_chain_sum_calculator.yaml": "rl", "rl_verifiers_smoke.yaml": "rl"}
 NOT_RUN_HERE = {"vlm_gemma3_4b.yaml"}  # its data files are documented placeholders (no image-QA set offline)
 
 
@@ -261,6 +261,7 @@ def test_shipped_config_parses_and_validates(name, tmp_path):
         fields |= {"messages"}
     runner.check_fields(fields | {"completion_lengths"})
     own = ["environment"] * bool(cfg.rollout.environment)
+    own += ["rubric"] * (name == "rl_verifiers_smoke.yaml")  # its verifiers environment is named on the command line
     assert cfg.rewards.correctness in [r.name for r in cfg.rewards.functions] + own + [None] * (SHIPPED[name] == "distill")
     runner.close()
 
