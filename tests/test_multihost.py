@@ -114,7 +114,7 @@ def test_sharded_load_reads_only_the_blocks_a_shard_needs(tiny_llama):
     index.get = lambda name: whole_reads.append(name) or get(name)
     q = "model.layers.1.self_attn.q_proj.weight"  # HF [heads*head_dim, embed] -> ours [embed, heads, head_dim]
     per_shape = (cfg.hidden_size, cfg.num_heads, cfg.head_dim)
-    full = hf_io._to_ours(get(q), per_shape, 1)
+    full = hf_io.to_ours(get(q), per_shape, 1)
     for idx in [(slice(8, 16), slice(0, 4), slice(0, 16)), (slice(0, 64), slice(2, 4), slice(0, 16))]:
         block = hf_io._read_layer_block(index, q, 1, per_shape, idx, {})
         np.testing.assert_array_equal(block, full[idx])

@@ -27,7 +27,7 @@ from posttrain.algorithms.sft import logprobs_from_logits
 from posttrain.sampling.filters import top_logprobs
 from posttrain.sampling.scheduler import length_bucket, pow2
 
-__all__ = ["CHUNK", "MAX_ROWS", "Scored", "Scorer"]
+__all__ = ["CHUNK", "MAX_ROWS", "Scored", "Scorer", "ScorerPrograms"]
 
 CHUNK = 256  # positions per vocabulary projection
 MAX_ROWS = 8  # sequences per compiled call at most
@@ -71,34 +71,38 @@ def _score(graphdef, state, ids, lens, *, n_top: int):
     return unpad(lp), unpad(top_ids), unpad(top_lp)
 
 
-#: (graphdef, jitted `_score`) of the model structures met, newest last: scorers of models of one structure (a
-#: server's lanes over adapters of one shape) share their compiled programs
-_PROGRAMS: list[tuple] = []
-_LOCK = threading.Lock()  # engines of several servers in one process
-KEEP = 8
+class ScorerPrograms:
+    """The jitted `_score` of the model structures met, newest last (the `keep` most recent): the scorers given one
+    (a serving engine's lanes over adapters of one shape) share their compiled programs. Entries are found by
+    graphdef equality, not hashing (a config holding lists makes a graphdef unhashable)."""
 
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._entries: list[tuple] = []
+        self._lock = threading.Lock()  # lanes added from request threads while the engine thread scores
 
-def _program(graphdef):
-    with _LOCK:
-        for i, (g, fn) in enumerate(_PROGRAMS):
-            if g == graphdef:  # equality, not hashing: a config holding lists makes a graphdef unhashable
-                _PROGRAMS.append(_PROGRAMS.pop(i))
-                return fn
-        fn = jax.jit(functools.partial(_score, graphdef), static_argnames=("n_top",))
-        _PROGRAMS.append((graphdef, fn))
-        del _PROGRAMS[:-KEEP]
-        return fn
+    def get(self, graphdef):
+        with self._lock:
+            for i, (g, fn) in enumerate(self._entries):
+                if g == graphdef:
+                    self._entries.append(self._entries.pop(i))
+                    return fn
+            fn = jax.jit(functools.partial(_score, graphdef), static_argnames=("n_top",))
+            self._entries.append((graphdef, fn))
+            del self._entries[:-self.keep]
+            return fn
 
 
 class Scorer:
     """Scores sequences with one model's current weights (read at every call, as the sampler reads them)."""
 
-    def __init__(self, model):
+    def __init__(self, model, programs: ScorerPrograms | None = None):
         self.model = model
+        self.programs = programs or ScorerPrograms()
 
     def _fn(self):
         graphdef, state = nnx.split(self.model)
-        return _program(graphdef), state
+        return self.programs.get(graphdef), state
 
     def score(self, sequences: Sequence[Sequence[int]], n_top: int = 0) -> list[Scored]:
         """Every sequence's `Scored` (each of at least two tokens), in order."""

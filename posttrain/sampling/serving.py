@@ -56,7 +56,7 @@ from posttrain.models import kernels as kernels_lib
 from posttrain.sampling.engine import Sampler, grow_jit, install_rows_jit, release_jit
 from posttrain.sampling.filters import RowSampling
 from posttrain.sampling.scheduler import length_bucket, pow2
-from posttrain.sampling.scoring import Scorer
+from posttrain.sampling.scoring import Scorer, ScorerPrograms
 
 __all__ = ["ContextLengthError", "EngineStopped", "Finished", "QueueFull", "SequenceRequest", "ServingEngine",
            "Tokens", "capacities"]
@@ -172,7 +172,7 @@ class _Lane:
     """One model variant's slots, cache, waiting queue and per-slot sampling parameters (engine thread only)."""
 
     def __init__(self, name: str, sampler: Sampler, slots: int, max_len: int, n_top: int, segment_steps: int,
-                 transient: bool = False):
+                 transient: bool = False, scorer_programs: ScorerPrograms | None = None):
         self.name, self.sampler, self.slots, self.max_len = name, sampler, slots, max_len
         self.transient = transient  # an added lane: no cache kept while idle
         self.n_top, self.segment_steps = n_top, segment_steps
@@ -186,7 +186,7 @@ class _Lane:
         self.release: set[int] = set()
         self.ds, self.cache_len = None, self.caps[0]
         self.rows = _rows(slots)
-        self.scorer = Scorer(sampler.model)
+        self.scorer = Scorer(sampler.model, scorer_programs)  # the engine's: lanes of one structure share them
         self.bind()
 
     def bind(self):
@@ -436,8 +436,9 @@ class ServingEngine:
         self.slots, self.n_top, self.max_waiting = int(slots), int(n_top), int(max_waiting)
         self.slots = first.round_slots(self.slots)  # a multiple of the mesh's batch ways
         self.segment_steps = int(segment_steps)
-        self._lanes = {name: _Lane(name, s, self.slots, self.max_len, self.n_top, self.segment_steps)
-                       for name, s in samplers.items()}
+        self._scorer_programs = ScorerPrograms()
+        self._lanes = {name: _Lane(name, s, self.slots, self.max_len, self.n_top, self.segment_steps,
+                                   scorer_programs=self._scorer_programs) for name, s in samplers.items()}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -651,7 +652,7 @@ class ServingEngine:
             return
         try:
             self._lanes[name] = _Lane(name, sampler, self.slots, self.max_len, self.n_top, self.segment_steps,
-                                      transient=True)
+                                      transient=True, scorer_programs=self._scorer_programs)
             fut.set_result(None)
         except Exception as e:  # noqa: BLE001 - the caller's future carries it
             fut.set_exception(e)
