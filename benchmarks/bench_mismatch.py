@@ -76,6 +76,7 @@ def run_one(variant: str, seed: int, args, base_accuracy: float | None) -> dict:
         "accuracy_after": next((e["eval/accuracy"] for e in res.evals if e["step"] == res.steps), None),
         "reward_first_last": [round(h[0]["reward/mean"], 3), round(h[-1]["reward/mean"], 3)],
         "overflow_steps": h[-1].get("loss_scale/overflows", 0.0),
+        "eval_limit": args.eval_limit,
         "wall_s": round(wall, 1),
         "generation_s_per_step": round(statistics.fmean(x["time/rollout_s"] for x in h), 2),
         "training_s_per_step": round(statistics.fmean(x["time/train_s"] for x in h), 2),
@@ -125,7 +126,9 @@ def main(argv=None) -> int:
     rows = json.loads(summary.read_text()) if args.append and summary.exists() else []
     t0 = time.perf_counter()
     for variant in args.variants:
-        base = None
+        # the base model's accuracy: evaluated once per variant, also across --append invocations (same held-out set)
+        base = next((r["accuracy_before"] for r in rows if r["variant"] == variant and r["before_evaluated_here"]
+                     and r.get("eval_limit", 0) == args.eval_limit), None)
         for seed in args.seeds:
             row = run_one(variant, seed, args, base)
             base = row["accuracy_before"]
