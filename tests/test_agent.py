@@ -346,6 +346,7 @@ def test_gsm8k_python_env():
     assert spec.schemas[0]["function"]["parameters"]["required"] == ["code"]
 
 
+@pytest.mark.slow
 def test_chain_sum_env_with_the_calculator():
     from posttrain.data.reasoning_gym import records
 

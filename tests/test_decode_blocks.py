@@ -65,6 +65,7 @@ def _compare(model, programs, prompts, params, **kw):
     return runs
 
 
+@pytest.mark.slow
 def test_greedy_blocks_equal_step_by_step_with_refills_and_cache_growth(model, programs):
     # 12 prompts through 8 slots: continuous batching admits at block boundaries; a 32-position growth step makes
     # the cache grow mid-call
@@ -88,6 +89,7 @@ def test_seeded_sampling_with_stops_mid_block(model, programs):
     assert out[0].sampling_logprobs is not None
 
 
+@pytest.mark.slow
 def test_tool_calls_mid_block(model, programs):
     """Turns end on a stop token mid-block; the appended ids of the tool's answer are prefilled (extend) and the
     next turn decodes: the multi-turn completions are those of step-by-step decoding."""
@@ -127,6 +129,7 @@ def vlm():
     return init_model(cfg, seed=1)
 
 
+@pytest.mark.slow
 def test_image_prompts(vlm, programs):
     vc = vlm.cfg.vision
     rng = np.random.default_rng(3)

@@ -35,6 +35,7 @@ def models():
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.slow
 def test_alpha_zero_is_the_sft_loss_of_the_same_batch(models, chunk):
     student, teacher = models
     batch = _batch()

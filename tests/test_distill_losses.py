@@ -87,6 +87,7 @@ def test_topk_with_the_rest_of_the_mass():
 
 
 @pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.slow
 def test_topk_with_k_equal_v_is_the_full_loss(tail):
     rng = np.random.default_rng(0)
     s, t = jnp.asarray(rng.normal(size=(4, 7)), jnp.float32), jnp.asarray(rng.normal(size=(4, 7)), jnp.float32)
@@ -127,6 +128,7 @@ def test_teacher_gets_no_gradient():
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.slow
 def test_generalized_jsd_equals_trl(beta, temperature):
     """TRL's GKD loss (mean over the unmasked tokens) and its gradient w.r.t. the student logits; TRL has no
     T^2 factor, so ours is divided by T^2."""

@@ -14,6 +14,7 @@ import pytest
 from posttrain.algorithms.policy import policy_loss
 
 
+@pytest.mark.slow
 def test_per_token_advantages():
     rng = np.random.default_rng(0)
     logp = jnp.asarray(rng.normal(size=(3, 5)) - 2, jnp.float32)

@@ -19,6 +19,7 @@ from posttrain.training.dpo import load_dpo_config, run_dpo
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "dpo_smoke.yaml"
 
 
+@pytest.mark.slow
 def test_precomputed_reference_is_the_frozen_references_for_the_same_pairs(tmp_path):
     seen = {}
 

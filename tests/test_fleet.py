@@ -193,6 +193,7 @@ def test_segment_swaps_give_tokens_newer_weights_within_the_bound_and_train_ever
     assert sum(r["fleet/leases"] for r in m.values()) >= steps  # one worker, one lease of 4 groups per step at most
 
 
+@pytest.mark.slow
 def test_unreachable_cluster_is_a_clear_error_within_30s(toy):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "posttrain.cli.main", "rl", *toy(

@@ -24,6 +24,7 @@ def contract(request):
     ((2, 5, 8), (8, 3, 4), 1),       # q/k/v projection: [D] -> [heads, head_dim]
     ((2, 5, 3, 4), (3, 4, 8), 2),    # output projection: [heads, head_dim] -> [D]
 ])
+@pytest.mark.slow
 def test_contract_matches_tensordot_values_and_gradients(contract, x_shape, w_shape, n_in):
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, x_shape)
@@ -112,6 +113,7 @@ def test_generic_float32_products_ask_for_highest_precision(compute_dtype):
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.slow
 def test_cpu_many_query_cached_attention_matches_generic(softcap):
     """The cpu set's cached attention of several queries (its transposed key cache read without a transpose)
     against the generic set on the same keys in the [B, S, K, H] layout: GQA groups, padding and causal mask."""
@@ -133,6 +135,7 @@ def test_cpu_many_query_cached_attention_matches_generic(softcap):
 
 
 @pytest.mark.parametrize("causal,softcap", [(True, None), (True, 30.0), (False, None)])
+@pytest.mark.slow
 def test_cpu_uncached_attention_matches_generic(causal, softcap, monkeypatch):
     """The cpu set's attention without a cache (its cache layouts; causal self-attention in query chunks that
     skip the later keys) against the generic set's dense attention: values and gradients of q, k and v, with

@@ -44,6 +44,7 @@ def _batches(n, b=4, t=16, seed=0):
     return out
 
 
+@pytest.mark.slow
 def test_attach_shapes_and_identity_at_init(fresh):
     model = fresh()
     ids = jnp.asarray(_batches(1)[0]["input_ids"])
@@ -188,6 +189,7 @@ def _eager_merged(model) -> dict:
 
 
 @pytest.mark.parametrize("init,rank,alpha", [("kaiming", 4, 8.0), ("gaussian", 3, 7.0)])
+@pytest.mark.slow
 def test_attach_quantize_merge_one_program_each_equal_to_eager_leafwise_ops(init, rank, alpha):
     """A mixture of experts (attention Linears, lm_head, stacked expert weights): adapters, QLoRA's NF4 codes and
     scales, and the merged weights are each made by one compiled program, bit for bit what eager ops give leaf by

@@ -27,6 +27,7 @@ IDS = jnp.asarray(np.random.default_rng(0).integers(3, 64, size=(2, 24)), jnp.in
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "generic"])
+@pytest.mark.slow
 def test_float16_runs_on_cpu_and_matches_float32(kernels):
     """Forward and backward in float16 with either kernel set on XLA:CPU (before: 'The precision F16_F16_F32 is not
     supported by dot_general on CPU'), within float16's rounding of the float32 model."""
@@ -64,6 +65,7 @@ def test_a_dtype_the_backend_cannot_run_is_a_config_error_naming_the_key(monkeyp
     assert "F16_F16_F32" in msg
 
 
+@pytest.mark.slow
 def test_the_samplers_compute_dtype_is_a_model_built_in_it():
     model = init_model(CFG, seed=0)
     view = with_compute_dtype(nnx.merge(*nnx.split(model)), "bfloat16")

@@ -50,6 +50,7 @@ def test_logits_match_transformers(family, scan, hf_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3", "mistral"])
+@pytest.mark.slow
 def test_packed_segments_match_separate_sequences(family, hf_checkpoint):
     model = from_pretrained(hf_checkpoint(family))
     rng = np.random.default_rng(1)
@@ -92,6 +93,7 @@ def test_sharded_safetensors_round_trip(hf_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.slow
 def test_bfloat16_compute_close_to_float32(family, hf_checkpoint):
     """bf16 has an 8-bit mantissa (relative rounding 2^-8 ~ 0.4%) and errors grow over layers; with logits
     of order 1-5 we require the max abs difference below 0.1 and the same argmax on >= 95% of tokens, and a

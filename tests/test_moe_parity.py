@@ -102,6 +102,7 @@ def _max_diff(ours, ref, mask):
 @reference
 @pytest.mark.parametrize("family,kernels", [(f, "cpu") for f in FAMILIES] + [("qwen3_moe", "generic"),
                                                                             ("qwen2_moe", "generic")])
+@pytest.mark.slow
 def test_logits_match_transformers(family, kernels, checkpoint):
     """cpu: dense expert compute; generic: grouped (`ragged_dot`), on the mixed dense/sparse and shared-expert models."""
     path = checkpoint(family)
@@ -226,6 +227,7 @@ def test_active_parameters(checkpoint):
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "generic"])
+@pytest.mark.slow
 def test_cached_prefill_and_decode_match_uncached(kernels, checkpoint):
     """The sampler's calls (a KV cache: prefill, then one token per call) route as the uncached forward does."""
     from flax import nnx
@@ -248,6 +250,7 @@ def test_cached_prefill_and_decode_match_uncached(kernels, checkpoint):
 
 @reference
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.slow
 def test_tiny_models_load_in_transformers(family, tmp_path):
     """`tiny:qwen3_moe` and `tiny:mixtral` are HF checkpoints transformers loads with equal logits."""
     from posttrain.models.tiny import resolve_model_path
@@ -259,6 +262,7 @@ def test_tiny_models_load_in_transformers(family, tmp_path):
     assert _max_diff(model(ids, attention_mask=mask), _hf_logits(_load_hf(path), ids, mask), mask) <= TOL
 
 
+@pytest.mark.slow
 def test_router_and_expert_gradients_are_nonzero(checkpoint):
     from flax import nnx
 
@@ -289,6 +293,7 @@ def test_load_balancing_loss_matches_transformers(masked):
 
 @reference
 @pytest.mark.parametrize("family,scan", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
+@pytest.mark.slow
 def test_router_logits_and_aux_loss_match_transformers(family, scan, checkpoint):
     """The sparse layers' router logits, the load-balancing loss over them, and the logits, as transformers returns
     them, with the layers scanned and unrolled."""

@@ -50,6 +50,7 @@ def _complement(own: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kernels,scan", [("cpu", True), ("generic", False)])
+@pytest.mark.slow
 def test_routing_output_and_replaying_own_choices_changes_nothing(mixed_moe, kernels, scan):
     model = from_pretrained(mixed_moe, kernels=kernels, scan_layers=scan)
     ids, mask = _batch(model.cfg.vocab_size)
@@ -77,6 +78,7 @@ def _logprob_sum(m, ids, mask, replay):
     return jnp.sum(token_logprobs(m, ids, attention_mask=mask, replay=replay) * mask[:, 1:])
 
 
+@pytest.mark.slow
 def test_router_gradients_under_replay(tiny_moe):
     """Gate weights of replayed experts come from the router's softmax, so the router gets a gradient; with the
     model's own choices replayed the gradients equal those without replay."""
@@ -96,6 +98,7 @@ def test_router_gradients_under_replay(tiny_moe):
 
 
 @pytest.mark.full_optimization
+@pytest.mark.slow
 def test_forced_disagreement_matches_a_hand_computation(tiny_moe, monkeypatch):
     """The last layer's tokens forced onto the experts their router did not choose: the model's log-probs equal a
     float64 numpy computation of that layer (softmax over all experts, gathered, renormalised; SwiGLU experts), the

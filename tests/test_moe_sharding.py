@@ -40,6 +40,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.full_optimization
+@pytest.mark.slow
 def test_fsdp_tensor_mesh_matches_unsharded(tmp_path):
     from test_moe_parity import build_hf
 

@@ -67,6 +67,7 @@ def test_sft_loss_adds_the_aux_loss_as_transformers_does(tmp_path):
     assert MOE_METRICS <= set(metrics)
 
 
+@pytest.mark.slow
 def test_router_loss_coefficients(tiny_moe):
     """moe.aux_loss_coef=0 and moe.z_loss_coef=c: the loss grows by c * z-loss per target token, z-loss over the
     real tokens of the pass's router logits; the aux loss weighs the checkpoint's coefficient when unset."""

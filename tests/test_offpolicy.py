@@ -45,6 +45,7 @@ def _hand_surrogate(eps=0.2):
     return -np.minimum(r * a, np.clip(r, 1 - eps, 1 + eps) * a)
 
 
+@pytest.mark.slow
 def test_token_is_weights_are_pi_old_over_mu_not_pi_over_mu():
     cap = 1.3
     rho = np.exp(OLD - MU)  # pi_old / mu
@@ -173,6 +174,7 @@ def test_fleet_trains_one_version_stale_groups_against_recomputed_old_logprobs(t
     assert rows[2]["is/weight_mean"] != pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_reference_logprobs_are_the_frozen_models_at_the_completion_tokens():
     """beta > 0: the reference log-probs (`FrozenScorer`, vocabulary projected at the completion columns only)
     are the frozen model's for the completion tokens: the step's KL is k3 against an independent pass, and 0

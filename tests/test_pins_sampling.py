@@ -30,6 +30,7 @@ def _tool(prompt: int) -> list[int]:
     return [3 + (prompt * 11 + j * 5) % (VOCAB - 3) for j in range(3 + 2 * prompt)]
 
 
+@pytest.mark.slow
 def test_resumed_slots_but_not_all_equal_generation_from_scratch(model):
     """Prompt 0 stops after its first turn; prompts 1..3 resume after a tool result, in one extend call whose
     rows (0, 1, 2) are not their slots (1, 2, 3)."""

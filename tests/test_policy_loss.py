@@ -174,6 +174,7 @@ G_ADV = jnp.array([1.0, -1.0])
 S0, S1 = math.exp(0.2), math.exp(-0.2)
 
 
+@pytest.mark.slow
 def test_gspo_sequence_ratio_clipped():
     loss, m = policy_loss(
         G_LOGP, G_OLD, G_ADV, G_MASK, epsilon_low=0.1, epsilon_high=0.15,

@@ -186,6 +186,7 @@ def test_learner_sets_proximal_and_reference_logprobs():
     assert (learner(recompute_old=True).score(b).old_logp == -3.0).all()
 
 
+@pytest.mark.slow
 def test_rl_loss_logprobs_equal_full_forward():
     """The loss scores completion tokens exactly as a plain forward + log-softmax does."""
     import jax

@@ -241,6 +241,7 @@ def test_shared_prompt_rows_hold_each_prompt_once_and_carry_the_fields():
 
 @pytest.mark.parametrize("preset", ["grpo", pytest.param("gspo", marks=pytest.mark.slow),
                                     pytest.param("dr_grpo", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_shared_prompt_gradients_equal_padded(model, preset):
     from posttrain.rl.packing import pack_shared_prompts
 
@@ -258,6 +259,7 @@ def test_shared_prompt_gradients_equal_padded(model, preset):
     assert max(float(np.abs(np.asarray(a)).max()) for a in jax.tree.leaves(g_p)) > 1e-3  # a real gradient
 
 
+@pytest.mark.slow
 def test_shared_prompt_log_probs_equal_padded_with_a_sliding_window():
     """Sliding-window layers measure the window in positions: in a shared-prompt row a completion's tokens sit
     far from its prompt in columns, not in positions. Log-probs equal the padded batch's."""

@@ -114,6 +114,7 @@ def test_mismatch_kl_does_not_round_a_small_mismatch_to_zero():
     assert small == pytest.approx(np.mean(np.expm1(x[:, :2]) - x[:, :2]), rel=1e-5) and small > 0
 
 
+@pytest.mark.slow
 def test_weights_scale_the_surrogate_and_are_constants():
     logp = jnp.array([[-1.0, -2.0], [-0.5, -0.7]])
     adv, mask = jnp.array([1.0, -2.0]), jnp.ones((2, 2))
@@ -214,6 +215,7 @@ def _rl_batch():
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.slow
 def test_rl_loss_weight_counts_what_the_loss_counts_padded_and_packed(aggregation):
     """The learner's batch with the weights of token-MIS: the micro-batch weight (what the trainer normalises the
     summed losses by) is the kept tokens for token-mean (8, not 14), the sequences left otherwise (3, not 4); the

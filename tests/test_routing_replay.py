@@ -125,6 +125,7 @@ def _plain(ro: Rollouts) -> Rollouts:
 
 @pytest.mark.full_optimization
 @pytest.mark.parametrize("layout", ["sequences", "shared prompts"])
+@pytest.mark.slow
 def test_packed_log_probs_equal_padded_under_replay(model, layout):
     """Packed and padded forwards route to the same recorded experts: equal log-probs (1e-5), and not those of the
     model's own routing (the forced records matter)."""
@@ -154,6 +155,7 @@ def _learner(model_seed=0, *, pack=False, attn_span=None):
 
 @pytest.mark.full_optimization
 @pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.slow
 def test_learner_recomputes_old_log_probs_with_replay_and_the_reference_without(model, pack):
     """Old (proximal) log-probs: the policy routed to the records (padded and packed scoring alike); the reference
     (the same initial weights here) with its own router; the update reports the agreement."""
@@ -170,6 +172,7 @@ def test_learner_recomputes_old_log_probs_with_replay_and_the_reference_without(
     assert metrics["kl"] > 0 and np.isfinite(metrics["mismatch_kl"])
 
 
+@pytest.mark.slow
 def test_learner_without_records_scores_as_before(model):
     """A batch without records (replay off): the policy's recomputed log-probs are the trainer's own, exactly."""
     b = build_rl_batch(_plain(_rollouts(model)), np.zeros(6, np.float32), multiple=8)

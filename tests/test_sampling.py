@@ -197,6 +197,7 @@ def test_n_samples_share_prefill_and_come_in_a_row(llama, programs):
     assert [(c.prompt_index, c.sample_index) for c in big] == [(p, i) for p in range(2) for i in range(5)]
 
 
+@pytest.mark.slow
 def test_seed_repeats_and_sampling_logprobs(llama, programs):
     prompts = _prompts(lengths=(4, 10, 7), seed=4)
     sampler = Sampler(llama, max_slots=8, program_cache=programs)
@@ -228,6 +229,7 @@ def test_seed_repeats_and_sampling_logprobs(llama, programs):
         np.testing.assert_allclose(comp.sampling_logprobs, samp, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_reads_current_weights_without_recompiling(llama, hf_checkpoint):
     """RL updates weights in place between calls: the next generate must use them, with no new compile."""
     from flax import nnx

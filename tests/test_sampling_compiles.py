@@ -33,6 +33,7 @@ def _prompts(lengths, seed=0):
 STOPS = [5, 17, 29, 41, 53]  # end about one sequence in ten per token: refills of one or two prompts
 
 
+@pytest.mark.slow
 def test_evaluation_and_rollouts_compile_two_prefills_and_one_decode():
     """An RL run's sampler: greedy evaluation (16 prompts), sampled pass@k (16 x 4 through 16 slots, refilled one or
     two prompts at a time) and three rollout steps (4 prompts x 4): one decode program, two prefill programs."""
@@ -56,6 +57,7 @@ def test_evaluation_and_rollouts_compile_two_prefills_and_one_decode():
 
 
 @pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.slow
 def test_a_call_compiles_at_most_two_prefills_whatever_its_prompt_lengths(n):
     """Prompts of 3 to 300 tokens through 8 slots, refilled as sequences stop: the first prefill's shape and one
     refill shape (before: one program per (rows, length bucket) met); the same tokens as one admission of all."""

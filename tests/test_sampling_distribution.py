@@ -76,6 +76,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.slow
 def test_first_token_distribution(case, setup):
     model, sampler, logits = setup
     filtered = any(k in case for k in ("top_k", "top_p", "min_p"))

@@ -46,6 +46,7 @@ def _check(model, prompt: list[int], c) -> None:
     np.testing.assert_array_equal(got, _forward_experts(model, seq))
 
 
+@pytest.mark.slow
 def test_greedy_recorded_experts_equal_one_uncached_forward(moe, programs):
     sampler = Sampler(moe, max_slots=8, program_cache=programs, segment_steps=4)  # several segments per sequence
     prompts = _prompts((5, 11, 3, 18))
@@ -70,6 +71,7 @@ def test_samples_of_one_prompt_each_get_the_prompts_experts(moe, programs):
         _check(moe, prompts[c.prompt_index], c)
 
 
+@pytest.mark.slow
 def test_multi_turn_continuation_records_the_appended_ids(moe, programs):
     sampler = Sampler(moe, max_slots=8, program_cache=programs)
     prompts = _prompts((6, 13), seed=2)

@@ -68,6 +68,7 @@ def run(engine, reqs, lane="m"):
     return outs
 
 
+@pytest.mark.slow
 def test_greedy_sequences_equal_generate_with_admissions_mid_flight(engine, model):
     prompts = _prompts((5, 9, 17, 3, 30, 12, 7))  # 7 sequences through 4 slots, two length buckets
     outs = run(engine, [SequenceRequest(p, 10 + 3 * i, temperature=0.0, logprobs=True) for i, p in enumerate(prompts)])

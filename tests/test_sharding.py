@@ -43,6 +43,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.slow
 def test_fsdp_tensor_mesh_matches_unsharded(family, hf_checkpoint):
     env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(hf_checkpoint(family))], env=env,

@@ -60,6 +60,7 @@ def test_schedule_hand_values(decay, at35):
     np.testing.assert_allclose(float(s(110)), 1.0 if decay == "constant" else 0.1, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_decay_mask_skips_norms_biases_embeddings(model_state):
     from flax import nnx
 
@@ -75,6 +76,7 @@ def test_decay_mask_skips_norms_biases_embeddings(model_state):
     assert with_emb["embed_tokens"]["embedding"].get_value() is True
 
 
+@pytest.mark.slow
 def test_weight_decay_respects_mask():
     """AdamW with zero gradients moves only decayed weights (by lr * wd * w)."""
     from flax import nnx
@@ -91,6 +93,7 @@ def test_weight_decay_respects_mask():
 
 
 @pytest.mark.parametrize("name", ["sgd", "adafactor"])
+@pytest.mark.slow
 def test_other_optimizers_step(name, model_state):
     tx, sched = _tx(name)
     tr = Trainer(model_state(), tx, loss_fn=make_sft_loss(), schedule=sched)

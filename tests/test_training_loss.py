@@ -117,6 +117,7 @@ def _batch(rng, b, t, vocab):
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.slow
 def test_chunked_equals_plain(softcap):
     cfg = llama_like(vocab_size=96, num_layers=1, final_logit_softcap=softcap)
     model = init_model(cfg, seed=3)

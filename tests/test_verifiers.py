@@ -69,6 +69,7 @@ def _runs(ids: list[int], mask: list[int]) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("kind", ["single", "tool", "multi"])
+@pytest.mark.slow
 def test_trained_ids_are_the_sampled_ids_and_the_reward_is_the_rubrics(served, kind):
     server, policy, sampled = served
     env = VerifiersEnvironment.open(f"verifiers:{ENVS}", {"kind": kind})

@@ -90,6 +90,7 @@ def _text_only(batch):
 
 
 @pytest.mark.parametrize("layout_kind", ["sequences", "shared"])
+@pytest.mark.slow
 def test_packed_logprobs_equal_the_padded_batch(model, layout_kind):
     import jax
 

@@ -8,6 +8,15 @@ With `--tinker` (`ServeConfig.tinker`) the same app serves the Tinker training A
 
 from posttrain.serve.config import ServeConfig
 from posttrain.serve.models import ServedModel
-from posttrain.serve.server import Server, serve
 
 __all__ = ["ServeConfig", "ServedModel", "Server", "serve"]
+
+
+def __getattr__(name: str):
+    """`Server` and `serve` on first use: the HTTP stack (FastAPI, uvicorn) stays out of processes that only serve
+    judges when asked (`posttrain rl` imports `posttrain.serve.local`)."""
+    if name in ("Server", "serve"):
+        from posttrain.serve import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module 'posttrain.serve' has no attribute {name!r}")

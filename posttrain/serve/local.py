@@ -14,13 +14,17 @@ like any client's, and the server stops when the runner closes. Judges naming th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from posttrain.models.prompt_format import PromptStyle
 from posttrain.rewards.judge import Judge
 from posttrain.rewards.runner import RewardRunner
 from posttrain.rollout.policy import Policy
 from posttrain.serve.config import ServeConfig
 from posttrain.serve.models import ServedModel
-from posttrain.serve.server import Server
+
+if TYPE_CHECKING:
+    from posttrain.serve.server import Server
 
 __all__ = ["SERVED_NAME", "serve_judges", "serve_policy"]
 
@@ -31,6 +35,8 @@ def serve_policy(policy: Policy, *, slots: int, system_prompt: str | None = None
     """`policy` served on 127.0.0.1 (module docstring), `slots` sequences decoded at once; started."""
     chat = Policy(policy.model, policy.tokenizer, style=PromptStyle(chat=True, system_prompt=system_prompt),
                   sampler=policy.sampler)
+    from posttrain.serve.server import Server  # the HTTP stack only when something is served
+
     config = ServeConfig(model=SERVED_NAME, port=0, max_slots=max(1, slots), warmup=False)
     return Server(config, models={SERVED_NAME: ServedModel(chat)}).start()
 
