@@ -24,6 +24,7 @@ import dataclasses
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,15 +168,20 @@ class TinkerService:
             spec = self._spec(req.lora_config, req.optimizer_config)
         except BadInput as e:
             return self.failed(f"create_model: {e}")
-        mid = f"{req.session_id}:train:{req.model_seq_id}"
+        return self._register(req.session_id, req.model_seq_id, 1,
+                              lambda mid: self.ops.submit_now("create_model", lambda: self._create(mid, spec)))
+
+    def _register(self, sid: str, seq: int, first_seq: int, submit: Callable[[str], str]) -> str:
+        """The training client `seq` of session `sid`, registered once (its order starting at `first_seq`) with its
+        creation queued by `submit(model_id)`; a repeated request gets the first one's request id."""
+        mid = f"{sid}:train:{seq}"
         with self._lock:
-            if mid in self._created:
-                return self._created[mid]
-            self.models[mid] = _Model(mid, req.session_id)
-            self.sessions[req.session_id].models.append(mid)
-            self.ops.open(mid)
-            rid = self._created[mid] = self.ops.submit_now("create_model", lambda: self._create(mid, spec))
-        return rid
+            if mid not in self._created:
+                self.models[mid] = _Model(mid, sid)
+                self.sessions[sid].models.append(mid)
+                self.ops.open(mid, first_seq=first_seq)
+                self._created[mid] = submit(mid)
+            return self._created[mid]
 
     def _spec(self, lora, optimizer) -> LoraSpec:
         if lora is None:
@@ -334,22 +340,15 @@ class TinkerService:
         self._base(req.base_model, "base_model")
         if req.optimizer_config is not None and getattr(req.optimizer_config, "type", "adamw") != "adamw":
             raise BadInput(f"optimizer_config.type: {req.optimizer_config.type!r} is not supported (adamw)")
-        mid = f"{req.session_id}:train:{req.model_seq_id}"
-        with self._lock:
-            if mid in self._created:
-                return self._created[mid]
-            self.models[mid] = _Model(mid, req.session_id)
-            self.sessions[req.session_id].models.append(mid)
-            self.ops.open(mid, first_seq=0)
 
-        def run() -> Reply:
+        def run(mid: str) -> Reply:
             saved = load_tenant(folder, optimizer=req.optimizer)
             self._base(saved["meta"].get("base_model"), "path")
             self._create(mid, LoraSpec.from_json(saved["meta"]["lora"]), saved)
             return Reply(json={"path": req.path, "model_id": mid, "type": "load_weights"})
 
-        rid = self._created[mid] = self.ops.submit(mid, 0, "load_weights", run)
-        return rid
+        return self._register(req.session_id, req.model_seq_id, 0,
+                              lambda mid: self.ops.submit(mid, 0, "load_weights", lambda: run(mid)))
 
     # ------------------------------------------------------------------ sampling sessions
     def _sampler_id(self, sid: str, seq: int) -> str:
