@@ -113,6 +113,7 @@ def test_chat_with_an_unknown_tool_fails_before_the_model_loads(capsys):
     assert capsys.readouterr().err.startswith("error: --tools")
 
 
+@pytest.mark.slow
 def test_chat_with_an_image_hands_its_pixels_to_every_turn(tmp_path):
     """`--image` on a vision-language model: the first user turn holds the image; each turn's reply is the sampler's
     on the whole conversation with the image's pixels (greedy), and differs from the same conversation without it."""

@@ -76,6 +76,7 @@ def test_greedy_blocks_equal_step_by_step_with_refills_and_cache_growth(model, p
     assert all(s["cache_resizes"] >= 1 for _, s in runs.values())
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_stops_mid_block(model, programs):
     prompts = _prompts((6, 13, 4, 9, 22), seed=1)
     params = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, n=3, seed=5,

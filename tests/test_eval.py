@@ -103,6 +103,7 @@ def test_evaluate_reports_pass_and_maj_at_k_and_rows():
     assert rows[0]["greedy"]["correct"] and not rows[1]["greedy"]["correct"] and rows[2]["maj@4"] == 1.0
 
 
+@pytest.mark.slow
 def test_eval_cli_on_gsm8k(gsm8k, tmp_path, capsys):
     """`posttrain eval` on the GSM8K test file (read in place) with a tiny model: every problem and sample
     lands in the JSONL, the summary's figures are the rows' means."""

@@ -61,6 +61,7 @@ def write_gguf(path, arch: str, hf_folder=None, tensors=None, metadata=None, raw
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_gguf_loads_like_the_hf_checkpoint(family, hf_checkpoint, tmp_path):
     folder = hf_checkpoint(family)
     path = write_gguf(tmp_path / "m.gguf", family, hf_folder=folder)

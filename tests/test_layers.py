@@ -57,6 +57,7 @@ def test_contract_out_dtype_accumulates_in_float32(contract):
     np.testing.assert_allclose(np.asarray(gw, np.float32), 4 * (1.0 + 2.0**-7), rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_kernel_switch_resolves_once_from_config_env_and_backend(monkeypatch):
     from posttrain.models.config import llama_like
     from posttrain.models.transformer import init_model

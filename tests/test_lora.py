@@ -106,6 +106,7 @@ def test_only_adapters_train_merge_equals_adapters_and_switch_off_is_base(fresh)
     np.testing.assert_allclose(np.asarray(tr.token_logprobs(batches[0])), trained_lp, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_merge_formula_by_hand():
     model = init_model(llama_like(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                                   num_kv_heads=1))

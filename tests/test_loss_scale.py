@@ -80,6 +80,7 @@ def test_a_fixed_scale_skips_overflows_and_stays():
     assert m["loss_scale"] == 8.0 and m["loss_scale/overflows"] == 1.0 and float(trainer.loss_scale.scale) == 8.0
 
 
+@pytest.mark.slow
 def test_scaling_by_a_power_of_two_leaves_the_update_unchanged_in_float32():
     """In float32 nothing underflows: the scaled, unscaled update equals the plain one (grad accumulation too)."""
     plain, scaled = _trainer(None, grad_accum=2), _trainer(LossScale.start(), grad_accum=2)
@@ -89,6 +90,7 @@ def test_scaling_by_a_power_of_two_leaves_the_update_unchanged_in_float32():
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_float16_small_gradients_flush_to_zero_unscaled_and_match_float32_scaled():
     """A loss of 1e-8 x sum(logits) computed in float16: its activation gradients underflow float16 without scaling
     (most weights' gradients are zero), and with the dynamic scale they are the float32 model's within float16

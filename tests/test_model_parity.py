@@ -36,6 +36,7 @@ def _hf_logits(model, ids, mask):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.slow
 def test_logits_match_transformers(family, scan, hf_checkpoint):
     import transformers
 

@@ -34,6 +34,7 @@ def _randomise_b(model, seed=1):
             var.set_value(0.05 * jax.random.normal(jax.random.fold_in(key, i), var.get_value().shape))
 
 
+@pytest.mark.slow
 def test_adapters_cover_attention_and_experts_and_merge_exactly(tiny_moe, tmp_path):
     model = from_pretrained(tiny_moe)
     ids, mask = _batch(model.cfg.vocab_size)
@@ -59,6 +60,7 @@ def test_adapters_cover_attention_and_experts_and_merge_exactly(tiny_moe, tmp_pa
     np.testing.assert_allclose(np.asarray(from_pretrained(out)(ids, attention_mask=mask)), adapted, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_expert_adapters_only_on_request_and_in_training(tiny_moe):
     """A target naming expert weights only adapts them; the trainer trains the adapters (expert ones too), the base
     weights stay as they were, and a LoRA model's base (adapters off) is the original model."""

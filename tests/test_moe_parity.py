@@ -147,6 +147,7 @@ def test_hf_export_round_trip(family, checkpoint, tmp_path):
     assert hf_cfg["model_type"] == family and hf_cfg["num_experts_per_tok"] == 2
 
 
+@pytest.mark.slow
 def test_fused_expert_layout_loads(checkpoint, tmp_path):
     """A checkpoint holding transformers' fused 3D expert tensors (gate_up_proj, down_proj) loads the same."""
     from safetensors.numpy import load_file, save_file
@@ -191,6 +192,7 @@ def test_routing_matches_transformers_router():
         np.testing.assert_allclose(np.asarray(w), w_ref.detach().numpy(), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grouped_and_dense_expert_compute_agree():
     """The accelerator set's grouped (ragged_dot) and the CPU set's dense expert compute: values and gradients."""
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
@@ -319,6 +321,7 @@ def test_router_logits_and_aux_loss_match_transformers(family, scan, checkpoint)
     np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_router_z_loss_and_stats_by_hand():
     from posttrain.models.moe_loss import router_stats, router_z_loss
 

@@ -157,6 +157,7 @@ def _softmax(x):
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "generic"])
+@pytest.mark.slow
 def test_cached_calls_return_the_uncached_choices(tiny_moe, kernels):
     """What a sampler records: the experts of a prefill and of each decode step equal the uncached forward's."""
     from posttrain.models import KVCache

@@ -128,6 +128,7 @@ def _rl_batch(model, ids, mask, completion: int, replay=None):
     return RLBatch(**fields) if replay is None else ReplayBatch(**fields, routed_experts=replay)
 
 
+@pytest.mark.slow
 def test_rl_loss_router_metrics_and_replay(tiny_moe):
     """The RL loss reports moe/*; a batch with `routed_experts` replays them: the model's own choices give the same
     loss and agreement 1, other experts change the loss and lower the agreement."""
@@ -158,6 +159,7 @@ def _metrics(out: Path) -> list[dict]:
 
 # measured on 2 shared cores: sft 19 s (slow: with the machine's drift, over 20 s), dpo 13 s
 @pytest.mark.parametrize("command", [pytest.param("sft", marks=pytest.mark.slow), "dpo"])
+@pytest.mark.slow
 def test_training_commands_on_tiny_qwen3_moe(command, tmp_path, monkeypatch):
     from posttrain.cli.main import main
 

@@ -112,6 +112,7 @@ def _learner(*, recompute_old=False, correction=RolloutCorrection()):
     return learner, trainer, seen
 
 
+@pytest.mark.slow
 def test_old_logprobs_are_recomputed_with_a_correction_on():
     learner, trainer, seen = _learner()
     batch = _batch(trainer)
@@ -132,6 +133,7 @@ def test_old_logprobs_are_recomputed_with_a_correction_on():
     np.testing.assert_allclose(seen[0]["is_weight"], np.minimum(rho, 2.0) * mask, rtol=1e-5)  # into the batch
 
 
+@pytest.mark.slow
 def test_old_logprobs_are_the_samplers_without_a_correction():
     """No rollout correction (is_level=none, rejection=none): the PPO ratio is taken against the sampler's own
     log-probs, nothing is recomputed and no mismatch is reported; with old_logprobs=recompute they are recomputed

@@ -62,6 +62,7 @@ def _logprobs(graphdef, early, late, completions, first_new):
     return np.take_along_axis(logp, ids[:, p:, None], axis=-1)[..., 0]
 
 
+@pytest.mark.slow
 def test_sampler_swaps_weights_at_a_segment_boundary_and_logprobs_follow_the_producing_version(policies):
     graphdef, v0, v1 = policies
     params = SamplingParams(n=2, max_new_tokens=NEW, temperature=1.0, seed=3, stop_token_ids=[])

@@ -59,6 +59,7 @@ def test_resumed_slots_but_not_all_equal_generation_from_scratch(model):
     assert {t.prompt_index: t.token_ids for t in ends if t.turn == 1} == {i: second[i - 1].token_ids for i in (1, 2, 3)}
 
 
+@pytest.mark.slow
 def test_room_is_what_an_append_may_hold_up_to_the_context_limit(model):
     """A turn end's room is max_len - length - 1: an append of exactly that many ids leaves one position, which the
     next turn's first token fills (that turn ends at the limit with room 0); one id more is refused."""

@@ -98,6 +98,7 @@ def test_held_weights_swapped_weights_and_slots(tiny, policy):
     assert held.sampler is None and held.model is None
 
 
+@pytest.mark.slow
 def test_run_folders_adapters_and_missing_checkpoints(tiny, tmp_path):
     """A run's folder stands for its hf/ export; a PEFT LoRA adapter folder is its base with W += (alpha / r) B A on
     the adapted layers (checked against the merged checkpoint written by hand); a missing spec is one error."""

@@ -134,6 +134,7 @@ def test_policy_loss_symmetric_clip_changes_high_branch():
     np.testing.assert_allclose(loss, 6.10 / 7, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_policy_loss_gradient_matches_hand_value():
     def f(lp):
         return policy_loss(lp, OLD, ADV, MASK, epsilon_low=0.2, epsilon_high=0.28)[0]

@@ -360,6 +360,7 @@ def test_dpo_loss_logprobs_and_grads_equal_trl(trl_setup, tok, tmp_path):
 
 
 @pytest.mark.full_optimization
+@pytest.mark.slow
 def test_orpo_loss_and_grads_equal_trl(trl_setup, tok):
     """ORPO (λ = β = 0.25, NLL over prompt + response as TRL computes it) against TRL's ORPOTrainer code:
     its `get_batch_logps` (mean response log-probs), `odds_ratio_loss` and NLL, on the same model and batch."""

@@ -56,6 +56,7 @@ def test_grpo_learns_toy_pattern(toy):
         assert key in rows[-1], key
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_losses(toy):
     overrides = ("trainer.max_steps=6", "trainer.save_every=3", "trainer.async_checkpointing=false",
                  "learner.minibatches=2", "learner.ppo_epochs=2")

@@ -71,6 +71,7 @@ def _loss_and_grads(model, batch, kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo", "per-token advantages"])
+@pytest.mark.slow
 def test_packed_gradients_equal_padded(model, preset):
     batch = _batch(seq_weights=np.array([1, 1, 1, 1, 0, 1], np.float32))  # one sequence filtered (DAPO)
     if preset == "dr_grpo":

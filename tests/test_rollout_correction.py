@@ -101,6 +101,7 @@ def test_truncated_importance_weights_hand_computed():
     np.testing.assert_allclose(wg[0, :2], [np.exp(-0.25)] * 2, rtol=1e-6)  # exp(mean of 0.5 and -1)
 
 
+@pytest.mark.slow
 def test_mismatch_kl_does_not_round_a_small_mismatch_to_zero():
     """float32 log-probs that differ by a few ulps (a matched float32 run): r - 1 - log r computed as written in
     float32 is ~1e-12 under rounding of 1.2e-7 (the run logged 0.0); the metric is the float64 value to 1e-6, across

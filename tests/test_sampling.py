@@ -175,6 +175,7 @@ def test_cache_growth_gives_the_same_completions(llama, programs):
         Sampler(llama, cache_step=-1)
 
 
+@pytest.mark.slow
 def test_n_samples_share_prefill_and_come_in_a_row(llama, programs):
     prompts = _prompts(lengths=(6, 14), seed=2)
     sampler = Sampler(llama, max_slots=8, program_cache=programs)
@@ -366,6 +367,7 @@ def test_key_ids_make_a_prompts_samples_independent_of_its_batch(llama, programs
         s.generate([a, b], p, key_ids=[1])
 
 
+@pytest.mark.slow
 def test_load_weights_copies_and_switches_the_policy(hf_checkpoint):
     import jax
     from flax import nnx

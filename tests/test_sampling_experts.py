@@ -61,6 +61,7 @@ def test_greedy_recorded_experts_equal_one_uncached_forward(moe, programs):
     assert all(c.routed_experts is None for c in plain)
 
 
+@pytest.mark.slow
 def test_samples_of_one_prompt_each_get_the_prompts_experts(moe, programs):
     sampler = Sampler(moe, max_slots=8, program_cache=programs)
     prompts = _prompts((7, 4), seed=1)

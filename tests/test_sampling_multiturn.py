@@ -65,6 +65,7 @@ def _turn_tokens(c):
 
 
 @pytest.mark.parametrize("turns", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_greedy_continuation_equals_generation_from_scratch(model, turns, programs):
     sampler = Sampler(model, max_slots=8, program_cache=programs)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=[])

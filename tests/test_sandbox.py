@@ -655,6 +655,7 @@ def test_tool_worker_exit_is_a_crash_at_once(status, tmp_path, pool):
                          pool=pool)[0]["content"] == "42"
 
 
+@pytest.mark.slow
 def test_reward_worker_exit_is_a_crash_at_once(tmp_path):
     path = tmp_path / "leaving.py"
     path.write_text(EXITING)

@@ -26,6 +26,9 @@ from posttrain.rollout.policy import Policy
 from posttrain.sampling.scoring import Scorer
 from posttrain.serve import ServeConfig, Server
 
+# the whole module: one live server for its tests, started once (about a minute of the fast subset)
+pytestmark = pytest.mark.slow
+
 KEY = "sk-test"
 NAME = "scripted"
 LORA = "scripted-lora"

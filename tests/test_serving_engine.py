@@ -93,6 +93,7 @@ def test_seeded_sequences_do_not_depend_on_their_batch(engine):
     assert other != alone
 
 
+@pytest.mark.slow
 def test_per_row_filters_equal_the_per_call_filters():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 50)).astype(np.float32)

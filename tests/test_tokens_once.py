@@ -75,6 +75,7 @@ def test_the_sampling_package_has_no_module_level_mutable_state():
     assert not found, found
 
 
+@pytest.mark.slow
 def test_a_call_keeps_its_images_in_its_own_request():
     """No sampler attribute refers to a call's images while it runs (they live in the call's `Request`)."""
     from posttrain.models.tiny_vlm import BOI, EOI, IMAGE, VLM_SPECIAL_TOKENS, tiny_vlm_config

@@ -103,6 +103,7 @@ def test_other_optimizers_step(name, model_state):
 
 
 # ---------------------------------------------------------------------- the step
+@pytest.mark.slow
 def test_grad_accumulation_equals_full_batch(model_state):
     batches = _batches(3)
     runs = {}
@@ -151,6 +152,7 @@ def test_training_drives_loss_down(model_state):
     assert last < 0.25 * first
 
 
+@pytest.mark.slow
 def test_trainer_token_logprobs(model_state):
     from posttrain.algorithms.sft import token_logprobs
 

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.full_optimization  # numbers against a reference: compi
 LN2, LN3, LN4 = math.log(2), math.log(3), math.log(4)
 
 
+@pytest.mark.slow
 def test_cross_entropy_hand_values():
     # One sequence, V=3. Position t scores token t+1 and is weighted by loss_mask[t+1].
     logits = jnp.array([[[0.0, 0.0, 0.0],           # predicts ids[1]=1: p=1/3 -> ln 3
@@ -151,6 +152,7 @@ def test_token_logprobs_match_log_softmax():
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_logprobs_from_logits_gradient_matches_autodiff_of_log_softmax():
     """The hand-written backward (g * (onehot - softmax)) equals autodiff of log_softmax + gather."""
     import jax

@@ -16,7 +16,7 @@ def __getattr__(name: str):
     """`Server` and `serve` on first use: the HTTP stack (FastAPI, uvicorn) stays out of processes that only serve
     judges when asked (`posttrain rl` imports `posttrain.serve.local`)."""
     if name in ("Server", "serve"):
-        from posttrain.serve import server
+        from posttrain.serve import server  # lazy: FastAPI and uvicorn on first use (docstring)
 
         return getattr(server, name)
     raise AttributeError(f"module 'posttrain.serve' has no attribute {name!r}")
