@@ -85,13 +85,11 @@ def test_supervised_loop_recipe_runs_resumes_and_learns(cookbook_python, server,
     assert [m["step"] for m in again] == [1]
     np.testing.assert_allclose(again[0]["train_mean_nll"], first[1]["train_mean_nll"], rtol=2e-3)
 
-    service = tinker.ServiceClient(base_url=server.url, api_key="tml-cookbook")
-    try:
+    # the client closes its session on leaving (its heartbeat would warn after the module's server stops)
+    with tinker.ServiceClient(base_url=server.url, api_key="tml-cookbook") as service:
         sampler = service.create_sampling_client(model_path=checkpoints(log)[-1]["sampler_path"]).result()
         seqs = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=3)).result()
         assert len(seqs.sequences) == 2
-    finally:  # its session's heartbeat would go on (and warn) after the module's server stops
-        service.close("success").result()
 
 
 def test_rl_loop_recipe_with_importance_sampling_runs_to_completion(cookbook_python, server, tmp_path):
@@ -107,9 +105,6 @@ def test_rl_loop_recipe_with_importance_sampling_runs_to_completion(cookbook_pyt
     assert trained and all(m["optim/update_norm"] > 0 for m in trained)
     final = checkpoints(log)[-1]
     assert final["name"] == "final" and final["state_path"].startswith("tinker://") and "sampler_path" in final
-    service = tinker.ServiceClient(base_url=server.url, api_key="tml-cookbook")
-    try:
+    with tinker.ServiceClient(base_url=server.url, api_key="tml-cookbook") as service:
         resumed = service.create_training_client_from_state(final["state_path"]).result()
         assert resumed.get_info().model_data.model_name == BASE
-    finally:
-        service.close("success").result()

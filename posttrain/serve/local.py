@@ -33,10 +33,10 @@ SERVED_NAME = "policy"  # the model name clients ask for
 
 def serve_policy(policy: Policy, *, slots: int, system_prompt: str | None = None) -> Server:
     """`policy` served on 127.0.0.1 (module docstring), `slots` sequences decoded at once; started."""
-    chat = Policy(policy.model, policy.tokenizer, style=PromptStyle(chat=True, system_prompt=system_prompt),
-                  sampler=policy.sampler)
     from posttrain.serve.server import Server  # lazy: the HTTP stack (FastAPI, uvicorn) only when served
 
+    chat = Policy(policy.model, policy.tokenizer, style=PromptStyle(chat=True, system_prompt=system_prompt),
+                  sampler=policy.sampler)
     config = ServeConfig(model=SERVED_NAME, port=0, max_slots=max(1, slots), warmup=False)
     return Server(config, models={SERVED_NAME: ServedModel(chat)}).start()
 
