@@ -10,10 +10,15 @@ the checkout's configs/, tests/ (its data), posttrain/ and benchmarks/, with eve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import resource
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +62,40 @@ def runnable(text: str) -> list[tuple[str, str, str | None]]:
     return [b for b in blocks(text) if b[0] == "bash" or b[2]]
 
 
+def run_block(body: str, folder: Path, env: dict) -> tuple[int, str]:
+    """Runs one bash block in `folder` as a process group of its own: (exit code, output; -1 after a timeout).
+
+    The output goes to a file, not a pipe, so the block ends when bash exits: a background server it started and did
+    not stop (its `stop_server` skipped after a failed command) cannot hold the test until the timeout (it held the
+    pipe before). A block that fails, or still runs after `BLOCK_TIMEOUT_S`, has every process of its group sent
+    SIGABRT (with PYTHONFAULTHANDLER each Python process prints every thread's stack to its stderr: a server's goes to
+    its log) and then killed; the output then ends with the tails of the folder's *.log files."""
+    def no_core_files():
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGABRT's default action would write them
+
+    with tempfile.TemporaryFile("w+", errors="replace") as out:
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", body], cwd=folder, stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(env, PYTHONFAULTHANDLER="1"), text=True,
+                                start_new_session=True, preexec_fn=no_core_files)
+        try:
+            code = proc.wait(timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = -1
+        for sig in ([signal.SIGABRT] if code else []) + [signal.SIGKILL]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)  # the block's own processes, and what it left in the background
+                time.sleep(3.0 if sig == signal.SIGABRT else 0.0)
+        proc.wait()
+        out.seek(0)
+        output = out.read()
+    if code:
+        logs = "".join(f"\n--- {log.name} (its end) ---\n{log.read_text(errors='replace')[-6000:]}"
+                       for log in sorted(folder.glob("*.log")))
+        why = f"still running after {BLOCK_TIMEOUT_S} s" if code == -1 else f"exit {code}"
+        output += f"\n[{why}: the stacks of its processes dumped to their stderr, then killed]{logs}"
+    return code, output
+
+
 def pages_with_commands() -> list[Path]:
     return sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts and "generated" not in p.parts
                   and any(lang == "bash" for lang, _, _ in blocks(p.read_text())))
@@ -88,6 +127,37 @@ def f(prompts, completions, **fields):
     assert [b[0] for b in blocks(page)] == ["bash", "markdown", "shell", "python"]
 
 
+_SERVER = 'python -c "import time, os; open(\'pid\', \'w\').write(str(os.getpid())); time.sleep(600)" 2> server.log &\n'
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (within 5 s: a killed process may take a moment to be reaped)."""
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("case", ["fails", "hangs"])
+def test_a_failed_or_hung_block_reports_its_stacks_and_leaves_nothing_running(case, tmp_path, monkeypatch):
+    """A block that starts a background "server" and fails before stopping it fails at once (before, the server held
+    the output pipe: the test waited for the timeout), and one that hangs fails at the timeout; either way with its
+    output, the server's stack (faulthandler's, from its log), and the server killed."""
+    monkeypatch.setattr(sys.modules[__name__], "BLOCK_TIMEOUT_S", 5)
+    body = _SERVER + "while [ ! -s pid ]; do sleep 0.1; done\necho the client ran\n" + (
+        "false\n" if case == "fails" else "sleep 600\n") + "kill %1\n"
+    t0 = time.monotonic()
+    code, output = run_block(body, tmp_path, dict(os.environ))
+    assert time.monotonic() - t0 < 60 and "the client ran" in output
+    assert (code, "exit 1" in output, "still running after 5 s" in output) == (
+        (1, True, False) if case == "fails" else (-1, False, True))
+    assert "--- server.log (its end) ---" in output and "line 1 in <module>" in output  # faulthandler's dump
+    assert _gone(int((tmp_path / "pid").read_text()))
+
+
 def test_every_tutorial_and_how_to_with_commands_has_runnable_ones():
     """A tutorial shows commands a reader can run on a laptop: at least one bash block each (the index pages
     excepted); a how-to without one says it runs nothing here (its commands need hardware this CI lacks)."""
@@ -111,6 +181,5 @@ def test_page_commands_run(page, tmp_path, compile_cache):
             (tmp_path / caption).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / caption).write_text(body)
             continue
-        out = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, env=env, text=True, check=False,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=BLOCK_TIMEOUT_S)
-        assert out.returncode == 0, f"{page}: this block failed (exit {out.returncode}):\n{body}\n{out.stdout[-4000:]}"
+        code, output = run_block(body, tmp_path, env)
+        assert code == 0, f"{page}: this block failed (exit {code}):\n{body}\n{output[-12000:]}"

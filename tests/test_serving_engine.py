@@ -199,3 +199,21 @@ def test_lanes_added_and_removed_while_running(engine, model, sampler):
     with pytest.raises(KeyError):
         engine.submit("b", SequenceRequest([3], 2), Out())
     assert run(engine, [SequenceRequest([3, 4], 2)])[0].done.reason == "length"  # the base lane is untouched
+
+
+def test_a_caller_that_cancelled_its_future_does_not_end_the_engine_thread(sampler):
+    """A scoring future its caller cancelled (an HTTP client that went away), then refused (its lane removed, the
+    engine stopping): setting a cancelled future's exception raises, which ended the engine's thread (every later
+    request, and a server's warmup, then waited forever)."""
+    import concurrent.futures
+
+    eng = ServingEngine({"m": sampler}, slots=2)  # not started: its thread's steps are called here
+    gone = concurrent.futures.Future()
+    gone.cancel()
+    eng._apply(("score", "no-such-lane", [[3, 4]], 0, gone), True)
+    added = concurrent.futures.Future()
+    eng._add("x", sampler, added)
+    assert added.result(0) is None
+    eng._lanes["x"].scores.append(([[3, 4]], 0, gone))
+    eng._remove("x")
+    assert gone.cancelled() and "x" not in eng._lanes

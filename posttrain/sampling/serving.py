@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -364,6 +365,13 @@ def _resolved(kernels: str) -> str:
     return kernels_lib.resolve(kernels)
 
 
+def _refuse(fut: concurrent.futures.Future, error: Exception) -> None:
+    """Fails a caller's future, unless the caller cancelled it already (an HTTP client that went away): setting a
+    cancelled future's exception raises, which would end the engine thread."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        fut.set_exception(error)
+
+
 def _deliver(x: _Live, event) -> bool:
     """Calls the sequence's callback; False (and logged) when it raised: the sequence is then dropped."""
     try:
@@ -498,8 +506,11 @@ class ServingEngine:
 
         self.submit_all(lane, [SequenceRequest([0], 2, temperature=float(i % 2), logprobs=True, seed=i)
                                for i in range(n)], [emit] * n)
-        self.score(lane, [[0, 0]], self.n_top).result()
-        done.wait()
+        scored = self.score(lane, [[0, 0]], self.n_top)
+        while not (done.wait(1.0) and concurrent.futures.wait([scored], 1.0).done):
+            if self._thread is None or not self._thread.is_alive():
+                raise RuntimeError("the serving engine's thread ended during the warmup (see the log)")
+        scored.result()
 
     def _counted(self, emit):
         """`emit` that keeps the queued / running counts (its first event leaves the queue, the last one ends)."""
@@ -585,7 +596,10 @@ class ServingEngine:
         while True:
             idle = not any(lane.busy() for lane in self._lanes.values())
             for cmd in self._take(block=idle and not self._stopping):
-                drain = self._apply(cmd, drain)
+                try:
+                    drain = self._apply(cmd, drain)
+                except Exception:  # noqa: BLE001 - one bad command must not end the thread every request waits on
+                    log.exception("serving: the engine's %r command failed", cmd[0])
             if self._stopping and (not drain or not any(lane.busy() for lane in self._lanes.values())):
                 break
             for lane in self._lanes.values():
@@ -606,7 +620,7 @@ class ServingEngine:
                 for x in cmd[2]:
                     _deliver(x, Finished("error", "the server is shutting down"))
             elif cmd[0] in ("score", "swap", "add"):
-                cmd[-1].set_exception(EngineStopped("the server is shutting down"))
+                _refuse(cmd[-1], EngineStopped("the server is shutting down"))
 
     def _take(self, block: bool) -> list:
         cmds = [self._inbox.get()] if block else []
@@ -623,7 +637,7 @@ class ServingEngine:
                 for x in cmd[2]:
                     _deliver(x, Finished("error", f"model {cmd[1]!r} is no longer served"))
             else:
-                cmd[-1].set_exception(KeyError(cmd[1]))
+                _refuse(cmd[-1], KeyError(cmd[1]))
         elif kind == "add":
             self._add(*cmd[1:])
         elif kind == "remove":
@@ -667,4 +681,4 @@ class ServingEngine:
         while lane.waiting:
             _deliver(lane.waiting.popleft(), Finished("cancelled"))
         for *_, fut in lane.scores:
-            fut.set_exception(KeyError(name))
+            _refuse(fut, KeyError(name))

@@ -52,6 +52,7 @@ class Server:
 
     def __init__(self, config: ServeConfig, models: dict[str, ServedModel] | None = None):
         self.config = config
+        log.info("posttrain serve: opening %s", config.model)
         self.models = models if models is not None else open_models(config)
         base = next(iter(self.models.values()))
         self.engine = ServingEngine({name: m.sampler for name, m in self.models.items()}, slots=config.max_slots,
@@ -59,6 +60,7 @@ class Server:
                                     segment_steps=config.segment_steps, max_waiting=config.max_queue).start()
         if config.warmup:
             for name in self.models:
+                log.info("posttrain serve: compiling %s's common programs (warmup)", name)
                 self.engine.warmup(name)
         metrics = Metrics(self.engine.stats)
         engine = AsyncEngine(self.engine, metrics)
