@@ -81,10 +81,11 @@ def run_block(body: str, folder: Path, env: dict) -> tuple[int, str]:
             code = proc.wait(timeout=BLOCK_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             code = -1
-        for sig in ([signal.SIGABRT] if code else []) + [signal.SIGKILL]:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)  # the block's own processes, and what it left in the background
-                time.sleep(3.0 if sig == signal.SIGABRT else 0.0)
+        with contextlib.suppress(ProcessLookupError):  # the group's processes: the block's, and what it left behind
+            if code:
+                os.killpg(proc.pid, signal.SIGABRT)
+                time.sleep(3.0)  # time to print the stacks
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         out.seek(0)
         output = out.read()

@@ -40,6 +40,7 @@ log = logging.getLogger("posttrain.serve")
 
 def open_models(config: ServeConfig) -> dict[str, ServedModel]:
     """Served name -> model: the base under `config.name`, then each `--lora NAME=PATH` over it."""
+    log.info("posttrain serve: opening %s", config.model)
     base = ServedModel.open(config.model, dtype=config.dtype, chat=config.chat, system_prompt=config.system_prompt)
     models = {config.name: base}
     for name, path in config.loras:
@@ -52,7 +53,6 @@ class Server:
 
     def __init__(self, config: ServeConfig, models: dict[str, ServedModel] | None = None):
         self.config = config
-        log.info("posttrain serve: opening %s", config.model)
         self.models = models if models is not None else open_models(config)
         base = next(iter(self.models.values()))
         self.engine = ServingEngine({name: m.sampler for name, m in self.models.items()}, slots=config.max_slots,
